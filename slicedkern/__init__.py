@@ -1,0 +1,16 @@
+"""slicedkern: sliced-kernel primitives by sort-and-scan, on every array-API backend.
+
+Sums ``sum_j f(q_i - k_j) v_j`` with a piecewise-linear ``f`` (ReLU, ``|r|``, hats, mixtures of hats)
+are computed in ``O(n log n)`` from one sort of the keys and prefix sums, instead of ``O(n^2)``.
+Works unchanged on NumPy, PyTorch, JAX, CuPy and any array-API namespace; importing it imports none
+of the frameworks.
+"""
+
+from . import kernels, reference
+from ._api import (hat_attention, hat_mixture_attention, kernel_attention, kernel_sum,
+                   relu_attention)
+
+__version__ = "0.1.0"
+
+__all__ = ["kernels", "reference", "kernel_sum", "relu_attention", "hat_attention",
+           "hat_mixture_attention", "kernel_attention", "__version__"]

@@ -1,0 +1,101 @@
+"""Backend-neutral compositions on top of the sort-scan: kernel sums and attention.
+
+Inputs arrive validated and in the work dtype; results leave in the work dtype (the public layer
+casts back). The NaN policy (SPEC §4) is applied here once for every engine: a non-finite query
+makes its row NaN, a non-finite (unmasked) key or value makes its whole batch row NaN. Offending
+entries are replaced by zeros before any arithmetic, so no backend warns or traps on them.
+"""
+
+from __future__ import annotations
+
+import array_api_compat as compat
+
+from ._scan import Profile, profile_sums, sort_keys
+
+__all__ = ["kernel_sum", "attention"]
+
+
+def _row_ok(xp, keys, values, valid):
+    """(...,) True where every key taking part (and its weights) is finite."""
+    ok_k = xp.isfinite(keys)
+    ok_v = xp.all(xp.isfinite(values), axis=-1)
+    if valid is not None:
+        ok_k = ok_k | ~valid
+        ok_v = ok_v | ~valid
+    return xp.all(ok_k & ok_v, axis=-1)
+
+
+def _nan_where_bad(xp, out, q_ok, row_ok):
+    good = q_ok[..., None] & row_ok[..., None, None]
+    return xp.where(good, out, xp.asarray(float("nan"), dtype=out.dtype, device=compat.device(out)))
+
+
+def kernel_sum(x, y, w, profile: Profile, *, xp):
+    """``S[..., i, :] = sum_j f(x_i - y_j) w[..., j, :]``; x (..., n), y (..., m), w (..., m, c).
+
+    Leading shapes must already be equal.
+    """
+    n, m, c = x.shape[-1], y.shape[-1], w.shape[-1]
+    if m == 0 or n == 0:
+        return xp.zeros(x.shape + (c,), dtype=x.dtype, device=compat.device(x))
+    q_ok = xp.isfinite(x)
+    row_ok = _row_ok(xp, y, w, None)
+    zero = xp.asarray(0.0, dtype=x.dtype, device=compat.device(x))
+    x = xp.where(q_ok, x, zero)
+    y = xp.where(row_ok[..., None], y, zero)
+    w = xp.where(row_ok[..., None, None], w, zero)
+    sk = sort_keys(y, w, xp=xp)
+    (out,) = profile_sums(x - sk.shift, sk, [profile], xp=xp)
+    return _nan_where_bad(xp, out, q_ok, row_ok)
+
+
+def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, eps: float, xp):
+    """Normalised kernel attention, SPEC §2.3.
+
+    Parameters
+    ----------
+    q : (..., Lq), k : (..., Lk), v : (..., Lk, Dv), key_mask : (..., Lk) bool or None
+        Equal leading shapes, work dtype.
+    profile : Profile
+        The value kernel ``f``.
+    center : bool
+        Use ``v_j - mean_valid(v)``; folded in as ``N - mu R`` (``R`` = kernel sum of the valid-key
+        indicator) so that no centred copy of ``v`` is rounded.
+    normalizer : Profile, "count" or None
+        A profile is summed over the valid-key indicator and clamped below by ``eps``; "count" divides
+        by ``max(n_valid, 1)``.
+    """
+    lq, lk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
+    dt, dev = q.dtype, compat.device(q)
+    if lq == 0 or lk == 0:
+        return xp.zeros(q.shape + (dv,), dtype=dt, device=dev)
+    q_ok = xp.isfinite(q)
+    row_ok = _row_ok(xp, k, v, key_mask)
+    zero = xp.asarray(0.0, dtype=dt, device=dev)
+    take = xp.broadcast_to(row_ok[..., None], k.shape)
+    if key_mask is not None:
+        take = take & key_mask
+    q = xp.where(q_ok, q, zero)
+    k = xp.where(take, k, zero)
+    ones = xp.astype(take, dt)
+    w = xp.concat([xp.where(take[..., None], v, zero), ones[..., None]], axis=-1)
+
+    sk = sort_keys(k, w, xp=xp)
+    profiles = [profile]
+    if isinstance(normalizer, Profile):
+        profiles.append(Profile(normalizer.knots, normalizer.coeffs, normalizer.slope,
+                                normalizer.intercept, columns=slice(dv, dv + 1)))
+    sums = profile_sums(q - sk.shift, sk, profiles, xp=xp)
+    num = sums[0][..., :dv]
+    totals = sk.prefix[..., -1:, :]
+    count = totals[..., dv:dv + 1]                       # (..., 1, 1) number of valid keys
+    if center:
+        mean = totals[..., :dv] / xp.clip(count, min=1.0)
+        num = num - sums[0][..., dv:dv + 1] * mean
+    if normalizer is None:
+        out = num
+    elif isinstance(normalizer, Profile):
+        out = num / xp.clip(sums[1], min=eps)
+    else:
+        out = num / xp.clip(count, min=1.0)
+    return _nan_where_bad(xp, out, q_ok, row_ok)

@@ -1,0 +1,259 @@
+"""Continuous piecewise-linear 1-D kernel profiles (SPEC §2.1).
+
+Every profile is written once, in one representation::
+
+    f(r) = intercept + slope * r + sum_m coeffs[m] * max(r - knots[m], 0)
+
+Each knot costs one rank search in the sort-scan, so the representation is kept minimal
+(equal knots are merged, zero coefficients dropped). Kernels are immutable, hashable, and form a
+small algebra: ``f + g``, ``a * f``, ``-f`` and ``f.reflect()`` (``r -> f(-r)``, used by the
+backward pass).
+
+Examples
+--------
+>>> import numpy as np
+>>> from slicedkern.kernels import Hat, ReLU, Abs
+>>> Hat(2.0)(np.array([-3.0, -1.0, 0.0, 1.0]))
+array([0. , 0.5, 1. , 0.5])
+>>> (2 * ReLU() + PiecewiseLinear((), (), slope=-1.0)) == Abs()
+True
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Sequence
+
+__all__ = ["PiecewiseLinear", "ReLU", "Abs", "Hat", "HatMixture"]
+
+
+def _real(value, name: str) -> float:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+class PiecewiseLinear:
+    """A continuous piecewise-linear profile ``a + b r + sum_m c_m ReLU(r - t_m)``.
+
+    Parameters
+    ----------
+    knots : sequence of float, length M
+        Breakpoints ``t_m``.
+    coeffs : sequence of float, length M
+        Slope changes ``c_m`` at each knot.
+    slope : float, default 0
+        Slope ``b`` left of every knot.
+    intercept : float, default 0
+        Constant ``a``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> tri = PiecewiseLinear(knots=(-1.0, 0.0, 1.0), coeffs=(1.0, -2.0, 1.0))
+    >>> tri(np.linspace(-2, 2, 5))
+    array([0., 0., 1., 0., 0.])
+    """
+
+    __slots__ = ("_knots", "_coeffs", "_slope", "_intercept")
+
+    def __init__(self, knots: Sequence[float] = (), coeffs: Sequence[float] = (), slope: float = 0.0,
+                 intercept: float = 0.0):
+        knots = tuple(_real(t, "knots[i]") for t in knots)
+        coeffs = tuple(_real(c, "coeffs[i]") for c in coeffs)
+        if len(knots) != len(coeffs):
+            raise ValueError(f"knots and coeffs must have the same length, got {len(knots)} and "
+                             f"{len(coeffs)}")
+        merged: dict[float, float] = {}
+        for t, c in zip(knots, coeffs):
+            if t != t or abs(t) == float("inf"):
+                raise ValueError(f"knots must be finite, got {t}")
+            merged[t] = merged.get(t, 0.0) + c
+        items = sorted((t, c) for t, c in merged.items() if c != 0.0)
+        object.__setattr__(self, "_knots", tuple(t for t, _ in items))
+        object.__setattr__(self, "_coeffs", tuple(c for _, c in items))
+        object.__setattr__(self, "_slope", _real(slope, "slope"))
+        object.__setattr__(self, "_intercept", _real(intercept, "intercept"))
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    # -- representation -------------------------------------------------------------------
+    @property
+    def knots(self) -> tuple[float, ...]:
+        """Knots ``t_m``, increasing."""
+        return self._knots
+
+    @property
+    def coeffs(self) -> tuple[float, ...]:
+        """Coefficients ``c_m`` matching :attr:`knots`."""
+        return self._coeffs
+
+    @property
+    def slope(self) -> float:
+        return self._slope
+
+    @property
+    def intercept(self) -> float:
+        return self._intercept
+
+    def as_piecewise_linear(self) -> "PiecewiseLinear":
+        """The same profile as a plain :class:`PiecewiseLinear`."""
+        return PiecewiseLinear(self._knots, self._coeffs, self._slope, self._intercept)
+
+    def _key(self):
+        return (self._knots, self._coeffs, self._slope, self._intercept)
+
+    def __eq__(self, other):
+        if not isinstance(other, PiecewiseLinear):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        return (f"PiecewiseLinear(knots={self._knots}, coeffs={self._coeffs}, slope={self._slope}, "
+                f"intercept={self._intercept})")
+
+    # -- algebra ----------------------------------------------------------------------------
+    def __add__(self, other):
+        if not isinstance(other, PiecewiseLinear):
+            return NotImplemented
+        return PiecewiseLinear(self._knots + other._knots, self._coeffs + other._coeffs,
+                               self._slope + other._slope, self._intercept + other._intercept)
+
+    def __sub__(self, other):
+        if not isinstance(other, PiecewiseLinear):
+            return NotImplemented
+        return self + (-1.0) * other
+
+    def __mul__(self, scalar):
+        if not isinstance(scalar, numbers.Real) or isinstance(scalar, bool):
+            return NotImplemented
+        s = float(scalar)
+        return PiecewiseLinear(self._knots, tuple(s * c for c in self._coeffs), s * self._slope,
+                               s * self._intercept)
+
+    __rmul__ = __mul__
+
+    def __neg__(self):
+        return (-1.0) * self
+
+    def reflect(self) -> "PiecewiseLinear":
+        """The profile ``r -> f(-r)``, again piecewise linear.
+
+        Uses ``ReLU(-r - t) = ReLU(r + t) - (r + t)``.
+        """
+        total = sum(self._coeffs)
+        return PiecewiseLinear(tuple(-t for t in self._knots), self._coeffs,
+                               -self._slope - total,
+                               self._intercept - sum(c * t for c, t in zip(self._coeffs, self._knots)))
+
+    def derivative_at(self, r):
+        """Right derivative ``f'(r) = b + sum_m c_m [r >= t_m]`` evaluated on an array."""
+        xp = _namespace(r)
+        out = xp.zeros_like(r) + self._slope
+        for t, c in zip(self._knots, self._coeffs):
+            out = out + c * xp.astype(r >= t, r.dtype)
+        return out
+
+    def __call__(self, r):
+        """Evaluate ``f(r)`` elementwise on an array of any array-API library (or a float)."""
+        if isinstance(r, numbers.Real):
+            return self._intercept + self._slope * r + sum(
+                c * max(r - t, 0.0) for t, c in zip(self._knots, self._coeffs))
+        xp = _namespace(r)
+        out = self._intercept + self._slope * r
+        for t, c in zip(self._knots, self._coeffs):
+            out = out + c * xp.clip(r - t, min=0.0)
+        return out
+
+    @property
+    def is_even(self) -> bool:
+        """Whether ``f(r) == f(-r)`` (then its sliced kernel is radial)."""
+        return self.reflect() == self
+
+
+def _namespace(r):
+    import array_api_compat
+    return array_api_compat.array_namespace(r)
+
+
+class ReLU(PiecewiseLinear):
+    """``max(r, 0)``: the sliced ReLU attention profile."""
+
+    __slots__ = ()
+
+    def __init__(self):
+        super().__init__((0.0,), (1.0,))
+
+    def __repr__(self):
+        return "ReLU()"
+
+
+class Abs(PiecewiseLinear):
+    """``|r| = 2 ReLU(r) - r``: the energy-distance profile."""
+
+    __slots__ = ()
+
+    def __init__(self):
+        super().__init__((0.0,), (2.0,), slope=-1.0)
+
+    def __repr__(self):
+        return "Abs()"
+
+
+def _positive(value, name):
+    value = _real(value, name)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name} must be positive and finite, got {value}")
+    return value
+
+
+class Hat(PiecewiseLinear):
+    """The ReLU bump ``max(0, 1 - |r| / b)`` of bandwidth ``b > 0``.
+
+    Parameters
+    ----------
+    bandwidth : float
+        Half-width ``b`` of the support.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, bandwidth: float = 1.0):
+        b = _positive(bandwidth, "bandwidth")
+        super().__init__((-b, 0.0, b), (1.0 / b, -2.0 / b, 1.0 / b))
+
+    @property
+    def bandwidth(self) -> float:
+        return self.knots[-1]
+
+    def __repr__(self):
+        return f"Hat({self.bandwidth!r})"
+
+
+class HatMixture(PiecewiseLinear):
+    """``sum_i weights[i] * max(0, 1 - |r| / bandwidths[i])``.
+
+    Parameters
+    ----------
+    bandwidths : sequence of float, length K
+        Positive bandwidths.
+    weights : sequence of float, length K
+        Mixture weights (any sign).
+    """
+
+    __slots__ = ()
+
+    def __init__(self, bandwidths: Sequence[float], weights: Sequence[float]):
+        bandwidths = tuple(_positive(b, "bandwidths[i]") for b in bandwidths)
+        weights = tuple(_real(w, "weights[i]") for w in weights)
+        if len(bandwidths) != len(weights):
+            raise ValueError(f"bandwidths and weights must have the same length, got {len(bandwidths)} "
+                             f"and {len(weights)}")
+        total = PiecewiseLinear()
+        for b, w in zip(bandwidths, weights):
+            total = total + w * Hat(b)
+        super().__init__(total.knots, total.coeffs, total.slope, total.intercept)

@@ -1,0 +1,118 @@
+"""Dense ``O(n m)`` versions of every op, on any array-API backend.
+
+They spell out the definitions (SPEC §2) with an explicit (..., n, m) kernel matrix and are the
+oracle of the tests; they are also a readable fallback for small problems. Computation runs in
+float64 where the backend has it; results come back in the inputs' dtype. Arguments follow the
+fast functions of the same name (without their validation: use them on well-formed input).
+
+Examples
+--------
+>>> import numpy as np
+>>> from slicedkern import reference
+>>> from slicedkern.kernels import ReLU
+>>> reference.kernel_sum(np.array([0.0, 2.0]), np.array([0.0, 1.0, 3.0]), np.ones(3), ReLU())
+array([0., 3.])
+"""
+
+from __future__ import annotations
+
+import array_api_compat as compat
+
+from ._namespace import compute_dtypes
+from .kernels import Abs, Hat, HatMixture, ReLU
+
+__all__ = ["kernel_sum", "relu_attention", "hat_attention", "hat_mixture_attention",
+           "kernel_attention", "kernel_matrix"]
+
+
+def _prep(*arrays):
+    present = [a for a in arrays if a is not None]
+    xp = compat.array_namespace(*present)
+    out, work = compute_dtypes(xp, [a for a in present if xp.isdtype(a.dtype, "real floating")],
+                               compat.device(present[0]))
+    cast = [None if a is None or not xp.isdtype(a.dtype, "real floating") else xp.astype(a, work)
+            for a in arrays]
+    return xp, out, cast
+
+
+def kernel_matrix(x, y, kernel):
+    """``K[..., i, j] = f(x[..., i] - y[..., j])``, shape (..., n, m)."""
+    return kernel(x[..., :, None] - y[..., None, :])
+
+
+def kernel_sum(x, y, w, kernel):
+    """Dense ``S_i = sum_j f(x_i - y_j) w_j``; w (..., m) or (..., m, c)."""
+    xp, out_dtype, (x, y, w) = _prep(x, y, w)
+    vector = w.ndim == y.ndim
+    if vector:
+        w = w[..., None]
+    s = kernel_matrix(x, y, kernel) @ w
+    return xp.astype(s[..., 0] if vector else s, out_dtype)
+
+
+def _attention(q, k, v, weights_of, key_mask, center, normalize, eps):
+    """``weights_of(r)`` gives the kernel matrix from the differences ``r = q_i - k_j``."""
+    xp, out_dtype, (q, k, v) = _prep(q, k, v)
+    r = q[..., :, None] - k[..., None, :]
+    valid = (xp.ones(k.shape, dtype=q.dtype, device=compat.device(q)) if key_mask is None
+             else xp.astype(key_mask, q.dtype))
+    valid = xp.broadcast_to(valid, k.shape) if valid.ndim < k.ndim else valid
+    keep = valid[..., None, :] != 0
+    zero = xp.zeros((), dtype=q.dtype, device=compat.device(q))
+    kmat = xp.where(keep, weights_of(r), zero)
+    v = xp.where(valid[..., :, None] != 0, v, zero)
+    count = xp.sum(valid, axis=-1)[..., None, None]
+    if center:
+        v = v - xp.sum(v, axis=-2, keepdims=True) / xp.clip(count, min=1.0)
+        v = xp.where(valid[..., :, None] != 0, v, zero)
+    num = kmat @ v
+    if normalize is None:
+        out = num
+    elif normalize == "count":
+        out = num / xp.clip(count, min=1.0)
+    else:
+        den_kernel = Abs() if normalize == "abs" else ReLU()
+        den = xp.sum(xp.where(keep, den_kernel(r), zero), axis=-1)[..., None]
+        out = num / xp.clip(den, min=eps)
+    return xp.astype(out, out_dtype)
+
+
+def relu_attention(q, k, v, *, key_mask=None, center=True, normalize="abs", eps=1e-6):
+    """Dense sliced ReLU attention (paper eq. 3)."""
+    return _attention(q, k, v, ReLU(), key_mask, center, normalize, eps)
+
+
+def kernel_attention(q, k, v, kernel, *, key_mask=None, center=False, normalize="count", eps=1e-6):
+    """Dense attention with any piecewise-linear profile."""
+    return _attention(q, k, v, kernel, key_mask, center, normalize, eps)
+
+
+def _hats(alphas, betas):
+    """Kernel-matrix builder for hats with float or array (batch-shaped) bandwidths / weights."""
+    def weights_of(r):
+        xp = compat.array_namespace(r)
+        total = 0.0
+        for a, b in zip(alphas, betas):
+            if not hasattr(a, "shape"):
+                total = total + b * Hat(a)(r)
+            else:
+                a = xp.astype(a, r.dtype)[..., None, None]
+                b = b if not hasattr(b, "shape") else xp.astype(b, r.dtype)[..., None, None]
+                total = total + b * xp.clip(1.0 - xp.abs(r) / a, min=0.0)
+        return total
+    return weights_of
+
+
+def hat_attention(q, k, v, bandwidth=1.0, *, key_mask=None, normalize="count", eps=1e-6):
+    """Dense hat attention (paper eq. 5); ``bandwidth`` a float or a batch-shaped array."""
+    return _attention(q, k, v, _hats([bandwidth], [1.0]), key_mask, False, normalize, eps)
+
+
+def hat_mixture_attention(q, k, v, bandwidths, weights, *, key_mask=None, normalize="count", eps=1e-6):
+    """Dense hat-mixture attention; ``bandwidths`` / ``weights`` sequences or arrays (..., K)."""
+    def split(p):
+        return list(p) if isinstance(p, (list, tuple)) else [p[..., i] for i in range(p.shape[-1])]
+    if isinstance(bandwidths, (list, tuple)) and isinstance(weights, (list, tuple)):
+        kernel = HatMixture(bandwidths, weights)
+        return _attention(q, k, v, kernel, key_mask, False, normalize, eps)
+    return _attention(q, k, v, _hats(split(bandwidths), split(weights)), key_mask, False, normalize, eps)

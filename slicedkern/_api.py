@@ -154,7 +154,8 @@ def kernel_sum(x, y, w, kernel, *, xp=None):
         raise ValueError(f"arguments 'y' and 'w' must have the same number of keys m, got {shape_str(y)} "
                          f"and {shape_str(w)}")
     _, arrays = _broadcast_all(xp, {"x": x, "y": y, "w": w}, {"x": 1, "y": 1, "w": 2}, ("x", "y", "w"))
-    x, y, w = (as_work(xp, arrays[k], work) for k in ("x", "y", "w"))
+    x, y = (as_work(xp, arrays[k], work) for k in ("x", "y"))
+    w = arrays["w"]                  # widened inside the prefix sums, after the gather
     out = _ops.kernel_sum(x, y, w, Profile.of(kernel), xp=xp)
     if vector:
         out = out[..., 0]
@@ -185,7 +186,8 @@ def _attention(q, k, v, profile, *, key_mask, center, normalize, eps, xp):
     eps = _check_eps(eps)
     batch, arrays = _broadcast_all(xp, arrays, cores, tuple(arrays))
     profile = profile(xp, device, work, batch)
-    q, k, v = (as_work(xp, arrays[n], work) for n in ("q", "k", "v"))
+    q, k = (as_work(xp, arrays[n], work) for n in ("q", "k"))
+    v = arrays["v"]                  # widened inside the prefix sums, after the gather
     out = _ops.attention(q, k, v, profile, key_mask=arrays.get("key_mask"), center=bool(center),
                          normalizer=_normalizer_profile(normalize), eps=eps, xp=xp)
     return xp.astype(out, out_dtype)

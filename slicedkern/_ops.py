@@ -43,7 +43,7 @@ def kernel_sum(x, y, w, profile: Profile, *, xp):
     zero = xp.asarray(0.0, dtype=x.dtype, device=compat.device(x))
     x = xp.where(q_ok, x, zero)
     y = xp.where(row_ok[..., None], y, zero)
-    w = xp.where(row_ok[..., None, None], w, zero)
+    w = xp.where(row_ok[..., None, None], w, xp.asarray(0.0, dtype=w.dtype, device=compat.device(w)))
     sk = sort_keys(y, w, xp=xp)
     (out,) = profile_sums(x - sk.shift, sk, [profile], xp=xp)
     return _nan_where_bad(xp, out, q_ok, row_ok)
@@ -77,8 +77,8 @@ def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, 
         take = take & key_mask
     q = xp.where(q_ok, q, zero)
     k = xp.where(take, k, zero)
-    ones = xp.astype(take, dt)
-    w = xp.concat([xp.where(take[..., None], v, zero), ones[..., None]], axis=-1)
+    v_zero = xp.asarray(0.0, dtype=v.dtype, device=dev)
+    w = xp.concat([xp.where(take[..., None], v, v_zero), xp.astype(take, v.dtype)[..., None]], axis=-1)
 
     sk = sort_keys(k, w, xp=xp)
     profiles = [profile]

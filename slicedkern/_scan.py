@@ -22,7 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
 
-from .backends import searchsorted_right
+import array_api_compat as compat
+
+from .backends import prefix_table, searchsorted_right, take_rows
 
 __all__ = ["Profile", "SortedKeys", "sort_keys", "knot_sums", "profile_sums"]
 
@@ -59,6 +61,14 @@ def _is_zero(value) -> bool:
     return isinstance(value, (int, float)) and value == 0
 
 
+def _is_one(value) -> bool:
+    return isinstance(value, (int, float)) and value == 1
+
+
+def _add(total, term):
+    return term if total is None else total + term
+
+
 def _batch(value, extra_dims: int):
     """A float stays a float; an array parameter of batch shape gets ``extra_dims`` trailing axes."""
     if isinstance(value, (int, float)):
@@ -71,7 +81,8 @@ def _batch(value, extra_dims: int):
 def sort_keys(y, w, *, xp) -> SortedKeys:
     """Sort ``y`` (..., m) once and build the exclusive prefix sums of ``[w, y w]`` (..., m, c).
 
-    ``y`` and ``w`` must already be in the work dtype, with equal leading shapes.
+    ``y`` must already be in the work dtype; ``w`` may be narrower (it is widened while the table is
+    built, so the gather moves the narrow values). Leading shapes must be equal.
     """
     m = y.shape[-1]
     perm = xp.argsort(y, axis=-1, stable=True)
@@ -79,9 +90,7 @@ def sort_keys(y, w, *, xp) -> SortedKeys:
     mid = m // 2
     shift = keys[..., mid:mid + 1]
     keys = keys - shift
-    ws = xp.take_along_axis(w, perm[..., None], axis=-2)
-    prefix = xp.cumulative_sum(xp.concat([ws, keys[..., None] * ws], axis=-1), axis=-2,
-                               include_initial=True)
+    prefix = prefix_table(xp, keys, take_rows(xp, w, perm))
     return SortedKeys(keys, prefix, perm, shift)
 
 
@@ -93,7 +102,7 @@ def knot_sums(sk: SortedKeys, xs, knot, *, xp):
     """
     s = xs if _is_zero(knot) else xs - _batch(knot, 1)
     rank = searchsorted_right(xp, sk.keys, s)
-    gathered = xp.take_along_axis(sk.prefix, rank[..., None], axis=-2)
+    gathered = take_rows(xp, sk.prefix, rank)
     c = gathered.shape[-1] // 2
     step = gathered[..., :c]
     relu = s[..., None] * step - gathered[..., c:]
@@ -125,12 +134,15 @@ def profile_sums(xs, sk: SortedKeys, profiles: Sequence[Profile], *, xp):
     outs = []
     for prof in profiles:
         cols = prof.columns
+        out = None
         if prof.derivative:
-            out = _batch(prof.slope, 2) * total0[..., cols] + xp.zeros_like(xs)[..., None]
-        else:
-            out = xp.zeros_like(xs)[..., None] + _batch(prof.intercept, 2) * total0[..., cols]
             if not _is_zero(prof.slope):
-                out = out + _batch(prof.slope, 2) * (xs[..., None] * total0[..., cols] - total1[..., cols])
+                out = _batch(prof.slope, 2) * total0[..., cols]
+        else:
+            if not _is_zero(prof.intercept):
+                out = _batch(prof.intercept, 2) * total0[..., cols]
+            if not _is_zero(prof.slope):
+                out = _add(out, _batch(prof.slope, 2) * (xs[..., None] * total0[..., cols] - total1[..., cols]))
         outs.append(out)
 
     order: dict = {}
@@ -142,5 +154,9 @@ def profile_sums(xs, sk: SortedKeys, profiles: Sequence[Profile], *, xp):
         for p, coeff in users:
             prof = profiles[p]
             part = (step if prof.derivative else relu)[..., prof.columns]
-            outs[p] = outs[p] + _batch(coeff, 2) * part
-    return outs
+            outs[p] = _add(outs[p], part if _is_one(coeff) else _batch(coeff, 2) * part)
+    shape = xs.shape + (total0.shape[-1],)
+    return [xp.broadcast_to(out, shape[:-1] + (out.shape[-1],)) if out is not None else
+            xp.zeros(shape[:-1] + (total0[..., p.columns].shape[-1],), dtype=xs.dtype,
+                     device=compat.device(xs))
+            for out, p in zip(outs, profiles)]

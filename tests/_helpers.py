@@ -1,0 +1,286 @@
+"""Shared test helpers: backends, data movement and dtype/device-aware assertions.
+
+Nothing here imports a framework at module import time; a backend's library is imported only when
+that backend is requested (and a missing one is a skip, never a failure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import array_api_compat as compat
+import numpy as np
+import pytest
+
+__all__ = ["ALL_BACKENDS", "Backend", "make_backend", "backend_context", "selected_backends",
+           "assert_meta", "assert_close", "assert_values_close", "rel_err", "to_numpy",
+           "names_argument"]
+
+#: Every backend the suite knows about; the last two need a GPU.
+ALL_BACKENDS = ("numpy", "array_api_strict", "torch", "jax", "cupy", "torch_cuda")
+
+ENV_VAR = "SLICEDKERN_BACKENDS"
+
+
+def parse_backends(text: str | None) -> tuple[str, ...]:
+    """Backend names from a comma list (``None`` / empty: all); unknown names raise ``ValueError``."""
+    if text is None or not text.strip():
+        return ALL_BACKENDS
+    names = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    unknown = [n for n in names if n not in ALL_BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backend(s) {unknown}; choose among {list(ALL_BACKENDS)}")
+    return names
+
+
+def selected_backends(config) -> tuple[str, ...]:
+    """``--backend`` wins over the ``SLICEDKERN_BACKENDS`` environment variable; default: all."""
+    option = config.getoption("--backend", default=None)
+    return parse_backends(option if option is not None else os.environ.get(ENV_VAR))
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One array library on one device, as the tests see it.
+
+    Attributes
+    ----------
+    name : str
+        One of :data:`ALL_BACKENDS`.
+    xp : module
+        The array-API namespace that ``array_api_compat.array_namespace`` returns for its arrays.
+    device : object
+        The device arrays are created on (for ``array_api_strict`` a non-default one on purpose).
+    native : module
+        The library itself (``numpy``, ``torch``, ``jax.numpy``, ...), for native dtypes.
+    """
+
+    name: str
+    xp: Any
+    device: Any
+    native: Any
+
+    def __repr__(self):
+        return f"Backend({self.name!r})"
+
+    # -- dtypes -------------------------------------------------------------------------------
+    def dtype(self, name: str | None):
+        """The backend's dtype called ``name`` ("float64", "float32", "float16", "bfloat16", "bool")."""
+        if name is None:
+            return None
+        if name == "bfloat16":
+            if self.name not in ("torch", "torch_cuda", "jax"):
+                pytest.skip(f"{self.name} has no bfloat16")
+            return getattr(self.native, "bfloat16")
+        if name == "float16" and self.name == "array_api_strict":
+            pytest.skip("array_api_strict has no float16")
+        return getattr(self.xp, name)
+
+    @property
+    def is_jax(self) -> bool:
+        return self.name == "jax"
+
+    # -- data movement ------------------------------------------------------------------------
+    def asarray(self, a, dtype: str | None = None):
+        """A fresh copy of NumPy data ``a`` as an array of this backend, on its device."""
+        a = np.array(a, copy=True)
+        dt = self.dtype(dtype)
+        if self.name in ("torch", "torch_cuda"):
+            t = self.native.asarray(a, device=self.device)
+            return t.to(dt) if dt is not None else t.clone()
+        if self.name == "jax":
+            import jax
+            arr = self.native.asarray(a, dtype=dt) if dt is not None else self.native.asarray(a)
+            return jax.device_put(arr, self.device)
+        if self.name == "cupy":
+            arr = self.native.asarray(a)
+            return arr.astype(dt) if dt is not None else arr
+        if self.name == "array_api_strict":
+            return self.xp.asarray(a, dtype=dt, device=self.device, copy=True)
+        return np.asarray(a, dtype=dt)
+
+    def to_numpy(self, a) -> np.ndarray:
+        return to_numpy(a)
+
+
+def to_numpy(a) -> np.ndarray:
+    """Any backend's array as a NumPy array (half-precision torch arrays go through float64)."""
+    if isinstance(a, np.ndarray):
+        return a
+    if compat.is_torch_array(a):
+        import torch
+        if a.dtype in (torch.bfloat16, torch.float16):
+            return a.detach().to("cpu", torch.float64).numpy()
+        return a.detach().cpu().numpy()
+    if compat.is_cupy_array(a):
+        return a.get()
+    if compat.is_jax_array(a):
+        return np.asarray(a)
+    return np.from_dlpack(a)
+
+
+def _numpy_backend():
+    import array_api_compat.numpy as cnp
+    return Backend("numpy", cnp, "cpu", np)
+
+
+def _strict_backend():
+    xs = pytest.importorskip("array_api_strict")
+    return Backend("array_api_strict", xs, xs.Device("device1"), xs)
+
+
+def _torch_backend(cuda: bool):
+    torch = pytest.importorskip("torch")
+    if cuda and not torch.cuda.is_available():
+        pytest.skip("torch_cuda needs a CUDA GPU")
+    import array_api_compat.torch as ctorch
+    return Backend("torch_cuda" if cuda else "torch", ctorch,
+                   torch.device("cuda", 0) if cuda else torch.device("cpu"), torch)
+
+
+def _jax_backend():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    return Backend("jax", jnp, jax.devices("cpu")[0] if not _jax_gpu(jax) else jax.devices()[0], jnp)
+
+
+def _jax_gpu(jax) -> bool:
+    try:
+        return jax.default_backend() != "cpu"
+    except Exception:  # pragma: no cover
+        return False
+
+
+def _cupy_backend():
+    cupy = pytest.importorskip("cupy")
+    try:
+        ndev = cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        ndev = 0
+    if ndev == 0:
+        pytest.skip("cupy needs a CUDA GPU")
+    import array_api_compat.cupy as ccupy
+    return Backend("cupy", ccupy, cupy.cuda.Device(0), cupy)
+
+
+def make_backend(name: str) -> Backend:
+    """Build the :class:`Backend` called ``name``; skips the calling test when it is unavailable."""
+    if name == "numpy":
+        return _numpy_backend()
+    if name == "array_api_strict":
+        return _strict_backend()
+    if name == "torch":
+        return _torch_backend(cuda=False)
+    if name == "torch_cuda":
+        return _torch_backend(cuda=True)
+    if name == "jax":
+        return _jax_backend()
+    if name == "cupy":
+        return _cupy_backend()
+    raise ValueError(f"unknown backend {name!r}")
+
+
+@contextlib.contextmanager
+def jax_x64(enabled: bool):
+    """Set ``jax_enable_x64`` for the duration of the block, then restore the previous value."""
+    import jax
+    previous = bool(jax.config.jax_enable_x64)
+    jax.config.update("jax_enable_x64", enabled)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+
+
+@contextlib.contextmanager
+def backend_context(*names: str):
+    """Context a test on these backends runs in: x64 on for JAX (float64 comparisons)."""
+    if "jax" in names:
+        pytest.importorskip("jax")
+        with jax_x64(True):
+            yield
+    else:
+        yield
+
+
+# ---------------------------------------------------------------------------------- assertions
+def assert_meta(actual, *, like=None, backend: Backend | None = None, shape=None, dtype=None):
+    """Namespace (array type), device, shape and dtype of ``actual``.
+
+    The expected namespace / device / dtype come from ``like`` (an array) or ``backend``; ``shape``
+    and ``dtype`` override those of ``like``.
+    """
+    if like is not None:
+        exp_type = type(like)
+        exp_space = compat.array_namespace(like)
+        exp_device = compat.device(like)
+        shape = tuple(like.shape) if shape is None else shape
+        dtype = like.dtype if dtype is None else dtype
+    else:
+        assert backend is not None, "pass like= or backend="
+        exp_type, exp_space, exp_device = None, backend.xp, backend.device
+    space = compat.array_namespace(actual)
+    assert space is exp_space, f"namespace {space.__name__} instead of {exp_space.__name__}"
+    if exp_type is not None:
+        assert type(actual) is exp_type, f"type {type(actual)} instead of {exp_type}"
+    assert compat.device(actual) == exp_device, f"device {compat.device(actual)} != {exp_device}"
+    if shape is not None:
+        assert tuple(actual.shape) == tuple(shape), f"shape {tuple(actual.shape)} != {tuple(shape)}"
+    if dtype is not None:
+        assert actual.dtype == dtype, f"dtype {actual.dtype} != {dtype}"
+
+
+def rel_err(actual, expected) -> float:
+    """Normwise relative error ``||a - e|| / ||e||`` (absolute when ``e == 0``), on NumPy copies."""
+    a = np.asarray(to_numpy(actual), dtype=np.float64)
+    e = np.asarray(to_numpy(expected), dtype=np.float64)
+    num = float(np.linalg.norm((a - e).ravel()))
+    den = float(np.linalg.norm(e.ravel()))
+    return num / den if den > 0 else num
+
+
+def assert_values_close(actual, expected, *, rtol, atol=None, err_msg=""):
+    """Values only, in float64 NumPy: NaNs at the same places, normwise relative error <= ``rtol``
+    and elementwise ``|a - e| <= atol + rtol |e|``.
+
+    ``atol`` defaults to ``rtol * max|e|``: an error is judged against the magnitude of the data, so
+    entries that are small only because of cancellation are not held to a relative bound.
+    """
+    a = np.asarray(to_numpy(actual), dtype=np.float64)
+    e = np.asarray(to_numpy(expected), dtype=np.float64)
+    assert a.shape == e.shape, f"shape {a.shape} != {e.shape}"
+    nan_a, nan_e = np.isnan(a), np.isnan(e)
+    assert np.array_equal(nan_a, nan_e), f"NaN at different places {err_msg}: got {np.argwhere(nan_a)}, " \
+                                         f"expected {np.argwhere(nan_e)}"
+    a, e = a[~nan_e], e[~nan_e]
+    assert np.all(np.isfinite(a)), f"non-finite values {err_msg}"
+    if e.size == 0:
+        return
+    scale = float(np.max(np.abs(e)))
+    if atol is None:
+        atol = rtol * scale
+    den = float(np.linalg.norm(e))
+    err = float(np.linalg.norm(a - e))
+    if den > 0:
+        assert err <= rtol * den, f"normwise relative error {err / den:.3e} > {rtol:.1e} {err_msg}"
+    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=err_msg)
+
+
+def assert_close(actual, expected, *, rtol, atol=None, dtype=None, err_msg=""):
+    """Namespace, type, device, shape and dtype of ``actual`` against ``expected`` (an array of the
+    same backend, usually the dense reference), then the values as :func:`assert_values_close`.
+
+    ``dtype`` is the expected dtype when it differs from ``expected.dtype`` (e.g. a float16 result
+    checked against a float64 reference).
+    """
+    assert_meta(actual, like=expected, dtype=dtype)
+    assert_values_close(actual, expected, rtol=rtol, atol=atol, err_msg=err_msg)
+
+
+def names_argument(message: str, *names: str) -> bool:
+    """Whether an error message names every argument in ``names`` (quoted, or as a whole word)."""
+    import re
+    return all(re.search(rf"(?<![\w']){n}(?![\w'])|'{n}'", message) for n in names)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import array_api_compat as compat
 
 from ._scan import Profile, profile_sums, sort_keys
+from ._wide import arithmetic
 
 __all__ = ["kernel_sum", "attention"]
 
@@ -44,9 +45,10 @@ def kernel_sum(x, y, w, profile: Profile, *, xp):
     x = xp.where(q_ok, x, zero)
     y = xp.where(row_ok[..., None], y, zero)
     w = xp.where(row_ok[..., None, None], w, xp.asarray(0.0, dtype=w.dtype, device=compat.device(w)))
-    sk = sort_keys(y, w, xp=xp)
-    (out,) = profile_sums(x - sk.shift, sk, [profile], xp=xp)
-    return _nan_where_bad(xp, out, q_ok, row_ok)
+    ar = arithmetic(xp, x.dtype)
+    sk = sort_keys(y, w, xp=xp, ar=ar)
+    (out,) = profile_sums(ar.shift(x, sk.shift), sk, [profile], xp=xp, ar=ar)
+    return _nan_where_bad(xp, ar.value(out), q_ok, row_ok)
 
 
 def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, eps: float, xp):
@@ -80,22 +82,23 @@ def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, 
     v_zero = xp.asarray(0.0, dtype=v.dtype, device=dev)
     w = xp.concat([xp.where(take[..., None], v, v_zero), xp.astype(take, v.dtype)[..., None]], axis=-1)
 
-    sk = sort_keys(k, w, xp=xp)
+    ar = arithmetic(xp, dt)
+    sk = sort_keys(k, w, xp=xp, ar=ar)
     profiles = [profile]
     if isinstance(normalizer, Profile):
         profiles.append(Profile(normalizer.knots, normalizer.coeffs, normalizer.slope,
                                 normalizer.intercept, columns=slice(dv, dv + 1)))
-    sums = profile_sums(q - sk.shift, sk, profiles, xp=xp)
+    sums = profile_sums(ar.shift(q, sk.shift), sk, profiles, xp=xp, ar=ar)
     num = sums[0][..., :dv]
     totals = sk.prefix[..., -1:, :]
-    count = totals[..., dv:dv + 1]                       # (..., 1, 1) number of valid keys
+    count = xp.clip(ar.value(totals[..., dv:dv + 1]), min=1.0)   # (..., 1, 1) valid keys, >= 1
     if center:
-        mean = totals[..., :dv] / xp.clip(count, min=1.0)
-        num = num - sums[0][..., dv:dv + 1] * mean
+        num = ar.sub(num, ar.mul(sums[0][..., dv:dv + 1], ar.div(totals[..., :dv], count)))
+    num = ar.value(num)
     if normalizer is None:
         out = num
     elif isinstance(normalizer, Profile):
-        out = num / xp.clip(sums[1], min=eps)
+        out = num / xp.clip(ar.value(sums[1]), min=eps)
     else:
-        out = num / xp.clip(count, min=1.0)
+        out = num / count
     return _nan_where_bad(xp, out, q_ok, row_ok)

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Sequence
 
 import array_api_compat as compat
 
-from .backends import prefix_table, searchsorted_right, take_rows
+from .backends import searchsorted_right, take_rows
 
 __all__ = ["Profile", "SortedKeys", "sort_keys", "knot_sums", "profile_sums"]
 
@@ -51,8 +51,8 @@ class Profile:
 
 
 class SortedKeys(NamedTuple):
-    keys: Any     # (..., m) sorted keys minus ``shift``, work dtype
-    prefix: Any   # (..., m + 1, 2c): exclusive prefix sums [P0 | P1] over the sorted keys
+    keys: Any     # (..., m) sorted keys minus ``shift``, a wide value
+    prefix: Any   # (..., m + 1, 2c): exclusive prefix sums [P0 | P1] over the sorted keys, wide
     perm: Any     # (..., m) the sorting permutation
     shift: Any    # (..., 1) the median key subtracted from keys and queries
 
@@ -65,8 +65,6 @@ def _is_one(value) -> bool:
     return isinstance(value, (int, float)) and value == 1
 
 
-def _add(total, term):
-    return term if total is None else total + term
 
 
 def _batch(value, extra_dims: int):
@@ -78,7 +76,7 @@ def _batch(value, extra_dims: int):
     return value
 
 
-def sort_keys(y, w, *, xp) -> SortedKeys:
+def sort_keys(y, w, *, xp, ar) -> SortedKeys:
     """Sort ``y`` (..., m) once and build the exclusive prefix sums of ``[w, y w]`` (..., m, c).
 
     ``y`` must already be in the work dtype; ``w`` may be narrower (it is widened while the table is
@@ -89,23 +87,23 @@ def sort_keys(y, w, *, xp) -> SortedKeys:
     keys = xp.take_along_axis(y, perm, axis=-1)
     mid = m // 2
     shift = keys[..., mid:mid + 1]
-    keys = keys - shift
-    prefix = prefix_table(xp, keys, take_rows(xp, w, perm))
+    keys = ar.shift(keys, shift)
+    prefix = ar.table(keys, take_rows(xp, w, perm))
     return SortedKeys(keys, prefix, perm, shift)
 
 
-def knot_sums(sk: SortedKeys, xs, knot, *, xp):
+def knot_sums(sk: SortedKeys, xs, knot, *, xp, ar):
     """``(relu, step, rank)`` for one knot ``t`` and shifted queries ``xs`` (..., n).
 
     ``relu[..., i, :] = sum_j ReLU(xs_i - t - y_j) w_j`` and ``step[..., i, :] = sum_j H(xs_i - t - y_j)
     w_j`` (with ``H(0) = 1``), both (..., n, c); ``rank`` (..., n) is the number of keys ``<= xs_i - t``.
     """
-    s = xs if _is_zero(knot) else xs - _batch(knot, 1)
-    rank = searchsorted_right(xp, sk.keys, s)
-    gathered = take_rows(xp, sk.prefix, rank)
+    s = xs if _is_zero(knot) else ar.sub(xs, _batch(knot, 1))
+    rank = searchsorted_right(xp, ar.hi(sk.keys), ar.hi(s))
+    gathered = ar.gather(sk.prefix, rank)
     c = gathered.shape[-1] // 2
     step = gathered[..., :c]
-    relu = s[..., None] * step - gathered[..., c:]
+    relu = ar.sub(ar.mul(s[..., None], step), gathered[..., c:])
     return relu, step, rank
 
 
@@ -113,36 +111,43 @@ def _knot_id(knot):
     return ("value", float(knot)) if isinstance(knot, (int, float)) else ("array", id(knot))
 
 
-def profile_sums(xs, sk: SortedKeys, profiles: Sequence[Profile], *, xp):
+def profile_sums(xs, sk: SortedKeys, profiles: Sequence[Profile], *, xp, ar):
     """Evaluate several profiles over column slices of one sorted key set, sharing rank searches.
 
     Parameters
     ----------
-    xs : array, shape (..., n)
-        Queries already shifted by ``sk.shift``, in the work dtype.
+    xs : wide value, shape (..., n)
+        Queries already shifted by ``sk.shift``.
     sk : SortedKeys
     profiles : sequence of Profile
         Knots equal by value (floats) or identity (arrays) are searched once for all profiles.
 
     Returns
     -------
-    list of arrays, one per profile, shape (..., n, c_profile), work dtype.
+    list of wide values (see :mod:`slicedkern._wide`), one per profile, shape (..., n, c_profile).
     """
     totals = sk.prefix[..., -1:, :]                      # (..., 1, 2c)
     c = totals.shape[-1] // 2
     total0, total1 = totals[..., :c], totals[..., c:]
+    def add(total, term):
+        return term if total is None else ar.add(total, term)
+
+    def times(part, coeff):
+        return part if _is_one(coeff) else ar.scale(part, _batch(coeff, 2))
+
     outs = []
     for prof in profiles:
         cols = prof.columns
         out = None
         if prof.derivative:
             if not _is_zero(prof.slope):
-                out = _batch(prof.slope, 2) * total0[..., cols]
+                out = times(total0[..., cols], prof.slope)
         else:
             if not _is_zero(prof.intercept):
-                out = _batch(prof.intercept, 2) * total0[..., cols]
+                out = times(total0[..., cols], prof.intercept)
             if not _is_zero(prof.slope):
-                out = _add(out, _batch(prof.slope, 2) * (xs[..., None] * total0[..., cols] - total1[..., cols]))
+                linear = ar.sub(ar.mul(xs[..., None], total0[..., cols]), total1[..., cols])
+                out = add(out, times(linear, prof.slope))
         outs.append(out)
 
     order: dict = {}
@@ -150,13 +155,16 @@ def profile_sums(xs, sk: SortedKeys, profiles: Sequence[Profile], *, xp):
         for knot, coeff in zip(prof.knots, prof.coeffs):
             order.setdefault(_knot_id(knot), (knot, []))[1].append((p, coeff))
     for knot, users in order.values():
-        relu, step, _ = knot_sums(sk, xs, knot, xp=xp)
+        relu, step, _ = knot_sums(sk, xs, knot, xp=xp, ar=ar)
         for p, coeff in users:
             prof = profiles[p]
-            part = (step if prof.derivative else relu)[..., prof.columns]
-            outs[p] = _add(outs[p], part if _is_one(coeff) else _batch(coeff, 2) * part)
-    shape = xs.shape + (total0.shape[-1],)
-    return [xp.broadcast_to(out, shape[:-1] + (out.shape[-1],)) if out is not None else
-            xp.zeros(shape[:-1] + (total0[..., p.columns].shape[-1],), dtype=xs.dtype,
-                     device=compat.device(xs))
-            for out, p in zip(outs, profiles)]
+            outs[p] = add(outs[p], times((step if prof.derivative else relu)[..., prof.columns], coeff))
+
+    n = xs.shape[-1]
+    for p, (out, prof) in enumerate(zip(outs, profiles)):
+        width = total0[..., prof.columns].shape[-1]
+        zeros = ar.lift(xp.zeros(tuple(xs.shape) + (width,), dtype=ar.hi(xs).dtype,
+                                 device=compat.device(ar.hi(xs))))
+        if out is None or out.shape[-2] != n or tuple(out.shape) != tuple(zeros.shape):
+            outs[p] = zeros if out is None else ar.add(zeros, out)
+    return outs

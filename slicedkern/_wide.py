@@ -1,0 +1,212 @@
+"""Wide accumulation: the arithmetic of the sort-scan's prefix sums and their combination.
+
+SPEC §4: ``s P0[r] - P1[r]`` subtracts two terms far larger than their difference, and a narrow hat
+subtracts such differences again, so both the prefix sums and the combination need more than
+float32. Two interchangeable implementations share one interface:
+
+* :class:`Plain`: the work dtype is float64 (every backend that has it): ordinary operators.
+* :class:`DoubleFloat`: the backend has no float64 (JAX without ``jax_enable_x64``, some
+  accelerators). A value is a :class:`Pair` ``hi + lo`` of float32 arrays,
+  about 48 significant bits, with error-free transformations (Knuth's TwoSum, Dekker's split
+  product). Prefix sums use a Hillis-Steele scan of double-float additions, ``O(m log m)`` work
+  in ``log2 m`` fully parallel steps; nothing here is sequential or value-dependent, so it traces
+  under ``jax.jit``.
+
+Slicing with ``value[..., i:j]`` and ``value[..., None]`` works on both representations.
+"""
+
+from __future__ import annotations
+
+import array_api_compat as compat
+
+from .backends import prefix_table, take_rows
+
+__all__ = ["arithmetic", "Plain", "DoubleFloat", "Pair"]
+
+
+def arithmetic(xp, work):
+    """The accumulator for ``work``: plain float64, or double-float when only float32 exists."""
+    return Plain(xp) if work == xp.float64 else DoubleFloat(xp)
+
+
+class Plain:
+    """Work dtype float64: every operation is the ordinary one."""
+
+    wide = False
+
+    def __init__(self, xp):
+        self.xp = xp
+
+    def lift(self, a):
+        return a
+
+    def hi(self, a):
+        return a
+
+    def value(self, a):
+        return a
+
+    def shift(self, a, b):
+        return a - b
+
+    def add(self, a, b):
+        return a + b
+
+    def sub(self, a, b):
+        return a - b
+
+    def mul(self, a, b):
+        return a * b
+
+    def scale(self, a, c):
+        """``a`` times a float or a plain array ``c``."""
+        return a * c
+
+    def div(self, a, c):
+        return a / c
+
+    def table(self, keys, weights):
+        return prefix_table(self.xp, keys, weights)
+
+    def gather(self, table, index):
+        return take_rows(self.xp, table, index)
+
+
+class Pair:
+    """``hi + lo`` with ``|lo| <= ulp(hi) / 2``; indexing applies to both parts."""
+
+    __slots__ = ("hi", "lo")
+
+    def __init__(self, hi, lo):
+        self.hi, self.lo = hi, lo
+
+    def __getitem__(self, key):
+        return Pair(self.hi[key], self.lo[key])
+
+    @property
+    def shape(self):
+        return self.hi.shape
+
+    @property
+    def dtype(self):
+        return self.hi.dtype
+
+
+class DoubleFloat:
+    """Double-float arithmetic on float32 :class:`Pair` values."""
+
+    wide = True
+    _SPLIT = 4097.0  # 2**12 + 1 splits a float32 significand into two 12-bit halves
+
+    def __init__(self, xp):
+        self.xp = xp
+
+    # -- error-free transformations ----------------------------------------------------------
+    @staticmethod
+    def _two_sum(a, b):
+        s = a + b
+        bb = s - a
+        return s, (a - (s - bb)) + (b - bb)
+
+    @staticmethod
+    def _fast_two_sum(a, b):
+        s = a + b
+        return s, b - (s - a)
+
+    def _split(self, a):
+        c = self._SPLIT * a
+        hi = c - (c - a)
+        return hi, a - hi
+
+    def _two_prod(self, a, b):
+        p = a * b
+        ah, al = self._split(a)
+        bh, bl = self._split(b)
+        return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+    def _parts(self, a):
+        return (a.hi, a.lo) if isinstance(a, Pair) else (a, None)
+
+    def _new(self, hi, lo):
+        return Pair(*self._fast_two_sum(hi, lo))
+
+    # -- interface -----------------------------------------------------------------------------
+    def lift(self, a):
+        return self._new(a, self.xp.zeros_like(a))
+
+    def hi(self, a):
+        return self._parts(a)[0]
+
+    def value(self, a):
+        hi, lo = self._parts(a)
+        return hi if lo is None else hi + lo
+
+    def shift(self, a, b):
+        """``a - b`` exactly, for plain arrays ``a`` and ``b``."""
+        return self._new(*self._two_sum(a, -b))
+
+    def add(self, a, b):
+        ah, al = self._parts(a)
+        bh, bl = self._parts(b)
+        s, e = self._two_sum(ah, bh)
+        if al is not None:
+            e = e + al
+        if bl is not None:
+            e = e + bl
+        return self._new(s, e)
+
+    def sub(self, a, b):
+        bh, bl = self._parts(b)
+        return self.add(a, self._new(-bh, -bl) if bl is not None else -bh)
+
+    def mul(self, a, b):
+        ah, al = self._parts(a)
+        bh, bl = self._parts(b)
+        p, e = self._two_prod(ah, bh)
+        if bl is not None:
+            e = e + ah * bl
+        if al is not None:
+            e = e + al * bh
+        return self._new(p, e)
+
+    def scale(self, a, c):
+        if isinstance(c, (int, float)):
+            c = self.xp.asarray(c, dtype=self.hi(a).dtype, device=compat.device(self.hi(a)))
+        return self.mul(a, c)
+
+    def div(self, a, c):
+        """``a / c`` for a plain array ``c`` (one Newton correction of the float32 quotient)."""
+        ah, al = self._parts(a)
+        q = ah / c
+        p, e = self._two_prod(q, c)
+        r = (ah - p) - e
+        if al is not None:
+            r = r + al
+        return self._new(q, r / c)
+
+    def table(self, keys, weights):
+        """Exclusive double-float prefix sums of ``[w, y w]``; ``keys`` is a pair, ``weights`` plain."""
+        xp = self.xp
+        kh, kl = self._parts(keys)
+        w = xp.astype(weights, kh.dtype)
+        p, e = self._two_prod(kh[..., None], w)
+        e = e + kl[..., None] * w
+        hi = xp.concat([w, p], axis=-1)
+        lo = xp.concat([xp.zeros_like(w), e], axis=-1)
+        zero_row = xp.zeros(hi.shape[:-2] + (1, hi.shape[-1]), dtype=hi.dtype, device=compat.device(hi))
+        hi = xp.concat([zero_row, hi], axis=-2)
+        lo = xp.concat([zero_row, lo], axis=-2)
+        n = hi.shape[-2]
+        step = 1
+        while step < n:  # Hillis-Steele: after the pass with ``step``, row i sums rows i-2*step+1..i
+            pad = xp.zeros(hi.shape[:-2] + (step, hi.shape[-1]), dtype=hi.dtype, device=compat.device(hi))
+            sh = xp.concat([pad, hi[..., :n - step, :]], axis=-2)
+            sl = xp.concat([pad, lo[..., :n - step, :]], axis=-2)
+            s, err = self._two_sum(hi, sh)
+            hi, lo = self._fast_two_sum(s, err + lo + sl)
+            step *= 2
+        return self._new(hi, lo)
+
+    def gather(self, table, index):
+        hi, lo = self._parts(table)
+        return self._new(take_rows(self.xp, hi, index), take_rows(self.xp, lo, index))

@@ -284,3 +284,25 @@ def names_argument(message: str, *names: str) -> bool:
     """Whether an error message names every argument in ``names`` (quoted, or as a whole word)."""
     import re
     return all(re.search(rf"(?<![\w']){n}(?![\w'])|'{n}'", message) for n in names)
+
+
+# ----------------------------------------------------------------------------------------- data
+def scaled_kernel(kernel, scale: float):
+    """``r -> kernel(r / scale)`` as a :class:`~slicedkern.kernels.PiecewiseLinear` (same shape of
+    profile at another length scale; the values keep their magnitude)."""
+    from slicedkern.kernels import PiecewiseLinear
+    return PiecewiseLinear(tuple(scale * t for t in kernel.knots),
+                           tuple(c / scale for c in kernel.coeffs),
+                           kernel.slope / scale, kernel.intercept)
+
+
+def tie_scores(rng, shape, values=(-1.0, -0.5, 0.0, 0.25, 0.5, 1.0)):
+    """Scores drawn from a few dyadic values: many exact ties, exact differences."""
+    return rng.choice(np.asarray(values, dtype=np.float64), size=shape)
+
+
+def queries_on_knots(rng, keys, knots, n_random=0):
+    """Queries equal to keys and to key + knot for every knot (exact ties with every kink)."""
+    keys = np.unique(np.asarray(keys).ravel())
+    parts = [keys] + [keys + t for t in knots] + [rng.normal(size=n_random)]
+    return rng.permutation(np.concatenate(parts))

@@ -9,8 +9,11 @@ of the frameworks.
 from . import kernels, reference
 from ._api import (hat_attention, hat_mixture_attention, kernel_attention, kernel_sum,
                    relu_attention)
+from ._dispatch import vjp
+from ._engine import engine_for, use_engine
 
 __version__ = "0.1.0"
 
 __all__ = ["kernels", "reference", "kernel_sum", "relu_attention", "hat_attention",
-           "hat_mixture_attention", "kernel_attention", "__version__"]
+           "hat_mixture_attention", "kernel_attention", "vjp", "use_engine", "engine_for",
+           "__version__"]

@@ -6,11 +6,11 @@ import numbers
 
 import array_api_compat as compat
 
-from . import _ops
+from ._diff import AttentionSpec, KernelSumSpec
+from ._dispatch import execute as _execute
 from ._namespace import (as_work, broadcast_shapes, check_floating, check_same_device,
                          compute_dtypes, is_traced, namespace_of, shape_str)
-from ._scan import Profile
-from .kernels import Abs, HatMixture, PiecewiseLinear, ReLU
+from .kernels import HatMixture, PiecewiseLinear, ReLU
 
 __all__ = ["kernel_sum", "relu_attention", "hat_attention", "hat_mixture_attention",
            "kernel_attention"]
@@ -51,14 +51,6 @@ def _check_eps(eps):
     return float(eps)
 
 
-def _normalizer_profile(normalize):
-    if normalize == "abs":
-        return Profile.of(Abs())
-    if normalize == "relu":
-        return Profile.of(ReLU())
-    return normalize
-
-
 def _positive_param(xp, value, name, device, work):
     """A positive float, or an array of them (values checked unless traced), in the work dtype."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
@@ -81,7 +73,7 @@ def _floating(xp, value, name, device, work):
                         f"{type(value).__name__}") from None
     if space is not xp:
         raise TypeError(f"argument {name!r} comes from a different array library than q, k, v")
-    if compat.device(value) != device:
+    if compat.device(value) is not None and device is not None and compat.device(value) != device:
         raise TypeError(f"argument {name!r} is on device {compat.device(value)}, q, k, v on {device}")
     if not xp.isdtype(value.dtype, "real floating"):
         raise TypeError(f"argument {name!r} must have a real floating dtype, got {shape_str(value)}")
@@ -156,15 +148,17 @@ def kernel_sum(x, y, w, kernel, *, xp=None):
     _, arrays = _broadcast_all(xp, {"x": x, "y": y, "w": w}, {"x": 1, "y": 1, "w": 2}, ("x", "y", "w"))
     x, y = (as_work(xp, arrays[k], work) for k in ("x", "y"))
     w = arrays["w"]                  # widened inside the prefix sums, after the gather
-    out = _ops.kernel_sum(x, y, w, Profile.of(kernel), xp=xp)
-    if vector:
-        out = out[..., 0]
-    return xp.astype(out, out_dtype)
+    return _execute(xp, KernelSumSpec(kernel), (x, y, w), ("x", "y", "w"), out_dtype,
+                    squeeze=vector)
 
 
 # ------------------------------------------------------------------------------------- attention
-def _attention(q, k, v, profile, *, key_mask, center, normalize, eps, xp):
-    """Shared validation and dispatch of every attention op."""
+def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, xp):
+    """Shared validation and dispatch of every attention op.
+
+    ``kernel`` is a fixed profile; otherwise ``hats`` is a builder (see :func:`_hat_spec`) that
+    returns the hat part of the spec and its array parameters.
+    """
     named = {"q": q, "k": k, "v": v, "key_mask": key_mask}
     xp, device, out_dtype, work = _setup(named, xp)
     _need_ndim(q, "q", 1, "(..., Lq)")
@@ -185,12 +179,15 @@ def _attention(q, k, v, profile, *, key_mask, center, normalize, eps, xp):
     _check_normalize(normalize)
     eps = _check_eps(eps)
     batch, arrays = _broadcast_all(xp, arrays, cores, tuple(arrays))
-    profile = profile(xp, device, work, batch)
+    hat_fields, params = hats(xp, device, work, batch) if hats is not None else ({}, {})
+    fields = {"kernel": kernel, **hat_fields}
+    spec = AttentionSpec(center=bool(center), normalize=normalize, eps=eps,
+                         has_mask=key_mask is not None, param_layout=tuple(params), **fields)
     q, k = (as_work(xp, arrays[n], work) for n in ("q", "k"))
     v = arrays["v"]                  # widened inside the prefix sums, after the gather
-    out = _ops.attention(q, k, v, profile, key_mask=arrays.get("key_mask"), center=bool(center),
-                         normalizer=_normalizer_profile(normalize), eps=eps, xp=xp)
-    return xp.astype(out, out_dtype)
+    inputs = (q, k, v) + ((arrays["key_mask"],) if key_mask is not None else ()) + tuple(params.values())
+    names = ("q", "k", "v") + (("key_mask",) if key_mask is not None else ()) + tuple(params)
+    return _execute(xp, spec, inputs, names, out_dtype)
 
 
 def relu_attention(q, k, v, *, key_mask=None, center=True, normalize="abs", eps=1e-6, xp=None):
@@ -236,12 +233,12 @@ def relu_attention(q, k, v, *, key_mask=None, center=True, normalize="abs", eps=
     >>> slicedkern.relu_attention(q, k, v).shape
     (2, 5, 3)
     """
-    return _attention(q, k, v, lambda *_: Profile.of(ReLU()), key_mask=key_mask, center=center,
+    return _attention(q, k, v, None, kernel=ReLU(), key_mask=key_mask, center=center,
                       normalize=normalize, eps=eps, xp=xp)
 
 
 def _param_list(xp, value, name, device, work, batch, *, positive, single):
-    """Hat parameters as a list with one entry per hat: floats, or work-dtype arrays of batch shape.
+    """Hat parameters: ``(floats, array)``: a tuple of floats, or ``None`` and a work-dtype array.
 
     ``value`` is a number (``single`` only), a sequence of numbers, or an array: of batch shape
     ``(...)`` when ``single``, else ``(..., K)``.
@@ -254,37 +251,45 @@ def _param_list(xp, value, name, device, work, batch, *, positive, single):
             if not isinstance(entry, numbers.Real) or isinstance(entry, bool):
                 raise TypeError(f"argument {name!r} must hold numbers, got {type(entry).__name__}")
             out.append(_positive_param(xp, entry, name, device, work) if positive else float(entry))
-        return out
+        return tuple(out), None
     arr = _positive_param(xp, value, name, device, work) if positive else _floating(
         xp, value, name, device, work)
     if not single and arr.ndim == 0:
         raise ValueError(f"argument {name!r} must have a last axis with one entry per hat, got "
                          f"{shape_str(value)}")
-    entries = [arr] if single else [arr[..., i] for i in range(arr.shape[-1])]
-    for entry in entries:
-        _check_param_batch(entry, name, batch)
-    return entries
+    _check_param_batch(arr if single else arr[..., 0], name, batch)
+    return None, arr
 
 
-def _hat_profile(bandwidths, weights, names):
-    """Profile builder for one hat (``weights is None``) or a mixture of hats; hats share knot 0."""
+def _hat_spec(bandwidths, weights, names):
+    """Builder of the hat fields of an :class:`AttentionSpec` and its array parameters.
+
+    One hat when ``weights is None``; else a mixture. Float parameters go into the (static) spec,
+    array parameters are passed as arrays (differentiable).
+    """
     single = weights is None
 
     def build(xp, device, work, batch):
-        alphas = _param_list(xp, bandwidths, names[0], device, work, batch, positive=True, single=single)
-        betas = [1.0] if single else _param_list(xp, weights, names[1], device, work, batch,
-                                                 positive=False, single=False)
-        if len(alphas) != len(betas):
+        alphas, alpha_arr = _param_list(xp, bandwidths, names[0], device, work, batch, positive=True,
+                                        single=single)
+        if single:
+            betas, beta_arr = (1.0,), None
+        else:
+            betas, beta_arr = _param_list(xp, weights, names[1], device, work, batch, positive=False,
+                                          single=False)
+        n_alpha = len(alphas) if alpha_arr is None else (1 if single else alpha_arr.shape[-1])
+        n_beta = len(betas) if beta_arr is None else beta_arr.shape[-1]
+        if n_alpha != n_beta:
             raise ValueError(f"arguments {names[0]!r} and {names[1]!r} must have one entry per hat, got "
-                             f"{len(alphas)} and {len(betas)}")
-        if all(isinstance(a, float) for a in alphas + betas):
-            return Profile.of(HatMixture(alphas, betas))
-        knots, coeffs, centre = [], [], 0.0
-        for a, b in zip(alphas, betas):
-            knots += [-a, a]
-            coeffs += [b / a, b / a]
-            centre = centre - 2.0 * b / a
-        return Profile(tuple(knots) + (0.0,), tuple(coeffs) + (centre,))
+                             f"{n_alpha} and {n_beta}")
+        params = {}
+        if alpha_arr is not None:
+            params["bandwidth" if single else "bandwidths"] = alpha_arr
+        if beta_arr is not None:
+            params["weights"] = beta_arr
+        if not params:
+            return {"kernel": HatMixture(alphas, betas)}, {}
+        return {"alphas": alphas or (), "betas": betas or ()}, params
 
     return build
 
@@ -319,7 +324,7 @@ def hat_attention(q, k, v, bandwidth=1.0, *, key_mask=None, normalize="count", e
     >>> slicedkern.hat_attention(q, k, v, bandwidth=1.0)  # (1 + 0.5 + 0) / 3
     array([[[0.5]]])
     """
-    return _attention(q, k, v, _hat_profile(bandwidth, None, ("bandwidth", "weights")),
+    return _attention(q, k, v, _hat_spec(bandwidth, None, ("bandwidth", "weights")),
                       key_mask=key_mask, center=False, normalize=normalize, eps=eps, xp=xp)
 
 
@@ -347,7 +352,7 @@ def hat_mixture_attention(q, k, v, bandwidths, weights, *, key_mask=None, normal
     >>> slicedkern.hat_mixture_attention(q, k, v, [1.0, 2.0], [1.0, 1.0])  # (2 + 1.25) / 2
     array([[[1.625]]])
     """
-    return _attention(q, k, v, _hat_profile(bandwidths, weights, ("bandwidths", "weights")),
+    return _attention(q, k, v, _hat_spec(bandwidths, weights, ("bandwidths", "weights")),
                       key_mask=key_mask, center=False, normalize=normalize, eps=eps, xp=xp)
 
 
@@ -378,5 +383,5 @@ def kernel_attention(q, k, v, kernel, *, key_mask=None, center=False, normalize=
     array([[[0.5]]])
     """
     _check_kernel(kernel)
-    return _attention(q, k, v, lambda *_: Profile.of(kernel), key_mask=key_mask, center=center,
+    return _attention(q, k, v, None, kernel=kernel, key_mask=key_mask, center=center,
                       normalize=normalize, eps=eps, xp=xp)

@@ -62,10 +62,12 @@ def check_same_device(named_arrays: dict):
     arrays = [(k, a) for k, a in named_arrays.items() if a is not None and not _is_scalar(a)]
     if not arrays:
         return None
-    name0, a0 = arrays[0]
-    dev0 = compat.device(a0)
-    for name, a in arrays[1:]:
-        dev = compat.device(a)
+    placed = [(name, compat.device(a)) for name, a in arrays]
+    placed = [(name, dev) for name, dev in placed if dev is not None]   # tracers have no device
+    if not placed:
+        return compat.device(arrays[0][1])
+    name0, dev0 = placed[0]
+    for name, dev in placed[1:]:
         if dev != dev0:
             raise TypeError(f"arguments {name0!r} (device {dev0}) and {name!r} (device {dev}) are on "
                             "different devices; move them to one device first")

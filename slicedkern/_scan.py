@@ -49,6 +49,19 @@ class Profile:
     def of(cls, kernel, **kw) -> "Profile":
         return cls(tuple(kernel.knots), tuple(kernel.coeffs), kernel.slope, kernel.intercept, **kw)
 
+    def reflect(self, **kw) -> "Profile":
+        """The profile ``r -> f(-r)`` (see :meth:`PiecewiseLinear.reflect`), float or array params."""
+        total, moment = 0.0, 0.0
+        for t, c in zip(self.knots, self.coeffs):
+            total = total + c
+            moment = moment + c * t
+        return Profile(tuple(-t for t in self.knots), self.coeffs, -self.slope - total,
+                       self.intercept - moment, **kw)
+
+    def with_(self, **kw) -> "Profile":
+        return Profile(self.knots, self.coeffs, self.slope, self.intercept,
+                       kw.get("columns", self.columns), kw.get("derivative", self.derivative))
+
 
 class SortedKeys(NamedTuple):
     keys: Any     # (..., m) sorted keys minus ``shift``, a wide value

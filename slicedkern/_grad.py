@@ -1,0 +1,173 @@
+"""Vector-Jacobian products of the sort-scan ops, written once against the array API (SPEC §2.4).
+
+For ``S = K w`` with ``K_ij = f(x_i - y_j)`` and cotangent ``g``:
+
+* ``dx_i = sum_c g_ic sum_j f'(x_i - y_j) w_jc``: derivative sums over the forward sort of the keys;
+* ``dw_j = sum_i f(x_i - y_j) g_i``: a kernel sum with the roles swapped (keys <- queries) and the
+  reflected profile ``r -> f(-r)``, over one sort of the queries;
+* ``dy_j = -sum_c w_jc sum_i f'(x_i - y_j) g_ic``: derivative sums of the reflected profile over
+  that same sort of the queries;
+* for an array knot ``t_m`` (a differentiable bandwidth): ``-c_m sum g P0[rank(x - t_m)]``, and for
+  an array coefficient ``c_m`` the ReLU sum at that knot contracted with ``g``.
+
+Every step is a sort-scan: ``O((n + m) log(n + m))`` per knot. Nothing of the forward's prefix sums is
+kept: the backward needs only the inputs (and, for attention, a few per-query scalars).
+Derivatives at exact ties are one-sided: the right derivative in each variable.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import array_api_compat as compat
+
+from ._scan import Profile, knot_sums, profile_sums, sort_keys
+from ._wide import arithmetic
+
+__all__ = ["profiles_vjp", "kernel_sum_vjp", "attention_vjp"]
+
+
+def _zeros(xp, like, shape):
+    return xp.zeros(shape, dtype=like.dtype, device=compat.device(like))
+
+
+def _width(profile: Profile, c: int) -> range:
+    return range(c)[profile.columns]
+
+
+def profiles_vjp(x, y, w, profiles: Sequence[Profile], cotangents, *, xp, param_grads=True):
+    """Pull cotangents of several profile sums of one ``(x, y, w)`` back to the inputs.
+
+    Parameters
+    ----------
+    x : array, shape (..., n); y : array, shape (..., m); w : array, shape (..., m, c)
+        As in the forward (finite, equal leading shapes; x and y in the work dtype).
+    profiles : sequence of Profile
+        Each summed over its column slice of ``w`` (``derivative=False``).
+    cotangents : sequence of arrays, shapes (..., n, c_p)
+        One per profile, in the work dtype.
+    param_grads : bool
+        Also return gradients for array knots and coefficients.
+
+    Returns
+    -------
+    dx (..., n), dy (..., m), dw (..., m, c), and a list (one per profile) of
+    ``(dknots, dcoeffs)`` tuples aligned with ``profile.knots`` / ``profile.coeffs`` (``None`` for
+    float parameters), each of the batch shape.
+    """
+    work = x.dtype
+    ar = arithmetic(xp, work)
+    c = w.shape[-1]
+
+    # dx: derivative sums over the forward sort of the keys.
+    sk = sort_keys(y, w, xp=xp, ar=ar)
+    xs = ar.shift(x, sk.shift)
+    derivs = profile_sums(xs, sk, [p.with_(derivative=True) for p in profiles], xp=xp, ar=ar)
+    dx = None
+    for d, g in zip(derivs, cotangents):
+        term = xp.sum(ar.value(d) * g, axis=-1)
+        dx = term if dx is None else dx + term
+
+    # dw and dy: one sort of the queries carrying every cotangent.
+    stacked = xp.concat(list(cotangents), axis=-1)
+    skx = sort_keys(x, stacked, xp=xp, ar=ar)
+    ys = ar.shift(y, skx.shift)
+    offsets, start = [], 0
+    for g in cotangents:
+        offsets.append(slice(start, start + g.shape[-1]))
+        start += g.shape[-1]
+    reflected = [p.reflect(columns=o) for p, o in zip(profiles, offsets)]
+    sums = profile_sums(ys, skx, reflected + [r.with_(derivative=True) for r in reflected], xp=xp, ar=ar)
+    values, slopes = sums[:len(profiles)], sums[len(profiles):]
+    dw_parts = [None] * c
+    dy = None
+    for p, val, slope in zip(profiles, values, slopes):
+        cols = _width(p, c)
+        val = ar.value(val)
+        for local, col in enumerate(cols):
+            piece = val[..., local]
+            dw_parts[col] = piece if dw_parts[col] is None else dw_parts[col] + piece
+        term = xp.sum(w[..., cols.start:cols.stop:cols.step] * ar.value(slope), axis=-1)
+        dy = term if dy is None else dy + term
+    zero_col = _zeros(xp, y, y.shape)
+    dw = xp.stack([part if part is not None else zero_col for part in dw_parts], axis=-1)
+
+    params = []
+    for p, g in zip(profiles, cotangents):
+        dknots, dcoeffs = [], []
+        for knot, coeff in zip(p.knots, p.coeffs):
+            if not param_grads or (isinstance(knot, float) and isinstance(coeff, float)):
+                dknots.append(None)
+                dcoeffs.append(None)
+                continue
+            relu, step, _ = knot_sums(sk, xs, knot, xp=xp, ar=ar)
+            step = ar.value(step)[..., p.columns]
+            relu = ar.value(relu)[..., p.columns]
+            dknots.append(None if isinstance(knot, float) else
+                          -coeff * xp.sum(xp.sum(g * step, axis=-1), axis=-1))
+            dcoeffs.append(None if isinstance(coeff, float) else
+                           xp.sum(xp.sum(g * relu, axis=-1), axis=-1))
+        params.append((tuple(dknots), tuple(dcoeffs)))
+    return dx, dy, dw, params
+
+
+def kernel_sum_vjp(x, y, w, profile: Profile, g, *, xp):
+    """VJP of :func:`slicedkern._ops.kernel_sum`: ``(dx, dy, dw, (dknots, dcoeffs))``."""
+    from ._ops import sanitize_keys
+    x, y, w, q_ok, row_ok = sanitize_keys(xp, x, y, w, None)
+    dx, dy, dw, params = profiles_vjp(x, y, xp.astype(w, x.dtype), [profile], [g], xp=xp)
+    return (*_nan_rows(xp, dx, dy, dw, q_ok, row_ok), params[0])
+
+
+def _nan_rows(xp, dx, dy, dw, q_ok, row_ok):
+    nan = xp.asarray(float("nan"), dtype=dx.dtype, device=compat.device(dx))
+    return (xp.where(q_ok & row_ok[..., None], dx, nan), xp.where(row_ok[..., None], dy, nan),
+            xp.where(row_ok[..., None, None], dw, nan))
+
+
+def attention_vjp(q, k, v, profile: Profile, gout, out, aux, *, key_mask, center, normalizer, eps,
+                  xp):
+    """VJP of :func:`slicedkern._ops.attention`.
+
+    ``out`` is the forward output and ``aux`` the per-query residuals it returned (``relu_count``:
+    the profile summed over the valid-key indicator; ``den``: the unclamped normaliser sum).
+    Returns ``(dq, dk, dv, (dknots, dcoeffs))``.
+    """
+    from ._ops import sanitize_keys
+    dv_ = v.shape[-1]
+    work = q.dtype
+    q, k, v, q_ok, row_ok = sanitize_keys(xp, q, k, v, key_mask)
+    take = aux["take"]
+    zero = xp.asarray(0.0, dtype=work, device=compat.device(q))
+    gout = xp.where(q_ok[..., None] & row_ok[..., None, None], xp.astype(gout, work), zero)
+    out = xp.where(q_ok[..., None] & row_ok[..., None, None], xp.astype(out, work), zero)
+    takef = xp.astype(take, work)
+    w = xp.concat([xp.astype(v, work) * takef[..., None], takef[..., None]], axis=-1)
+    count = xp.clip(xp.sum(takef, axis=-1), min=1.0)[..., None, None]
+
+    if normalizer is None:
+        gnum = gout
+    else:
+        den = aux["den"] if isinstance(normalizer, Profile) else count
+        clamp_floor = eps if isinstance(normalizer, Profile) else 1.0
+        den_c = xp.clip(den, min=clamp_floor)
+        gnum = gout / den_c
+    g_count = _zeros(xp, q, q.shape + (1,))
+    if center:
+        mean = xp.sum(w[..., :dv_], axis=-2, keepdims=True) / count
+        g_count = -xp.sum(gnum * mean, axis=-1, keepdims=True)
+    profiles = [profile.with_(columns=slice(0, dv_ + 1))]
+    cotangents = [xp.concat([gnum, g_count], axis=-1)]
+    if isinstance(normalizer, Profile):
+        gden = -xp.sum(gout * out, axis=-1, keepdims=True) / den_c
+        gden = xp.where(aux["den"] >= eps, gden, zero)
+        profiles.append(normalizer.with_(columns=slice(dv_, dv_ + 1)))
+        cotangents.append(gden)
+    dq, dk, dw, params = profiles_vjp(q, k, w, profiles, cotangents, xp=xp)
+    dv = dw[..., :dv_]
+    if center:
+        g_mean = -xp.sum(aux["relu_count"] * gnum, axis=-2, keepdims=True)   # (..., 1, Dv)
+        dv = dv + g_mean / count
+    dv = dv * takef[..., None]
+    dq, dk, dv = _nan_rows(xp, dq, dk, dv, q_ok, row_ok)
+    return dq, dk, dv, params[0]

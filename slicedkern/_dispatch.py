@@ -7,7 +7,6 @@ directly, and :func:`vjp` gives them the same backward.
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,8 @@ from . import _diff
 
 __all__ = ["execute", "vjp"]
 
-_recording: contextvars.ContextVar = contextvars.ContextVar("slicedkern_vjp", default=None)
+# Stack of active vjp() recorders: a plain list, because torch.compile cannot trace ContextVar.
+_recorders: list = []
 
 
 @dataclass
@@ -36,7 +36,7 @@ def execute(xp, spec, arrays, names, out_dtype, *, squeeze=False):
 
     ``squeeze`` drops a trailing axis of size one (``kernel_sum`` with vector weights).
     """
-    recorder = _recording.get()
+    recorder = _recorders[-1] if _recorders else None
     if recorder is not None:
         out, residuals = _diff.forward(spec, arrays, xp=xp)
         recorder.append(_Record(xp, spec, arrays, names, residuals, squeeze))
@@ -86,11 +86,11 @@ def vjp(fn, *args, **kwargs):
     (1, 2, 1)
     """
     records: list = []
-    token = _recording.set(records)
+    _recorders.append(records)
     try:
         out = fn(*args, **kwargs)
     finally:
-        _recording.reset(token)
+        _recorders.pop()
     if len(records) != 1:
         raise TypeError(f"vjp supports slicedkern's sort-scan ops, called once; {getattr(fn, '__name__', fn)!r} "
                         f"made {len(records)} such calls")

@@ -122,7 +122,7 @@ def ceil_log2(n: int) -> int:
 
 def broadcast_shapes(*shapes, names=None) -> tuple:
     """NumPy broadcasting of shapes; ``ValueError`` naming the arguments when they do not broadcast."""
-    ndim = max((len(s) for s in shapes), default=0)
+    ndim = max([len(s) for s in shapes] + [0])
     out = []
     for axis in range(-ndim, 0):
         size = 1

@@ -24,7 +24,8 @@ def prefix_table(keys, weights):
     table = torch.empty((*weights.shape[:-2], m + 1, 2 * c), dtype=keys.dtype, device=keys.device)
     table[..., 0, :] = 0
     table[..., 1:, :c] = weights
-    torch.mul(table[..., 1:, :c], keys[..., None], out=table[..., 1:, c:])
+    table[..., 1:, c:] = table[..., 1:, :c]
+    table[..., 1:, c:] *= keys[..., None]
     return table.cumsum_(-2)
 
 

@@ -112,7 +112,8 @@ def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, 
     if center:
         num = ar.sub(num, ar.mul(relu_count, ar.div(totals[..., :dv], count)))
     num = ar.value(num)
-    aux = {"take": take, "relu_count": ar.value(relu_count)}
+    # A copy, not a view: a view would keep the whole (..., Lq, Dv + 1) sum alive for the backward.
+    aux = {"take": take, "relu_count": xp.asarray(ar.value(relu_count), copy=True)}
     if normalizer is None:
         out = num
     elif isinstance(normalizer, Profile):

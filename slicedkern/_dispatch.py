@@ -53,6 +53,24 @@ def execute(xp, spec, arrays, names, out_dtype, *, squeeze=False):
     return out[..., 0] if squeeze else out
 
 
+def _positions(fn, args, kwargs, rec) -> dict:
+    """Which positional argument of ``fn`` each differentiable input of the op came from.
+
+    By name when ``fn`` is the op itself (or shares its parameter names); otherwise (a wrapper such
+    as a lambda) the op's array inputs are matched, in order, with ``fn``'s positional arrays.
+    """
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+        by_name = {name: i for i, name in enumerate(list(bound.arguments)[:len(args)])}
+    except (TypeError, ValueError):
+        by_name = {}
+    wanted = [name for name in rec.names if name != "key_mask"]
+    if any(name in by_name for name in wanted):
+        return by_name
+    array_positions = [i for i, a in enumerate(args) if compat.is_array_api_obj(a)]
+    return dict(zip(wanted, array_positions))
+
+
 def vjp(fn, *args, **kwargs):
     """Run ``fn(*args, **kwargs)`` and return ``(out, pullback)``, on any array namespace.
 
@@ -74,7 +92,8 @@ def vjp(fn, *args, **kwargs):
     pullback : callable
         ``pullback(g)`` with ``g`` shaped like ``out`` returns a tuple with one entry per positional
         argument: the gradient of ``sum(g * out)`` with respect to it (same shape and dtype), or
-        ``None`` where the argument is not a differentiable array.
+        ``None`` where the argument is not a differentiable array. When ``fn`` wraps an op (a
+        lambda, say), the op's array inputs are matched in order with ``fn``'s positional arrays.
 
     Examples
     --------
@@ -95,8 +114,7 @@ def vjp(fn, *args, **kwargs):
         raise TypeError(f"vjp supports slicedkern's sort-scan ops, called once; {getattr(fn, '__name__', fn)!r} "
                         f"made {len(records)} such calls")
     rec = records[0]
-    bound = inspect.signature(fn).bind(*args, **kwargs)
-    positional = {name: i for i, name in enumerate(list(bound.arguments)[:len(args)])}
+    positional = _positions(fn, args, kwargs, rec)
     xp = rec.xp
 
     def pullback(g):

@@ -11,9 +11,13 @@ from ._api import (hat_attention, hat_mixture_attention, kernel_attention, kerne
                    relu_attention)
 from ._dispatch import vjp
 from ._engine import engine_for, use_engine
+from .sliced import (directions, energy_distance, mmd, radial_profile, sliced_attention,
+                     sliced_kernel_sum)
 
 __version__ = "0.1.0"
 
 __all__ = ["kernels", "reference", "kernel_sum", "relu_attention", "hat_attention",
            "hat_mixture_attention", "kernel_attention", "vjp", "use_engine", "engine_for",
+           "directions", "sliced_kernel_sum", "sliced_attention", "energy_distance", "mmd",
+           "radial_profile",
            "__version__"]

@@ -12,7 +12,8 @@ For ``S = K w`` with ``K_ij = f(x_i - y_j)`` and cotangent ``g``:
 
 Every step is a sort-scan: ``O((n + m) log(n + m))`` per knot. Nothing of the forward's prefix sums is
 kept: the backward needs only the inputs (and, for attention, a few per-query scalars).
-Derivatives at exact ties are one-sided: the right derivative in each variable.
+At exact ties both ``dx`` and ``dy`` use ``f'(0^+)`` (``H(0) = 1``, SPEC §2.4): the right derivative
+in a query, the left one in a key, and exact for self-sums where queries and keys are one set.
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ def profiles_vjp(x, y, w, profiles: Sequence[Profile], cotangents, *, xp, param_
         offsets.append(slice(start, start + g.shape[-1]))
         start += g.shape[-1]
     reflected = [p.reflect(columns=o) for p, o in zip(profiles, offsets)]
-    sums = profile_sums(ys, skx, reflected + [r.with_(derivative=True) for r in reflected], xp=xp, ar=ar)
+    # strict: a tie x_i = y_j + t_m counts on the query side, H(x_i - y_j - t_m) = H(0) = 1, the
+    # convention dx uses too, so that in self-sums (x and y the same points) the two cancel.
+    sums = profile_sums(ys, skx, reflected + [r.with_(derivative=True) for r in reflected], xp=xp, ar=ar,
+                        strict=True)
     values, slopes = sums[:len(profiles)], sums[len(profiles):]
     dw_parts = [None] * c
     dy = None

@@ -45,8 +45,14 @@ def sanitize_keys(xp, x, y, w, key_mask):
         take = take & key_mask
     zero = xp.asarray(0.0, dtype=x.dtype, device=compat.device(x))
     w_zero = xp.asarray(0.0, dtype=w.dtype, device=compat.device(w))
-    return (xp.where(q_ok, x, zero), xp.where(take, y, zero), xp.where(take[..., None], w, w_zero),
-            q_ok, row_ok)
+    y = xp.where(take, y, zero)
+    if key_mask is not None:
+        # Masked keys sit at the mean of the valid ones: they stay out of the sums (zero weight)
+        # and out of the way of the median shift, which keeps s P0 - P1 from cancelling.
+        count = xp.sum(xp.astype(take, y.dtype), axis=-1, keepdims=True)
+        fill = xp.sum(y, axis=-1, keepdims=True) / xp.clip(count, min=1.0)
+        y = xp.where(take, y, fill)
+    return xp.where(q_ok, x, zero), y, xp.where(take[..., None], w, w_zero), q_ok, row_ok
 
 
 def kernel_sum(x, y, w, profile: Profile, *, xp):

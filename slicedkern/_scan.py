@@ -105,14 +105,14 @@ def sort_keys(y, w, *, xp, ar) -> SortedKeys:
     return SortedKeys(keys, prefix, perm, shift)
 
 
-def knot_sums(sk: SortedKeys, xs, knot, *, xp, ar):
+def knot_sums(sk: SortedKeys, xs, knot, *, xp, ar, strict=False):
     """``(relu, step, rank)`` for one knot ``t`` and shifted queries ``xs`` (..., n).
 
     ``relu[..., i, :] = sum_j ReLU(xs_i - t - y_j) w_j`` and ``step[..., i, :] = sum_j H(xs_i - t - y_j)
     w_j`` (with ``H(0) = 1``), both (..., n, c); ``rank`` (..., n) is the number of keys ``<= xs_i - t``.
     """
     s = xs if _is_zero(knot) else ar.sub(xs, _batch(knot, 1))
-    rank = searchsorted_right(xp, ar.hi(sk.keys), ar.hi(s))
+    rank = searchsorted_right(xp, ar.hi(sk.keys), ar.hi(s), strict=strict)
     gathered = ar.gather(sk.prefix, rank)
     c = gathered.shape[-1] // 2
     step = gathered[..., :c]
@@ -124,7 +124,7 @@ def _knot_id(knot):
     return ("value", float(knot)) if isinstance(knot, (int, float)) else ("array", id(knot))
 
 
-def profile_sums(xs, sk: SortedKeys, profiles: Sequence[Profile], *, xp, ar):
+def profile_sums(xs, sk: SortedKeys, profiles: Sequence[Profile], *, xp, ar, strict=False):
     """Evaluate several profiles over column slices of one sorted key set, sharing rank searches.
 
     Parameters
@@ -134,6 +134,8 @@ def profile_sums(xs, sk: SortedKeys, profiles: Sequence[Profile], *, xp, ar):
     sk : SortedKeys
     profiles : sequence of Profile
         Knots equal by value (floats) or identity (arrays) are searched once for all profiles.
+    strict : bool
+        Step sums count keys ``< x - t`` instead of ``<=`` (``H(0) = 0``).
 
     Returns
     -------
@@ -168,7 +170,7 @@ def profile_sums(xs, sk: SortedKeys, profiles: Sequence[Profile], *, xp, ar):
         for knot, coeff in zip(prof.knots, prof.coeffs):
             order.setdefault(_knot_id(knot), (knot, []))[1].append((p, coeff))
     for knot, users in order.values():
-        relu, step, _ = knot_sums(sk, xs, knot, xp=xp, ar=ar)
+        relu, step, _ = knot_sums(sk, xs, knot, xp=xp, ar=ar, strict=strict)
         for p, coeff in users:
             prof = profiles[p]
             outs[p] = add(outs[p], times((step if prof.derivative else relu)[..., prof.columns], coeff))

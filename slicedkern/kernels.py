@@ -171,8 +171,14 @@ class PiecewiseLinear:
 
     @property
     def is_even(self) -> bool:
-        """Whether ``f(r) == f(-r)`` (then its sliced kernel is radial)."""
-        return self.reflect() == self
+        """Whether ``f(r) == f(-r)`` up to rounding (then its sliced kernel is radial)."""
+        other = self.reflect()
+        if other.knots != tuple(-t for t in reversed(other.knots)) or len(other.knots) != len(self.knots):
+            return False
+        scale = max([abs(c) for c in self._coeffs] + [abs(self._slope), abs(self._intercept), 1.0])
+        pairs = list(zip(self._knots + self._coeffs + (self._slope, self._intercept),
+                         other._knots + other._coeffs + (other._slope, other._intercept)))
+        return all(abs(a - b) <= 1e-12 * scale for a, b in pairs)
 
 
 def _namespace(r):

@@ -93,11 +93,12 @@ def _hats(alphas, betas):
         xp = compat.array_namespace(r)
         total = 0.0
         for a, b in zip(alphas, betas):
+            if hasattr(b, "shape"):
+                b = xp.astype(b, r.dtype)[..., None, None]
             if not hasattr(a, "shape"):
                 total = total + b * Hat(a)(r)
             else:
                 a = xp.astype(a, r.dtype)[..., None, None]
-                b = b if not hasattr(b, "shape") else xp.astype(b, r.dtype)[..., None, None]
                 total = total + b * xp.clip(1.0 - xp.abs(r) / a, min=0.0)
         return total
     return weights_of
@@ -111,7 +112,7 @@ def hat_attention(q, k, v, bandwidth=1.0, *, key_mask=None, normalize="count", e
 def hat_mixture_attention(q, k, v, bandwidths, weights, *, key_mask=None, normalize="count", eps=1e-6):
     """Dense hat-mixture attention; ``bandwidths`` / ``weights`` sequences or arrays (..., K)."""
     def split(p):
-        return list(p) if isinstance(p, (list, tuple)) else [p[..., i] for i in range(p.shape[-1])]
+        return [float(e) for e in p] if isinstance(p, (list, tuple)) else [p[..., i] for i in range(p.shape[-1])]
     if isinstance(bandwidths, (list, tuple)) and isinstance(weights, (list, tuple)):
         kernel = HatMixture(bandwidths, weights)
         return _attention(q, k, v, kernel, key_mask, False, normalize, eps)

@@ -110,6 +110,14 @@ def _broadcast(xp, a, batch, core: int):
     return xp.broadcast_to(a, tuple(batch) + tuple(a.shape[a.ndim - core:]))
 
 
+def _result(xp, out, dtype):
+    """``out`` in ``dtype``; NumPy reductions to 0-d give scalars, returned as 0-d arrays instead."""
+    out = xp.astype(out, dtype)
+    if compat.is_numpy_namespace(xp) and not isinstance(out, np.ndarray):
+        out = np.asarray(out)
+    return out
+
+
 def _project(xp, a, theta):
     """``a`` (..., n, d) on the directions ``theta`` (P, d): shape (..., P, n), one row per slice."""
     return xp.matmul(theta, xp.matrix_transpose(a))
@@ -623,7 +631,7 @@ def energy_distance(x, y, *, directions=None, x_weights=None, y_weights=None, ch
     u = xp.concat([_broadcast(xp, a, batch, 1), -_broadcast(xp, b, batch, 1)], axis=-1)
     if exact:
         s = _kernel_sum(z, z, u, Abs(), xp=xp)
-        return xp.astype(-xp.sum(u * s, axis=-1), out_dtype)
+        return _result(xp, -xp.sum(u * s, axis=-1), out_dtype)
 
     u = u[..., None, :]                                     # (..., 1, N): shared by every slice
     chunk = _chunk_for(chunk_size, theta.shape[0], math.prod(batch) * (n + m) * 4)
@@ -634,7 +642,7 @@ def energy_distance(x, y, *, directions=None, x_weights=None, y_weights=None, ch
         return -xp.sum(xp.sum(u * s, axis=-1), axis=-1)
 
     ed = _slice_mean(xp, theta, chunk, one_chunk) / _kappa(dim)
-    return xp.astype(ed, out_dtype)
+    return _result(xp, ed, out_dtype)
 
 
 def _symmetric(kernel):
@@ -748,7 +756,7 @@ def mmd(x, y, kernel, *, directions=None, estimator="v", chunk_size=None, seed=N
     else:
         f0 = kernel(0.0)
         out = (sxx - n * f0) / (n * (n - 1)) + (syy - m * f0) / (m * (m - 1)) - 2.0 * sxy / (n * m)
-    return xp.astype(out, out_dtype)
+    return _result(xp, out, out_dtype)
 
 
 # ------------------------------------------------------------------------------------ radial profile

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 __all__ = ["ALL_BACKENDS", "Backend", "make_backend", "backend_context", "selected_backends",
-           "assert_meta", "assert_close", "assert_values_close", "rel_err", "to_numpy",
+           "assert_meta", "assert_close", "assert_values_close", "rel_err", "to_numpy", "scan_atol",
            "names_argument"]
 
 #: Every backend the suite knows about; the last two need a GPU.
@@ -247,7 +247,8 @@ def assert_values_close(actual, expected, *, rtol, atol=None, err_msg=""):
     and elementwise ``|a - e| <= atol + rtol |e|``.
 
     ``atol`` defaults to ``rtol * max|e|``: an error is judged against the magnitude of the data, so
-    entries that are small only because of cancellation are not held to a relative bound.
+    entries that are small only because of cancellation are not held to a relative bound. The
+    normwise bound is ``||a - e|| <= rtol ||e|| + atol sqrt(N)``.
     """
     a = np.asarray(to_numpy(actual), dtype=np.float64)
     e = np.asarray(to_numpy(expected), dtype=np.float64)
@@ -262,11 +263,20 @@ def assert_values_close(actual, expected, *, rtol, atol=None, err_msg=""):
     scale = float(np.max(np.abs(e)))
     if atol is None:
         atol = rtol * scale
+    atol = np.broadcast_to(np.asarray(atol, dtype=np.float64), nan_e.shape)[~nan_e]
     den = float(np.linalg.norm(e))
     err = float(np.linalg.norm(a - e))
-    if den > 0:
-        assert err <= rtol * den, f"normwise relative error {err / den:.3e} > {rtol:.1e} {err_msg}"
-    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=err_msg)
+    allowed = rtol * den + float(np.linalg.norm(atol))
+    assert err <= allowed, (
+        f"normwise error {err:.3e} (relative {err / den if den else np.inf:.3e}) > allowed {allowed:.3e} "
+        f"(rtol {rtol:.1e}) {err_msg}")
+    diff = np.abs(a - e)
+    bad = diff > atol + rtol * np.abs(e)
+    if np.any(bad):
+        i = int(np.argmax(np.where(bad, diff - atol - rtol * np.abs(e), -np.inf)))
+        raise AssertionError(f"{int(bad.sum())} / {bad.size} elements differ beyond |a - e| <= atol + rtol |e| "
+                             f"(rtol {rtol:.1e}); worst: got {a[i]!r}, expected {e[i]!r}, atol {atol[i]:.3e} "
+                             f"{err_msg}")
 
 
 def assert_close(actual, expected, *, rtol, atol=None, dtype=None, err_msg=""):
@@ -301,8 +311,73 @@ def tie_scores(rng, shape, values=(-1.0, -0.5, 0.0, 0.25, 0.5, 1.0)):
     return rng.choice(np.asarray(values, dtype=np.float64), size=shape)
 
 
-def queries_on_knots(rng, keys, knots, n_random=0):
-    """Queries equal to keys and to key + knot for every knot (exact ties with every kink)."""
+def queries_on_knots(rng, keys, knots, n):
+    """``n`` queries, each equal to a key or to key + knot for a knot (exact ties with every kink).
+
+    All distinct such values are included when there are at most ``n`` of them.
+    """
     keys = np.unique(np.asarray(keys).ravel())
-    parts = [keys] + [keys + t for t in knots] + [rng.normal(size=n_random)]
-    return rng.permutation(np.concatenate(parts))
+    cands = np.unique(np.concatenate([keys] + [keys + t for t in knots]))
+    if cands.size >= n:
+        return rng.choice(cands, size=n, replace=False)
+    return rng.permutation(np.concatenate([cands, rng.choice(cands, size=n - cands.size)]))
+
+
+#: Canonical sizes: JAX compiles every eager op once per shape, so tests reuse these shapes.
+N, M, C = 24, 32, 2
+
+
+def scan_atol(x, y, w, kernel, *, factor: float = 64.0, eps: float = 2.0 ** -52) -> float:
+    """A-priori absolute error scale of a sort-scan kernel sum, from the magnitude of the data.
+
+    The scan forms ``s P0[r] - P1[r]`` per knot: terms of size ``|s - y| |w|`` that cancel. Its
+    rounding error is therefore bounded by a small multiple of
+    ``eps (|slope| + sum_m |c_m|) span sum_j |w_j| + eps |intercept| sum_j |w_j|``, ``span`` the spread of
+    all scores, whatever the (possibly zero) exact value. ``factor`` is the small multiple.
+    """
+    x, y, w = (np.asarray(to_numpy(a), dtype=np.float64) for a in (x, y, w))
+    scores = np.concatenate([x.ravel(), y.ravel()])
+    scores = scores[np.isfinite(scores)]
+    span = float(np.ptp(scores)) if scores.size else 0.0
+    w = w[..., None] if w.ndim == y.ndim else w
+    wsum = float(np.max(np.sum(np.abs(np.nan_to_num(w)), axis=-2))) if w.size else 0.0
+    lipschitz = abs(kernel.slope) + sum(abs(c) for c in kernel.coeffs)
+    return factor * eps * (lipschitz * span + abs(kernel.intercept) + 1.0) * wsum
+
+
+def attention_atol(q, k, v, kernel, *, key_mask=None, center=False, normalize="count", eps=1e-6,
+                   expected=None, factor: float = 64.0, eps_dtype: float = 2.0 ** -52):
+    """Elementwise a-priori error scale of sort-scan attention, shape (..., Lq, Dv).
+
+    The numerator carries the absolute error of a kernel sum (see :func:`scan_atol`, with the
+    centring term ``mu R`` on top), the "abs" / "relu" normaliser that of a ReLU sum of ones; the
+    quotient divides both by ``max(den, eps)``, so rows whose normaliser is tiny (a query below every
+    key under "relu") are legitimately less accurate in absolute terms.
+    ``expected`` (the reference output) scales the normaliser's contribution.
+    """
+    q, k, v = (np.asarray(to_numpy(a), dtype=np.float64) for a in (q, k, v))
+    batch = np.broadcast_shapes(q.shape[:-1], k.shape[:-1], v.shape[:-2])
+    q = np.broadcast_to(q, batch + q.shape[-1:])
+    k = np.broadcast_to(k, batch + k.shape[-1:])
+    v = np.broadcast_to(v, batch + v.shape[-2:])
+    valid = np.ones(k.shape, bool) if key_mask is None else np.broadcast_to(to_numpy(key_mask), k.shape)
+    scores = np.concatenate([q[np.isfinite(q)], k[valid & np.isfinite(k)]])
+    span = float(np.ptp(scores)) if scores.size else 0.0
+    vv = np.where(valid[..., None], v, 0.0)
+    count = valid.sum(axis=-1)[..., None, None].astype(np.float64)           # (..., 1, 1)
+    vsum = np.abs(vv).sum(axis=-2, keepdims=True)                              # (..., 1, Dv)
+    mu = np.abs(vv.sum(axis=-2, keepdims=True)) / np.maximum(count, 1.0) if center else 0.0
+    lipschitz = abs(kernel.slope) + sum(abs(c) for c in kernel.coeffs)
+    unit = factor * eps_dtype * (lipschitz * span + abs(kernel.intercept) + 1.0)
+    d_num = unit * (vsum + mu * count)                                         # (..., 1, Dv)
+    shape = batch + (q.shape[-1], v.shape[-1])
+    if normalize is None:
+        return np.broadcast_to(d_num, shape)
+    if normalize == "count":
+        return np.broadcast_to(d_num / np.maximum(count, 1.0), shape)
+    r = q[..., :, None] - k[..., None, :]
+    prof = np.abs(r) if normalize == "abs" else np.maximum(r, 0.0)
+    den = np.where(valid[..., None, :], prof, 0.0).sum(axis=-1)[..., None]      # (..., Lq, 1)
+    d_den = factor * eps_dtype * (2.0 * span + 1.0) * count
+    out = 0.0 if expected is None else np.abs(np.asarray(to_numpy(expected), dtype=np.float64))
+    return np.broadcast_to((d_num + out * d_den) / np.maximum(den, eps), shape)

@@ -8,6 +8,9 @@
   wins); default: all of them.
 * JAX runs with ``jax_enable_x64`` switched on for the duration of each test (restored afterwards),
   so that float64 comparisons mean float64.
+* JAX compiles every eager op once per input shape (seconds per new shape on CPU), so the suite
+  shares a few canonical shapes (``_helpers.N, M, C``). Tests marked ``new_shapes`` use shapes of
+  their own; JAX runs them only with ``--jax-all`` or ``SLICEDKERN_JAX_ALL=1``.
 """
 
 from __future__ import annotations
@@ -30,9 +33,13 @@ def pytest_addoption(parser):
     parser.addoption("--backend", action="store", default=None, metavar="NAME[,NAME]",
                      help=f"comma list of array backends to test, among {', '.join(ALL_BACKENDS)} "
                           f"(default: ${ENV_VAR} or all)")
+    parser.addoption("--jax-all", action="store_true", default=False,
+                     help="also run the tests marked new_shapes on JAX (slow: one compile per shape)")
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "new_shapes: compiles shapes no other test uses; on JAX only with --jax-all")
     try:
         selected_backends(config)
     except ValueError as exc:
@@ -52,8 +59,15 @@ def pytest_generate_tests(metafunc):
 def xp(request):
     """The backend under test (see :class:`tests._helpers.Backend`)."""
     backend = make_backend(request.param)
+    if backend.is_jax and request.node.get_closest_marker("new_shapes") is not None and not _jax_all(request):
+        pytest.skip("new shapes: JAX compiles per shape; run with --jax-all or SLICEDKERN_JAX_ALL=1")
     with backend_context(backend.name):
         yield backend
+
+
+def _jax_all(request) -> bool:
+    return bool(request.config.getoption("--jax-all")) or os.environ.get("SLICEDKERN_JAX_ALL", "") not in (
+        "", "0")
 
 
 @pytest.fixture

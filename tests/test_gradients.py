@@ -151,8 +151,8 @@ def test_ties_give_finite_one_sided_gradients(rng):
     for j in range(k.shape[-1]):
         step = np.zeros_like(k)
         step[0, j] = h
-        right = (loss(q, k + step) - loss(q, k)) / h
-        assert dk[0, j] == pytest.approx(right, rel=1e-5, abs=1e-5)
+        left = (loss(q, k) - loss(q, k - step)) / h       # keys: the left derivative (SPEC §2.4)
+        assert dk[0, j] == pytest.approx(left, rel=1e-5, abs=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ torch

@@ -14,8 +14,8 @@ from . import _generic
 __all__ = ["searchsorted_right", "take_rows", "prefix_table"]
 
 
-def searchsorted_right(xp, sorted_keys, values):
-    """Batched ``#{j : sorted_keys[..., j] <= values[..., i]}``.
+def searchsorted_right(xp, sorted_keys, values, *, strict=False):
+    """Batched ``#{j : sorted_keys[..., j] <= values[..., i]}`` (``<`` when ``strict``).
 
     Parameters
     ----------
@@ -30,14 +30,14 @@ def searchsorted_right(xp, sorted_keys, values):
     """
     if compat.is_torch_namespace(xp):
         from . import _torch
-        return _torch.searchsorted_right(sorted_keys, values)
+        return _torch.searchsorted_right(sorted_keys, values, strict)
     if compat.is_numpy_namespace(xp):
         from . import _numpy
-        return _numpy.searchsorted_right(sorted_keys, values)
+        return _numpy.searchsorted_right(sorted_keys, values, strict)
     if compat.is_jax_namespace(xp):
         from . import _jax
-        return _jax.searchsorted_right(sorted_keys, values)
-    return _generic.searchsorted_right(xp, sorted_keys, values)
+        return _jax.searchsorted_right(sorted_keys, values, strict)
+    return _generic.searchsorted_right(xp, sorted_keys, values, strict)
 
 
 def take_rows(xp, table, index):

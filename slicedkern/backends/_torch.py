@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def searchsorted_right(sorted_keys, values):
+def searchsorted_right(sorted_keys, values, strict=False):
     """torch's native batched ``searchsorted`` (leading shapes must match exactly)."""
-    return torch.searchsorted(sorted_keys.contiguous(), values.contiguous(), right=True)
+    return torch.searchsorted(sorted_keys.contiguous(), values.contiguous(), right=not strict)
 
 
 def take_rows(table, index):

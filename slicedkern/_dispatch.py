@@ -71,6 +71,32 @@ def _positions(fn, args, kwargs, rec) -> dict:
     return dict(zip(wanted, array_positions))
 
 
+def _composite_vjp(fn, args, kwargs):
+    """vjp of a sliced op: its plan's forward, and the plan's pullback mapped to the arguments."""
+    plan, to_args = fn(*args, _planning=True, **kwargs)
+    out = plan.forward()
+    xp = plan.xp
+    names = list(inspect.signature(fn).bind(*args, **kwargs).arguments)[:len(args)]
+
+    def pullback(g):
+        g = xp.asarray(g)
+        if tuple(g.shape) != tuple(out.shape):
+            raise ValueError(f"the cotangent must have the output's shape {tuple(out.shape)}, "
+                             f"got {tuple(g.shape)}")
+        work = plan.theta.dtype
+        grads = to_args(plan.pullback(xp.astype(g, work)))
+        result = []
+        for name, arg in zip(names, args):
+            grad = grads.get(name)
+            if grad is None or not compat.is_array_api_obj(arg) or not xp.isdtype(arg.dtype, "real floating"):
+                result.append(None)
+                continue
+            result.append(xp.astype(_diff._sum_to(xp, grad, arg.shape), arg.dtype))
+        return tuple(result)
+
+    return out, pullback
+
+
 def vjp(fn, *args, **kwargs):
     """Run ``fn(*args, **kwargs)`` and return ``(out, pullback)``, on any array namespace.
 
@@ -80,8 +106,10 @@ def vjp(fn, *args, **kwargs):
     Parameters
     ----------
     fn : callable
-        One of slicedkern's ops (``kernel_sum``, ``relu_attention``, ``hat_attention``,
-        ``hat_mixture_attention``, ``kernel_attention``).
+        One of slicedkern's ops: ``kernel_sum``, ``relu_attention``, ``hat_attention``,
+        ``hat_mixture_attention``, ``kernel_attention``, or the sliced ``sliced_kernel_sum``,
+        ``sliced_attention``, ``energy_distance``, ``mmd`` (pulled back slice chunk by slice chunk,
+        with bounded memory), or a function that makes exactly one call of the former.
     *args, **kwargs
         Its arguments.
 
@@ -104,6 +132,8 @@ def vjp(fn, *args, **kwargs):
     >>> dv.shape
     (1, 2, 1)
     """
+    if getattr(fn, "_slicedkern_plan", False):
+        return _composite_vjp(fn, args, kwargs)
     records: list = []
     _recorders.append(records)
     try:

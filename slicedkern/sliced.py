@@ -129,17 +129,62 @@ def _chunk_for(chunk_size, n_slices, per_slice):
     return max(1, min(n_slices, _CHUNK_ELEMENTS // max(per_slice, 1)))
 
 
-def _slice_mean(xp, theta, chunk, one_chunk):
-    """``(1/P) sum_p``: ``one_chunk(theta[p0:p1])`` returns the sum over its slices."""
-    n_slices = theta.shape[0]
-    total = None
-    for start in range(0, n_slices, chunk):
-        part = one_chunk(theta[start:min(start + chunk, n_slices), :])
-        total = part if total is None else total + part
-    return total / n_slices
+class _Plan:
+    """A sliced op as ``scale * sum over chunks of reduce(op(*arrays))``, with its explicit pullback.
+
+    ``inner(theta_chunk)`` returns ``(op, arrays, kwargs, back)``: the 1-D op of the chunk (a public
+    sort-scan op), its array arguments (projections of the sources on the chunk's directions, or
+    sources passed through), and ``back(theta_chunk, grads)`` mapping the op's array gradients to
+    gradients of the named sources. ``reduce(theta_chunk, out)`` turns the op's output into the
+    chunk's contribution; ``reduce_vjp(theta_chunk, out, g)`` returns the cotangent of ``out`` and
+    direct source gradients (for a contribution that also depends on a source, like ``u`` in the
+    energy distance). :meth:`pullback` is what :func:`slicedkern.vjp` runs for these composite ops.
+    """
+
+    def __init__(self, xp, theta, chunk, inner, reduce, reduce_vjp, scale, out_dtype, finish=None):
+        self.xp, self.theta, self.chunk = xp, theta, chunk
+        self.inner, self.reduce, self.reduce_vjp = inner, reduce, reduce_vjp
+        self.scale, self.out_dtype = scale, out_dtype
+        self.finish = finish if finish is not None else (lambda xp_, out: out)
+
+    def _chunks(self):
+        n_slices = self.theta.shape[0]
+        for start in range(0, n_slices, self.chunk):
+            yield self.theta[start:min(start + self.chunk, n_slices), :]
+
+    def forward(self):
+        total = None
+        for th in self._chunks():
+            op, arrays, kwargs, _ = self.inner(th)
+            part = self.reduce(th, op(*arrays, xp=self.xp, **kwargs))
+            total = part if total is None else total + part
+        return _result(self.xp, self.finish(self.xp, total * self.scale), self.out_dtype)
+
+    def pullback(self, g):
+        """Gradients of ``sum(g * out)`` with respect to the named sources (a dict)."""
+        from ._dispatch import vjp
+        grads: dict = {}
+
+        def add(name, value):
+            grads[name] = value if name not in grads else grads[name] + value
+
+        g = g * self.scale
+        for th in self._chunks():
+            op, arrays, kwargs, back = self.inner(th)
+            out, pull = vjp(op, *arrays, xp=self.xp, **kwargs)
+            cot, direct = self.reduce_vjp(th, out, g)
+            for name, value in back(th, pull(cot)[:len(arrays)]).items():
+                add(name, value)
+            for name, value in direct.items():
+                add(name, value)
+        return grads
 
 
-# -------------------------------------------------------------------------------------- directions
+def _unproject(xp, grad, theta):
+    """Transpose of :func:`_project`: (..., P, n) gradients to (..., n, d)."""
+    return xp.matmul(xp.matrix_transpose(grad), theta)
+
+
 def _gaussian_frames(rng, n_slices, dim):
     """``ceil(n_slices / dim)`` Haar-random orthonormal frames, stacked row-wise, truncated."""
     frames = []
@@ -279,7 +324,8 @@ def _resolve_directions(value, dim, *, xp, device, work, seed):
 
 
 # ----------------------------------------------------------------------------------- kernel sums
-def sliced_kernel_sum(x, y, w, kernel, *, directions, chunk_size=None, seed=None, xp=None):
+def sliced_kernel_sum(x, y, w, kernel, *, directions, chunk_size=None, seed=None, xp=None,
+                      _planning=False):
     """Sliced kernel sum ``S_i = (1/P) sum_p sum_j f(<theta_p, x_i - y_j>) w_j`` in R^d.
 
     Each slice is one 1-D sort-scan :func:`slicedkern.kernel_sum` of the projected points, so the cost
@@ -373,11 +419,21 @@ def sliced_kernel_sum(x, y, w, kernel, *, directions, chunk_size=None, seed=None
     chunk = _chunk_for(chunk_size, theta.shape[0], per_slice)
     axis = -2 if vector else -3
 
-    def one_chunk(th):
-        s = _kernel_sum(_project(xp, xw, th), _project(xp, yw, th), w, kernel, xp=xp)
+    def inner(th):
+        def back(th_, grads):
+            dx, dy, dw = grads
+            return {"x": _unproject(xp, dx, th_), "y": _unproject(xp, dy, th_),
+                    "w": xp.sum(dw, axis=axis)}
+        return _kernel_sum, (_project(xp, xw, th), _project(xp, yw, th), w), {"kernel": kernel}, back
+
+    def reduce(th, s):
         return xp.sum(s, axis=axis)
 
-    return xp.astype(_slice_mean(xp, theta, chunk, one_chunk), out_dtype)
+    def reduce_vjp(th, s, g):
+        return xp.broadcast_to(xp.expand_dims(g, axis=axis), s.shape), {}
+
+    plan = _Plan(xp, theta, chunk, inner, reduce, reduce_vjp, 1.0 / theta.shape[0], out_dtype)
+    return (plan, lambda grads: grads) if _planning else plan.forward()
 
 
 def _same_dim(x, y, names):
@@ -393,7 +449,7 @@ def _same_dim(x, y, names):
 
 # ------------------------------------------------------------------------------------------ attention
 def sliced_attention(q, k, v, kernel, *, directions, key_mask=None, center=False, normalize="count",
-                     eps=1e-6, chunk_size=None, seed=None, xp=None):
+                     eps=1e-6, chunk_size=None, seed=None, xp=None, _planning=False):
     """Multi-slice kernel attention on d-dimensional queries and keys.
 
     The average over slices of :func:`slicedkern.kernel_attention` applied to the projected tokens::
@@ -489,12 +545,21 @@ def sliced_attention(q, k, v, kernel, *, directions, key_mask=None, center=False
     per_slice = math.prod(batch) * (lq * (dv + 2) + lk * (2 * dv + 4))
     chunk = _chunk_for(chunk_size, theta.shape[0], per_slice)
 
-    def one_chunk(th):
-        out = _kernel_attention(_project(xp, qw, th), _project(xp, kw, th), v, kernel, key_mask=mask,
-                                center=center, normalize=normalize, eps=eps, xp=xp)
+    def inner(th):
+        def back(th_, grads):
+            dq, dk, dv_ = grads
+            return {"q": _unproject(xp, dq, th_), "k": _unproject(xp, dk, th_), "v": xp.sum(dv_, axis=-3)}
+        return _kernel_attention, (_project(xp, qw, th), _project(xp, kw, th), v), {
+            "kernel": kernel, "key_mask": mask, "center": center, "normalize": normalize, "eps": eps}, back
+
+    def reduce(th, out):
         return xp.sum(out, axis=-3)
 
-    return xp.astype(_slice_mean(xp, theta, chunk, one_chunk), out_dtype)
+    def reduce_vjp(th, out, g):
+        return xp.broadcast_to(xp.expand_dims(g, axis=-3), out.shape), {}
+
+    plan = _Plan(xp, theta, chunk, inner, reduce, reduce_vjp, 1.0 / theta.shape[0], out_dtype)
+    return (plan, lambda grads: grads) if _planning else plan.forward()
 
 
 # ---------------------------------------------------------------------------- two-sample statistics
@@ -550,7 +615,7 @@ def _kappa(dim: int) -> float:
 
 
 def energy_distance(x, y, *, directions=None, x_weights=None, y_weights=None, chunk_size=None, seed=None,
-                    xp=None):
+                    xp=None, _planning=False):
     """Energy distance ``ED = 2 E|X - Y| - E|X - X'| - E|Y - Y'|`` between two samples.
 
     Székely's energy distance, not its square root: for 1-D samples it equals
@@ -629,20 +694,49 @@ def energy_distance(x, y, *, directions=None, x_weights=None, y_weights=None, ch
                              names=("x", "y", "x_weights", "y_weights"))
     z = xp.concat([_broadcast(xp, xs, batch, core), _broadcast(xp, ys, batch, core)], axis=-core)
     u = xp.concat([_broadcast(xp, a, batch, 1), -_broadcast(xp, b, batch, 1)], axis=-1)
-    if exact:
-        s = _kernel_sum(z, z, u, Abs(), xp=xp)
-        return _result(xp, -xp.sum(u * s, axis=-1), out_dtype)
+    if exact:     # one "slice": the samples themselves
+        theta, chunk, scale, uu = xp.ones((1, 1), dtype=work, device=device), 1, 1.0, u
+    else:
+        uu = u[..., None, :]                                # (..., 1, N): shared by every slice
+        chunk = _chunk_for(chunk_size, theta.shape[0], math.prod(batch) * (n + m) * 4)
+        scale = 1.0 / (theta.shape[0] * _kappa(dim))
 
-    u = u[..., None, :]                                     # (..., 1, N): shared by every slice
-    chunk = _chunk_for(chunk_size, theta.shape[0], math.prod(batch) * (n + m) * 4)
+    def inner(th):
+        zp = z if exact else _project(xp, z, th)             # (..., [P_chunk,] N)
 
-    def one_chunk(th):
-        zp = _project(xp, z, th)                            # (..., P_chunk, N)
-        s = _kernel_sum(zp, zp, u, Abs(), xp=xp)
-        return -xp.sum(xp.sum(u * s, axis=-1), axis=-1)
+        def back(th_, grads):
+            dzp = grads[0] + grads[1]
+            return {"z": dzp if exact else _unproject(xp, dzp, th_),
+                    "u": grads[2] if exact else xp.sum(grads[2], axis=-2)}
+        return _kernel_sum, (zp, zp, uu), {"kernel": Abs()}, back
 
-    ed = _slice_mean(xp, theta, chunk, one_chunk) / _kappa(dim)
-    return _result(xp, ed, out_dtype)
+    def reduce(th, s):
+        total = -xp.sum(uu * s, axis=-1)
+        return total if exact else xp.sum(total, axis=-1)
+
+    def reduce_vjp(th, s, g):
+        gg = g[..., None] if exact else g[..., None, None]
+        direct = -s * gg
+        return xp.broadcast_to(-uu * gg, s.shape), {"u": direct if exact else xp.sum(direct, axis=-2)}
+
+    plan = _Plan(xp, theta, chunk, inner, reduce, reduce_vjp, scale, out_dtype)
+    if not _planning:
+        return plan.forward()
+
+    def to_args(grads):
+        dz, du = grads["z"], grads["u"]
+        out = {"x": dz[..., :n] if exact else dz[..., :n, :], "y": dz[..., n:] if exact else dz[..., n:, :]}
+        if exact and x.ndim >= 2:
+            out = {k: v[..., None] for k, v in out.items()}
+        for name, raw, part in (("x_weights", x_weights, du[..., :n]), ("y_weights", y_weights, -du[..., n:])):
+            if raw is not None:      # through the normalisation p = raw / sum(raw)
+                raw_w = _work(xp, raw, work)
+                total = xp.sum(raw_w, axis=-1, keepdims=True)
+                p = raw_w / total
+                out[name] = (part - xp.sum(part * p, axis=-1, keepdims=True)) / total
+        return out
+
+    return plan, to_args
 
 
 def _symmetric(kernel):
@@ -650,7 +744,8 @@ def _symmetric(kernel):
     return kernel if kernel.is_even else 0.5 * (kernel + kernel.reflect())
 
 
-def mmd(x, y, kernel, *, directions=None, estimator="v", chunk_size=None, seed=None, xp=None):
+def mmd(x, y, kernel, *, directions=None, estimator="v", chunk_size=None, seed=None, xp=None,
+        _planning=False):
     """Squared maximum mean discrepancy with the sliced kernel of a 1-D profile.
 
     With ``K(a, b) = (1/P) sum_p f(<theta_p, a - b>)`` (``K(a, b) = f(a - b)`` for 1-D samples)::
@@ -734,29 +829,55 @@ def mmd(x, y, kernel, *, directions=None, estimator="v", chunk_size=None, seed=N
     member = xp.stack([xp.concat([ones[0], zeros[1]]), xp.concat([zeros[0], ones[1]])], axis=-1)
     member = _lift(xp, member, 2, len(batch))               # (1.., N, 2): [in x, in y]
 
-    def pair_sums(s):
-        """[sum_xx, sum_xy, sum_yy] over the last sample axis of the (..., N, 2) sums, stacked last."""
-        return xp.stack([xp.sum(s[..., :n, 0], axis=-1), xp.sum(s[..., :n, 1], axis=-1),
-                         xp.sum(s[..., n:, 1], axis=-1)], axis=-1)
-
-    if exact:
-        sums = pair_sums(_kernel_sum(z, z, member, kernel, xp=xp))
-    else:
-        member = member[..., None, :, :]
-        chunk = _chunk_for(chunk_size, theta.shape[0], math.prod(batch) * (n + m) * 8)
-
-        def one_chunk(th):
-            zp = _project(xp, z, th)
-            return xp.sum(pair_sums(_kernel_sum(zp, zp, member, kernel, xp=xp)), axis=-2)
-
-        sums = _slice_mean(xp, theta, chunk, one_chunk)
-    sxx, sxy, syy = sums[..., 0], sums[..., 1], sums[..., 2]
     if estimator == "v":
-        out = sxx / (n * n) + syy / (m * m) - 2.0 * sxy / (n * m)
+        coef, shift = (1.0 / (n * n), -2.0 / (n * m), 1.0 / (m * m)), 0.0
     else:
         f0 = kernel(0.0)
-        out = (sxx - n * f0) / (n * (n - 1)) + (syy - m * f0) / (m * (m - 1)) - 2.0 * sxy / (n * m)
-    return _result(xp, out, out_dtype)
+        coef = (1.0 / (n * (n - 1)), -2.0 / (n * m), 1.0 / (m * (m - 1)))
+        shift = -f0 * (1.0 / (n - 1) + 1.0 / (m - 1))      # the i = j terms, f(0) each
+    if exact:
+        theta, chunk, scale, mem = xp.ones((1, 1), dtype=work, device=device), 1, 1.0, member
+    else:
+        mem = member[..., None, :, :]
+        chunk = _chunk_for(chunk_size, theta.shape[0], math.prod(batch) * (n + m) * 8)
+        scale = 1.0 / theta.shape[0]
+
+    def inner(th):
+        zp = z if exact else _project(xp, z, th)
+
+        def back(th_, grads):
+            dzp = grads[0] + grads[1]
+            return {"z": dzp if exact else _unproject(xp, dzp, th_)}
+        return _kernel_sum, (zp, zp, mem), {"kernel": kernel}, back
+
+    def reduce(th, s):
+        """coef . [sum_xx, sum_xy, sum_yy] over the (..., [P,] N, 2) sums."""
+        total = (coef[0] * xp.sum(s[..., :n, 0], axis=-1) + coef[1] * xp.sum(s[..., :n, 1], axis=-1)
+                 + coef[2] * xp.sum(s[..., n:, 1], axis=-1))
+        return total if exact else xp.sum(total, axis=-1)
+
+    def reduce_vjp(th, s, g):
+        gg = g[..., None, None] if exact else g[..., None, None, None]
+        weights = xp.concat([xp.stack([xp.full((n,), coef[0], dtype=work, device=device),
+                                       xp.full((n,), coef[1], dtype=work, device=device)], axis=-1),
+                             xp.stack([xp.zeros((m,), dtype=work, device=device),
+                                       xp.full((m,), coef[2], dtype=work, device=device)], axis=-1)],
+                            axis=0)
+        return xp.broadcast_to(weights * gg, s.shape), {}
+
+    plan = _Plan(xp, theta, chunk, inner, reduce, reduce_vjp, scale, out_dtype,
+                 finish=lambda xp_, total: total + shift)
+    if not _planning:
+        return plan.forward()
+
+    def to_args(grads):
+        dz = grads["z"]
+        out = {"x": dz[..., :n] if exact else dz[..., :n, :], "y": dz[..., n:] if exact else dz[..., n:, :]}
+        if exact and x.ndim >= 2:
+            out = {k: v[..., None] for k, v in out.items()}
+        return out
+
+    return plan, to_args
 
 
 # ------------------------------------------------------------------------------------ radial profile
@@ -890,3 +1011,9 @@ def radial_profile(kernel, dim):
     """
     _check_kernel(kernel)
     return RadialProfile(kernel, _count(dim, "dim"))
+
+
+# slicedkern.vjp runs these ops through their _Plan (``fn(..., _planning=True)``): see _dispatch.vjp.
+for _fn in (sliced_kernel_sum, sliced_attention, energy_distance, mmd):
+    _fn._slicedkern_plan = True
+del _fn

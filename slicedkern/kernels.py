@@ -1,4 +1,4 @@
-"""Continuous piecewise-linear 1-D kernel profiles (SPEC §2.1).
+"""Continuous piecewise-linear 1-D kernel profiles.
 
 Every profile is written once, in one representation::
 
@@ -12,7 +12,7 @@ backward pass).
 Examples
 --------
 >>> import numpy as np
->>> from slicedkern.kernels import Hat, ReLU, Abs
+>>> from slicedkern.kernels import Abs, Hat, PiecewiseLinear, ReLU
 >>> Hat(2.0)(np.array([-3.0, -1.0, 0.0, 1.0]))
 array([0. , 0.5, 1. , 0.5])
 >>> (2 * ReLU() + PiecewiseLinear((), (), slope=-1.0)) == Abs()

@@ -1,6 +1,6 @@
 """Dense ``O(n m)`` versions of every op, on any array-API backend.
 
-They spell out the definitions (SPEC §2) with an explicit (..., n, m) kernel matrix and are the
+They spell out the definitions (see the mathematics page) with an explicit (..., n, m) kernel matrix and are the
 oracle of the tests; they are also a readable fallback for small problems. Computation runs in
 float64 where the backend has it; results come back in the inputs' dtype. Arguments follow the
 fast functions of the same name (without their validation: use them on well-formed input).

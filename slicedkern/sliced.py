@@ -1,5 +1,5 @@
 """Sliced kernels in R^d: random directions, multi-slice kernel sums and attention, energy distance,
-MMD and the radial profile of a sliced kernel (SPEC §2.5, §2.6).
+MMD and the radial profile of a sliced kernel.
 
 A sliced kernel averages a 1-D profile ``f`` over directions ``theta`` of the unit sphere::
 
@@ -215,7 +215,7 @@ def _sobol_points(rng, n_slices, dim):
 
 
 def directions(n_slices, dim, *, method="orthogonal", seed=None, like=None):
-    """Unit directions ``theta_1 .. theta_P`` of R^d for slicing.
+    """Unit directions ``theta_1, ..., theta_P`` of R^d for slicing.
 
     Parameters
     ----------
@@ -623,7 +623,7 @@ def energy_distance(x, y, *, directions=None, x_weights=None, y_weights=None, ch
     ``O(N log N)`` (``N = n + m``, one sort-scan :func:`slicedkern.kernel_sum` with the profile
     ``|r|``); in R^d (``d > 1``) it is the sliced estimate with the directions ``theta_p``, rescaled by
     ``1 / kappa_d``, ``kappa_d = Gamma(d/2) / (sqrt(pi) Gamma((d+1)/2)) = E_theta |theta_1|``, which is
-    unbiased over random directions (SPEC §2.5).
+    unbiased over random directions.
 
     Parameters
     ----------
@@ -915,7 +915,7 @@ class RadialProfile:
         return space.asarray(out, dtype=dtype, device=device)
 
     def _evaluate(self, r):
-        """``Phi`` on a float64 NumPy array (closed form, SPEC §2.5)."""
+        """``Phi`` on a float64 NumPy array (closed form)."""
         f, d = self.kernel, self.dim
         r = np.abs(r)
         if d == 1:                                          # theta = +-1

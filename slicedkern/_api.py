@@ -92,7 +92,11 @@ def _check_param_batch(value, name, batch):
     if isinstance(value, float):
         return
     shape = tuple(value.shape)
-    if len(shape) > len(batch) or broadcast_shapes(shape, batch) != tuple(batch):
+    try:
+        fits = len(shape) <= len(batch) and broadcast_shapes(shape, batch) == tuple(batch)
+    except ValueError:
+        fits = False
+    if not fits:
         raise ValueError(f"argument {name!r} of shape {tuple(value.shape)} does not broadcast to the batch "
                          f"shape {tuple(batch)} of the scores")
 

@@ -15,9 +15,10 @@ import array_api_compat as compat
 import numpy as np
 import pytest
 
-__all__ = ["ALL_BACKENDS", "Backend", "make_backend", "backend_context", "selected_backends",
-           "assert_meta", "assert_close", "assert_values_close", "rel_err", "to_numpy", "scan_atol",
-           "names_argument"]
+__all__ = ["ALL_BACKENDS", "Backend", "make_backend", "backend_context", "jax_x64", "selected_backends",
+           "require_selected", "assert_meta", "assert_close", "assert_values_close", "rel_err", "to_numpy",
+           "scan_atol", "attention_atol", "names_argument", "scaled_kernel", "tie_scores", "queries_on_knots",
+           "N", "M", "C"]
 
 #: Every backend the suite knows about; the last two need a GPU.
 ALL_BACKENDS = ("numpy", "array_api_strict", "torch", "jax", "cupy", "torch_cuda")
@@ -40,6 +41,13 @@ def selected_backends(config) -> tuple[str, ...]:
     """``--backend`` wins over the ``SLICEDKERN_BACKENDS`` environment variable; default: all."""
     option = config.getoption("--backend", default=None)
     return parse_backends(option if option is not None else os.environ.get(ENV_VAR))
+
+
+def require_selected(config, *names: str) -> None:
+    """Skip the calling test unless every backend in ``names`` is selected (``--backend`` / env)."""
+    missing = [n for n in names if n not in selected_backends(config)]
+    if missing:
+        pytest.skip(f"backend(s) {missing} not selected")
 
 
 @dataclass(frozen=True)

@@ -94,8 +94,8 @@ def test_reference_relu_attention_is_paper_eq3(rng):
     vt = v - v.mean(axis=0)
     num = np.array([sum(max(qi - kj, 0.0) * vt[j] for j, kj in enumerate(k)) for qi in q])
     den = np.array([sum(abs(qi - kj) for kj in k) for qi in q])
-    np.testing.assert_allclose(reference.relu_attention(q, k, v), num / den[:, None], rtol=1e-13)
-    np.testing.assert_allclose(slicedkern.relu_attention(q, k, v), num / den[:, None], rtol=1e-12)
+    np.testing.assert_allclose(reference.relu_attention(q, k, v), num / den[:, None], rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(slicedkern.relu_attention(q, k, v), num / den[:, None], rtol=1e-12, atol=1e-13)
 
 
 def test_reference_masked_hat_attention_is_paper_eq5(rng):
@@ -105,8 +105,8 @@ def test_reference_masked_hat_attention_is_paper_eq5(rng):
     num = np.array([sum(max(0.0, 1 - abs(qi - kj) / b) * v[j] for j, kj in enumerate(k) if mask[j])
                     for qi in q])
     expected = num / mask.sum()
-    np.testing.assert_allclose(reference.hat_attention(q, k, v, b, key_mask=mask), expected, rtol=1e-13)
-    np.testing.assert_allclose(slicedkern.hat_attention(q, k, v, b, key_mask=mask), expected, rtol=1e-12)
+    np.testing.assert_allclose(reference.hat_attention(q, k, v, b, key_mask=mask), expected, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(slicedkern.hat_attention(q, k, v, b, key_mask=mask), expected, rtol=1e-12, atol=1e-13)
 
 
 def test_masked_centring_uses_valid_keys_only(rng):

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import array_api_compat as compat
+import numpy as np
 
 from . import _grad, _ops
 from ._scan import Profile
+from ._engine import engine_for
 from .kernels import Abs, PiecewiseLinear, ReLU
 
 __all__ = ["AttentionSpec", "KernelSumSpec", "forward", "backward"]
@@ -138,8 +140,43 @@ def _sum_to(xp, grad, shape):
     return xp.reshape(grad, shape)
 
 
+def _sweep_profile(profile: Profile, batch) -> dict:
+    """A profile as the sweep engine takes it: NumPy knot / coefficient arrays (M,) or (..., M)."""
+    def host(value):
+        if isinstance(value, float):
+            return value
+        if hasattr(value, "detach"):
+            value = value.detach().cpu()
+        return np.asarray(value, dtype=np.float64)
+
+    knots = [host(t) for t in profile.knots]
+    coeffs = [host(c) for c in profile.coeffs]
+    if all(isinstance(v, float) for v in knots + coeffs):
+        return {"knots": np.asarray(knots, dtype=np.float64), "coeffs": np.asarray(coeffs, dtype=np.float64),
+                "slope": float(profile.slope), "intercept": float(profile.intercept)}
+
+    def stack(values):
+        return np.stack([np.broadcast_to(np.asarray(v, dtype=np.float64), batch) for v in values], axis=-1)
+
+    return {"knots": stack(knots), "coeffs": stack(coeffs), "slope": float(profile.slope),
+            "intercept": float(profile.intercept)}
+
+
 def forward(spec, arrays, *, xp):
-    """``(out, residuals)``: the output in the work dtype and what :func:`backward` needs."""
+    """``(out, residuals)``: the output in the work dtype and what :func:`backward` needs.
+
+    The engine is :func:`slicedkern.engine_for` the first array's: the array-API scan, or the fused
+    sweep (which keeps no residuals; its backward recomputes the per-query normaliser sums).
+    """
+    if engine_for(arrays[0]) == "sweep":
+        from . import _sweep
+        batch = tuple(arrays[0].shape[:-1])
+        if isinstance(spec, KernelSumSpec):
+            return _sweep.kernel_sum(*arrays, **_sweep_profile(Profile.of(spec.kernel), batch)), ()
+        q, k, v, mask, params = _unpack(spec, arrays)
+        out = _sweep.attention(q, k, v, mask, center=spec.center, normalizer=spec.normalize, eps=spec.eps,
+                               **_sweep_profile(_profile(spec, params), batch))
+        return out, (out, None)
     if isinstance(spec, KernelSumSpec):
         x, y, w = arrays
         return _ops.kernel_sum(x, y, w, Profile.of(spec.kernel), xp=xp), ()
@@ -151,8 +188,14 @@ def forward(spec, arrays, *, xp):
 
 def backward(spec, arrays, residuals, cotangent, *, xp):
     """Cotangents for every array of ``arrays`` (``None`` for the mask)."""
+    engine = engine_for(arrays[0])
     if isinstance(spec, KernelSumSpec):
         x, y, w = arrays
+        if engine == "sweep":
+            from . import _sweep
+            dx, dy, dw = _sweep.kernel_sum_vjp(
+                x, y, w, g=cotangent, **_sweep_profile(Profile.of(spec.kernel), tuple(x.shape[:-1])))
+            return xp.astype(dx, x.dtype), xp.astype(dy, y.dtype), xp.astype(dw, w.dtype)
         dx, dy, dw, _ = _grad.kernel_sum_vjp(x, y, w, Profile.of(spec.kernel), cotangent, xp=xp)
         return dx, dy, xp.astype(dw, w.dtype)
     q, k, v, mask, params = _unpack(spec, arrays)
@@ -160,7 +203,7 @@ def backward(spec, arrays, residuals, cotangent, *, xp):
     profile = _profile(spec, params)
     dq, dk, dv, (dknots, dcoeffs) = _grad.attention_vjp(
         q, k, v, profile, cotangent, out, aux, key_mask=mask, center=spec.center,
-        normalizer=_normalizer(spec), eps=spec.eps, xp=xp)
+        normalizer=_normalizer(spec), eps=spec.eps, xp=xp, engine=engine)
     grads = [dq, dk, xp.astype(dv, v.dtype)]
     if spec.has_mask:
         grads.append(None)

@@ -9,7 +9,6 @@ says which engine a given array would get.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import importlib.util
 
 import array_api_compat as compat
@@ -17,7 +16,8 @@ import array_api_compat as compat
 __all__ = ["ENGINES", "use_engine", "engine_for", "sweep_available"]
 
 ENGINES = ("auto", "scan", "sweep")
-_choice: contextvars.ContextVar[str] = contextvars.ContextVar("slicedkern_engine", default="auto")
+# A plain list (a stack of choices), not a ContextVar: torch.compile cannot trace ContextVar.get.
+_choice: list = ["auto"]
 
 
 def sweep_available() -> bool:
@@ -39,24 +39,27 @@ def use_engine(name: str):
         raise ValueError(f"argument 'name' must be one of {ENGINES}, got {name!r}")
     if name == "sweep" and not sweep_available():
         raise ValueError("the 'sweep' engine needs numba: pip install numba")
-    token = _choice.set(name)
+    _choice.append(name)
     try:
         yield
     finally:
-        _choice.reset(token)
+        _choice.pop()
 
 
 def _sweep_serves(array) -> bool:
     if compat.is_numpy_array(array):
         return True
     if compat.is_torch_array(array):
-        return array.device.type == "cpu"
+        import torch
+        # Compiled and functorch-transformed graphs need traceable torch ops: the scan.
+        return (array.device.type == "cpu" and not torch.compiler.is_compiling()
+                and not torch._C._functorch.is_functorch_wrapped_tensor(array))
     return False
 
 
 def engine_for(array) -> str:
     """The engine a call on ``array`` runs with now: "scan" or "sweep"."""
-    choice = _choice.get()
+    choice = _choice[-1]
     if choice == "scan":
         return "scan"
     serves = _sweep_serves(array)
@@ -65,9 +68,4 @@ def engine_for(array) -> str:
             raise ValueError(f"the 'sweep' engine runs on NumPy arrays and CPU torch tensors, not "
                              f"{type(array).__module__}.{type(array).__name__}")
         return "sweep"
-    return "sweep" if serves and sweep_available() and _sweep_ready() else "scan"
-
-
-def _sweep_ready() -> bool:
-    """The fused engine is wired in once ``slicedkern._sweep`` exists."""
-    return importlib.util.find_spec("slicedkern._sweep") is not None and False
+    return "sweep" if serves and sweep_available() else "scan"

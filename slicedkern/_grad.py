@@ -22,7 +22,7 @@ from typing import Sequence
 
 import array_api_compat as compat
 
-from ._scan import Profile, knot_sums, profile_sums, sort_keys
+from ._scan import Profile, knot_sums, profile_sums, sort_keys, queries
 from ._wide import arithmetic
 
 __all__ = ["profiles_vjp", "kernel_sum_vjp", "attention_vjp"]
@@ -36,7 +36,8 @@ def _width(profile: Profile, c: int) -> range:
     return range(c)[profile.columns]
 
 
-def profiles_vjp(x, y, w, profiles: Sequence[Profile], cotangents, *, xp, param_grads=True):
+def profiles_vjp(x, y, w, profiles: Sequence[Profile], cotangents, *, xp, param_grads=True,
+                 engine="scan"):
     """Pull cotangents of several profile sums of one ``(x, y, w)`` back to the inputs.
 
     Parameters
@@ -49,6 +50,8 @@ def profiles_vjp(x, y, w, profiles: Sequence[Profile], cotangents, *, xp, param_
         One per profile, in the work dtype.
     param_grads : bool
         Also return gradients for array knots and coefficients.
+    engine : {"scan", "sweep"}
+        The sweep runs one fused backward per profile; parameter gradients always use the scan.
 
     Returns
     -------
@@ -59,10 +62,12 @@ def profiles_vjp(x, y, w, profiles: Sequence[Profile], cotangents, *, xp, param_
     work = x.dtype
     ar = arithmetic(xp, work)
     c = w.shape[-1]
+    if engine == "sweep":
+        return _sweep_profiles_vjp(x, y, w, profiles, cotangents, xp=xp, ar=ar, param_grads=param_grads)
 
     # dx: derivative sums over the forward sort of the keys.
     sk = sort_keys(y, w, xp=xp, ar=ar)
-    xs = ar.shift(x, sk.shift)
+    xs = queries(x, sk, ar=ar)
     derivs = profile_sums(xs, sk, [p.with_(derivative=True) for p in profiles], xp=xp, ar=ar)
     dx = None
     for d, g in zip(derivs, cotangents):
@@ -72,7 +77,7 @@ def profiles_vjp(x, y, w, profiles: Sequence[Profile], cotangents, *, xp, param_
     # dw and dy: one sort of the queries carrying every cotangent.
     stacked = xp.concat(list(cotangents), axis=-1)
     skx = sort_keys(x, stacked, xp=xp, ar=ar)
-    ys = ar.shift(y, skx.shift)
+    ys = queries(y, skx, ar=ar)
     offsets, start = [], 0
     for g in cotangents:
         offsets.append(slice(start, start + g.shape[-1]))
@@ -96,6 +101,40 @@ def profiles_vjp(x, y, w, profiles: Sequence[Profile], cotangents, *, xp, param_
     zero_col = _zeros(xp, y, y.shape)
     dw = xp.stack([part if part is not None else zero_col for part in dw_parts], axis=-1)
 
+    return dx, dy, dw, _param_grads(sk, xs, profiles, cotangents, xp=xp, ar=ar, param_grads=param_grads)
+
+
+def _sweep_profiles_vjp(x, y, w, profiles, cotangents, *, xp, ar, param_grads):
+    """:func:`profiles_vjp` by the fused sweep: one backward sweep pair per profile."""
+    from . import _sweep
+    from ._diff import _sweep_profile
+    batch = tuple(x.shape[:-1])
+    c = w.shape[-1]
+    dx = dy = None
+    dw_parts = [None] * c
+    for p, g in zip(profiles, cotangents):
+        cols = _width(p, c)
+        px, py, pw = _sweep.kernel_sum_vjp(x, y, w[..., cols.start:cols.stop:cols.step], g=g,
+                                           **_sweep_profile(p, batch))
+        dx = px if dx is None else dx + px
+        dy = py if dy is None else dy + py
+        for local, col in enumerate(cols):
+            dw_parts[col] = pw[..., local] if dw_parts[col] is None else dw_parts[col] + pw[..., local]
+    zero_col = _zeros(xp, y, y.shape)
+    dw = xp.stack([part if part is not None else zero_col for part in dw_parts], axis=-1)
+    needs_params = param_grads and any(not (isinstance(t, float) and isinstance(c_, float))
+                                       for p in profiles for t, c_ in zip(p.knots, p.coeffs))
+    if needs_params:
+        sk = sort_keys(y, w, xp=xp, ar=ar)
+        params = _param_grads(sk, queries(x, sk, ar=ar), profiles, cotangents, xp=xp, ar=ar,
+                              param_grads=True)
+    else:
+        params = [(tuple(None for _ in p.knots), tuple(None for _ in p.coeffs)) for p in profiles]
+    return dx, dy, dw, params
+
+
+def _param_grads(sk, xs, profiles, cotangents, *, xp, ar, param_grads):
+    """``(dknots, dcoeffs)`` per profile for its array knots and coefficients (None for floats)."""
     params = []
     for p, g in zip(profiles, cotangents):
         dknots, dcoeffs = [], []
@@ -112,7 +151,7 @@ def profiles_vjp(x, y, w, profiles: Sequence[Profile], cotangents, *, xp, param_
             dcoeffs.append(None if isinstance(coeff, float) else
                            xp.sum(xp.sum(g * relu, axis=-1), axis=-1))
         params.append((tuple(dknots), tuple(dcoeffs)))
-    return dx, dy, dw, params
+    return params
 
 
 def kernel_sum_vjp(x, y, w, profile: Profile, g, *, xp):
@@ -130,17 +169,20 @@ def _nan_rows(xp, dx, dy, dw, q_ok, row_ok):
 
 
 def attention_vjp(q, k, v, profile: Profile, gout, out, aux, *, key_mask, center, normalizer, eps,
-                  xp):
+                  xp, engine="scan"):
     """VJP of :func:`slicedkern._ops.attention`.
 
     ``out`` is the forward output and ``aux`` the per-query residuals it returned (``relu_count``:
-    the profile summed over the valid-key indicator; ``den``: the unclamped normaliser sum).
+    the profile summed over the valid-key indicator; ``den``: the unclamped normaliser sum), or
+    ``None`` (the sweep keeps none): then they are recomputed here, one sort-scan of one column each.
     Returns ``(dq, dk, dv, (dknots, dcoeffs))``.
     """
     from ._ops import sanitize_keys
     dv_ = v.shape[-1]
     work = q.dtype
     q, k, v, q_ok, row_ok = sanitize_keys(xp, q, k, v, key_mask)
+    if aux is None:
+        aux = _attention_aux(q, k, profile, key_mask, row_ok, normalizer, xp=xp, engine=engine)
     take = aux["take"]
     zero = xp.asarray(0.0, dtype=work, device=compat.device(q))
     gout = xp.where(q_ok[..., None] & row_ok[..., None, None], xp.astype(gout, work), zero)
@@ -155,6 +197,7 @@ def attention_vjp(q, k, v, profile: Profile, gout, out, aux, *, key_mask, center
         den = aux["den"] if isinstance(normalizer, Profile) else count
         clamp_floor = eps if isinstance(normalizer, Profile) else 1.0
         den_c = xp.clip(den, min=clamp_floor)
+        den_c = xp.where(den_c > 0, den_c, xp.ones_like(den_c))     # eps = 0, empty sum: as the forward
         gnum = gout / den_c
     g_count = _zeros(xp, q, q.shape + (1,))
     if center:
@@ -167,7 +210,7 @@ def attention_vjp(q, k, v, profile: Profile, gout, out, aux, *, key_mask, center
         gden = xp.where(aux["den"] >= eps, gden, zero)
         profiles.append(normalizer.with_(columns=slice(dv_, dv_ + 1)))
         cotangents.append(gden)
-    dq, dk, dw, params = profiles_vjp(q, k, w, profiles, cotangents, xp=xp)
+    dq, dk, dw, params = profiles_vjp(q, k, w, profiles, cotangents, xp=xp, engine=engine)
     dv = dw[..., :dv_]
     if center:
         g_mean = -xp.sum(aux["relu_count"] * gnum, axis=-2, keepdims=True)   # (..., 1, Dv)
@@ -175,3 +218,25 @@ def attention_vjp(q, k, v, profile: Profile, gout, out, aux, *, key_mask, center
     dv = dv * takef[..., None]
     dq, dk, dv = _nan_rows(xp, dq, dk, dv, q_ok, row_ok)
     return dq, dk, dv, params[0]
+
+
+def _attention_aux(q, k, profile, key_mask, row_ok, normalizer, *, xp, engine):
+    """The per-query residuals of :func:`slicedkern._ops.attention`, recomputed from the inputs."""
+    take = xp.broadcast_to(row_ok[..., None], k.shape)
+    if key_mask is not None:
+        take = take & key_mask
+    ones = xp.astype(take, q.dtype)[..., None]
+    profiles = [profile] + ([normalizer] if isinstance(normalizer, Profile) else [])
+    if engine == "sweep":
+        from . import _sweep
+        from ._diff import _sweep_profile
+        sums = [_sweep.kernel_sum(q, k, ones, **_sweep_profile(p, tuple(q.shape[:-1]))) for p in profiles]
+    else:
+        ar = arithmetic(xp, q.dtype)
+        sk = sort_keys(k, ones, xp=xp, ar=ar)
+        sums = [ar.value(s) for s in profile_sums(queries(q, sk, ar=ar), sk, profiles, xp=xp, ar=ar,
+                                                  strict=True)]
+    aux = {"take": take, "relu_count": sums[0]}
+    if len(sums) > 1:
+        aux["den"] = sums[1]
+    return aux

@@ -6,8 +6,12 @@ For queries ``x`` (..., n), keys ``y`` (..., m) and weights ``w`` (..., m, c), e
 * one stable sort of the keys, carrying the weights along (``perm``);
 * one exclusive prefix sum of ``[w, y * w]`` over the sorted keys, in the work dtype (float64
   where the backend has it, SPEC §4);
-* per knot ``t``, one batched rank search ``r = #{j : y_j <= x_i - t}`` and one gather:
-  ``sum_j ReLU(x_i - t - y_j) w_j = s P0[r] - P1[r]`` and ``sum_j H(x_i - t - y_j) w_j = P0[r]``.
+* per knot ``t``, one batched rank search ``r = #{j : y_j <= x_i - t}``:
+  ``sum_j ReLU(x_i - t - y_j) w_j = s P0[r] - P1[r]`` and ``sum_j H(x_i - t - y_j) w_j = P0[r]``;
+* per profile, one *combination*: ``sum_k a_k[i] * table[r_k[i]]``, the rows of every knot (and the
+  totals row, for the linear part) gathered, weighted per query and summed in one step
+  (:func:`combine_sums`, ``ar.combine``; on torch one ``embedding_bag``), so that the (n, c) result
+  is written once, with any per-query factor (a normaliser) folded into the weights.
 
 Queries stay in their own order: there is no inverse permutation and no scatter. Keys and queries
 are shifted by the median key first, so that ``s P0 - P1`` cancels as little as possible for
@@ -24,9 +28,10 @@ from typing import Any, NamedTuple, Sequence
 
 import array_api_compat as compat
 
-from .backends import searchsorted_right, take_rows
+from .backends import searchsorted_right
 
-__all__ = ["Profile", "SortedKeys", "sort_keys", "knot_sums", "profile_sums"]
+__all__ = ["Profile", "SortedKeys", "sort_keys", "knot_sums", "profile_sums", "searches",
+           "profile_terms", "combine_sums"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,23 @@ class SortedKeys(NamedTuple):
     prefix: Any   # (..., m + 1, 2c): exclusive prefix sums [P0 | P1] over the sorted keys, wide
     perm: Any     # (..., m) the sorting permutation
     shift: Any    # (..., 1) the median key subtracted from keys and queries
+    raw: Any      # (..., m) the sorted keys themselves (ties are decided on them, exactly)
+
+
+class Queries(NamedTuple):
+    """Queries as the sort-scan uses them: ``raw`` to decide ties exactly, ``wide`` for arithmetic."""
+
+    raw: Any      # (..., n) the queries, plain
+    wide: Any     # (..., n) the queries minus the keys' ``shift``, a wide value
+
+    @property
+    def shape(self):
+        return self.raw.shape
+
+
+def queries(x, sk: SortedKeys, *, ar) -> Queries:
+    """``x`` (..., n) prepared for :func:`profile_sums` against the keys ``sk``."""
+    return Queries(x, ar.shift(x, sk.shift))
 
 
 def _is_zero(value) -> bool:
@@ -89,30 +111,33 @@ def _batch(value, extra_dims: int):
     return value
 
 
-def sort_keys(y, w, *, xp, ar) -> SortedKeys:
+def sort_keys(y, w, *, xp, ar, take=None, ones=False) -> SortedKeys:
     """Sort ``y`` (..., m) once and build the exclusive prefix sums of ``[w, y w]`` (..., m, c).
 
     ``y`` must already be in the work dtype; ``w`` may be narrower (it is widened while the table is
-    built, so the gather moves the narrow values). Leading shapes must be equal.
+    built, so the gather moves the narrow values). Leading shapes must be equal. ``ones`` appends a
+    weight column of ones (the valid-key indicator of attention, without a concatenated copy of
+    ``w``); ``take`` (..., m) zeroes the weights (that column included) of the keys that take no
+    part, whatever they hold.
     """
     m = y.shape[-1]
     perm = xp.argsort(y, axis=-1, stable=True)
     keys = xp.take_along_axis(y, perm, axis=-1)
     mid = m // 2
     shift = keys[..., mid:mid + 1]
+    raw = keys
     keys = ar.shift(keys, shift)
-    prefix = ar.table(keys, take_rows(xp, w, perm))
-    return SortedKeys(keys, prefix, perm, shift)
+    prefix = ar.table(keys, w, perm, take=take, ones=ones)
+    return SortedKeys(keys, prefix, perm, shift, raw)
 
 
-def knot_sums(sk: SortedKeys, xs, knot, *, xp, ar, strict=False):
-    """``(relu, step, rank)`` for one knot ``t`` and shifted queries ``xs`` (..., n).
+def knot_sums(sk: SortedKeys, xs: Queries, knot, *, xp, ar, strict=False):
+    """``(relu, step, rank)`` for one knot ``t`` and queries ``xs`` (..., n).
 
     ``relu[..., i, :] = sum_j ReLU(xs_i - t - y_j) w_j`` and ``step[..., i, :] = sum_j H(xs_i - t - y_j)
     w_j`` (with ``H(0) = 1``), both (..., n, c); ``rank`` (..., n) is the number of keys ``<= xs_i - t``.
     """
-    s = xs if _is_zero(knot) else ar.sub(xs, _batch(knot, 1))
-    rank = searchsorted_right(xp, ar.hi(sk.keys), ar.hi(s), strict=strict)
+    s, rank = _search(sk, xs, knot, xp=xp, ar=ar, strict=strict)
     gathered = ar.gather(sk.prefix, rank)
     c = gathered.shape[-1] // 2
     step = gathered[..., :c]
@@ -120,66 +145,113 @@ def knot_sums(sk: SortedKeys, xs, knot, *, xp, ar, strict=False):
     return relu, step, rank
 
 
+def _search(sk: SortedKeys, xs: Queries, knot, *, xp, ar, strict):
+    """``(s, rank)``: the shifted queries ``s = x - t - shift`` and their rank among the sorted keys.
+
+    The rank counts the keys ``y <= x - t`` (``<`` when ``strict``) exactly, whatever the rounding:
+    it is decided on the unshifted values, with ``fl(x - t)`` moved down one ulp when the exact
+    difference lies below it (its TwoSum error), so that a tie ``x - y = t`` is a tie in every
+    engine and both passes of the backward count it on the same side.
+    """
+    s = xs.wide if _is_zero(knot) else ar.sub(xs.wide, _batch(knot, 1))
+    x = xs.raw
+    down = xp.asarray(-float("inf"), dtype=x.dtype, device=compat.device(x))
+    if _is_zero(knot):
+        threshold = xp.nextafter(x, down) if strict else x
+    else:
+        t = _batch(knot, 1)
+        rounded = x - t
+        back = rounded - x
+        error = (x - (rounded - back)) + (-t - back)        # x - t = rounded + error, exactly
+        below = xp.nextafter(rounded, down)
+        threshold = (xp.where(error > 0, rounded, below) if strict else
+                     xp.where(error < 0, below, rounded))
+    return s, searchsorted_right(xp, sk.raw, threshold)
+
+
 def _knot_id(knot):
     return ("value", float(knot)) if isinstance(knot, (int, float)) else ("array", id(knot))
 
 
-def profile_sums(xs, sk: SortedKeys, profiles: Sequence[Profile], *, xp, ar, strict=False):
+def searches(xs: Queries, sk: SortedKeys, profiles: Sequence[Profile], *, xp, ar, strict=False) -> dict:
+    """One rank search per distinct knot of ``profiles`` (equal by value, or arrays by identity)."""
+    found: dict = {}
+    for prof in profiles:
+        for knot in prof.knots:
+            if _knot_id(knot) not in found:
+                found[_knot_id(knot)] = (knot, _search(sk, xs, knot, xp=xp, ar=ar, strict=strict))
+    return found
+
+
+def profile_terms(prof: Profile, xs: Queries, found: dict, *, ar) -> list:
+    """The profile sum as ``combine`` terms ``(rank or None, part, weight)``.
+
+    Value: ``sum_m c_m (s_m P0[r_m] - P1[r_m]) + (intercept + slope xs) P0[m] - slope P1[m]``;
+    derivative: ``sum_m c_m P0[r_m] + slope P0[m]`` (``[m]``: the totals row).
+    """
+    terms = []
+    for knot, coeff in zip(prof.knots, prof.coeffs):
+        if _is_zero(coeff):
+            continue
+        s, rank = found[_knot_id(knot)][1]
+        coeff = _batch(coeff, 1)
+        if prof.derivative:
+            terms.append((rank, 0, coeff))
+        else:
+            terms.append((rank, 0, s if _is_one(coeff) else ar.scale(s, coeff)))
+            terms.append((rank, 1, -coeff))
+    slope, intercept = _batch(prof.slope, 1), _batch(prof.intercept, 1)
+    if prof.derivative:
+        if not _is_zero(slope):
+            terms.append((None, 0, slope))
+    else:
+        linear = None if _is_zero(slope) else (xs.wide if _is_one(slope) else ar.scale(xs.wide, slope))
+        if not _is_zero(intercept):
+            linear = intercept if linear is None else ar.add(linear, intercept)
+        if linear is not None:
+            terms.append((None, 0, linear))
+        if not _is_zero(slope):
+            terms.append((None, 1, -slope))
+    return terms
+
+
+def combine_sums(xs: Queries, sk: SortedKeys, terms, columns, *, xp, ar, divisor=None, cache=None):
+    """``sum(terms) / divisor`` over ``columns`` of the table: a wide (..., n, ncols) value.
+
+    ``terms`` as :func:`profile_terms` makes them (zeros if there is none); ``divisor`` (..., n), plain.
+    """
+    width = len(range(sk.prefix.shape[-1] // 2)[columns])
+    shape = tuple(xs.shape) + (width,)
+    out = ar.combine(sk.prefix, terms, columns, divisor=divisor, cache=cache) if terms else None
+    if out is None or tuple(out.shape) != shape:
+        zeros = ar.lift(xp.zeros(shape, dtype=xs.raw.dtype, device=compat.device(xs.raw)))
+        if out is None and divisor is not None:
+            out = ar.div(zeros, divisor[..., None])        # NaN where the divisor is
+        out = zeros if out is None else ar.add(zeros, out)
+    return out
+
+
+def profile_sums(xs: Queries, sk: SortedKeys, profiles: Sequence[Profile], *, xp, ar, strict=False):
     """Evaluate several profiles over column slices of one sorted key set, sharing rank searches.
 
     Parameters
     ----------
-    xs : wide value, shape (..., n)
-        Queries already shifted by ``sk.shift``.
+    xs : Queries, shape (..., n)
+        From :func:`queries`.
     sk : SortedKeys
     profiles : sequence of Profile
         Knots equal by value (floats) or identity (arrays) are searched once for all profiles.
     strict : bool
-        Step sums count keys ``< x - t`` instead of ``<=`` (``H(0) = 0``).
+        Count keys ``< x - t`` instead of ``<=``: step sums get ``H(0) = 0``. Value sums do not depend
+        on it (``ReLU(0) = 0``) except through rounding: the forward passes ``strict=True``, so a query
+        on or below every key gets an exactly zero ReLU sum rather than a residue of ``s P0 - P1`` that
+        an ``eps``-clamped normaliser would amplify (and both engines agree on it).
 
     Returns
     -------
     list of wide values (see :mod:`slicedkern._wide`), one per profile, shape (..., n, c_profile).
     """
-    totals = sk.prefix[..., -1:, :]                      # (..., 1, 2c)
-    c = totals.shape[-1] // 2
-    total0, total1 = totals[..., :c], totals[..., c:]
-    def add(total, term):
-        return term if total is None else ar.add(total, term)
-
-    def times(part, coeff):
-        return part if _is_one(coeff) else ar.scale(part, _batch(coeff, 2))
-
-    outs = []
-    for prof in profiles:
-        cols = prof.columns
-        out = None
-        if prof.derivative:
-            if not _is_zero(prof.slope):
-                out = times(total0[..., cols], prof.slope)
-        else:
-            if not _is_zero(prof.intercept):
-                out = times(total0[..., cols], prof.intercept)
-            if not _is_zero(prof.slope):
-                linear = ar.sub(ar.mul(xs[..., None], total0[..., cols]), total1[..., cols])
-                out = add(out, times(linear, prof.slope))
-        outs.append(out)
-
-    order: dict = {}
-    for p, prof in enumerate(profiles):
-        for knot, coeff in zip(prof.knots, prof.coeffs):
-            order.setdefault(_knot_id(knot), (knot, []))[1].append((p, coeff))
-    for knot, users in order.values():
-        relu, step, _ = knot_sums(sk, xs, knot, xp=xp, ar=ar, strict=strict)
-        for p, coeff in users:
-            prof = profiles[p]
-            outs[p] = add(outs[p], times((step if prof.derivative else relu)[..., prof.columns], coeff))
-
-    n = xs.shape[-1]
-    for p, (out, prof) in enumerate(zip(outs, profiles)):
-        width = total0[..., prof.columns].shape[-1]
-        zeros = ar.lift(xp.zeros(tuple(xs.shape) + (width,), dtype=ar.hi(xs).dtype,
-                                 device=compat.device(ar.hi(xs))))
-        if out is None or out.shape[-2] != n or tuple(out.shape) != tuple(zeros.shape):
-            outs[p] = zeros if out is None else ar.add(zeros, out)
-    return outs
+    found = searches(xs, sk, profiles, xp=xp, ar=ar, strict=strict)
+    cache: dict = {}
+    return [combine_sums(xs, sk, profile_terms(prof, xs, found, ar=ar), prof.columns, xp=xp, ar=ar,
+                         cache=cache) for prof in profiles]

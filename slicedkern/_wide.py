@@ -12,6 +12,11 @@ float32. Two interchangeable implementations share one interface:
   in ``log2 m`` fully parallel steps; nothing here is sequential or value-dependent, so it traces
   under ``jax.jit``.
 
+Both also build the prefix table (``table``) and evaluate ``combine``: the per-query weighted sum
+of gathered table rows that every profile sum reduces to (:mod:`slicedkern._scan`). ``Plain`` hands it
+to :func:`slicedkern.backends.combine_rows` (one ``embedding_bag`` on torch) with a per-query divisor
+folded into the weights; ``DoubleFloat`` sums pair products and divides last.
+
 Slicing with ``value[..., i:j]`` and ``value[..., None]`` works on both representations.
 """
 
@@ -19,9 +24,13 @@ from __future__ import annotations
 
 import array_api_compat as compat
 
-from .backends import prefix_table, take_rows
+from .backends import combine_rows, prefix_table, sorted_weights, take_rows, materialize
 
 __all__ = ["arithmetic", "Plain", "DoubleFloat", "Pair"]
+
+
+def _is_one(value) -> bool:
+    return isinstance(value, (int, float)) and value == 1
 
 
 def arithmetic(xp, work):
@@ -65,11 +74,25 @@ class Plain:
     def div(self, a, c):
         return a / c
 
-    def table(self, keys, weights):
-        return prefix_table(self.xp, keys, weights)
+    def table(self, keys, weights, perm, take=None, ones=False):
+        return prefix_table(self.xp, keys, weights, perm, take=take, ones=ones)
 
     def gather(self, table, index):
         return take_rows(self.xp, table, index)
+
+    def combine(self, table, terms, columns, divisor=None, cache=None):
+        """``sum_k weight_k * table[..., index_k, part_k, columns] / divisor`` (see ``combine_rows``).
+
+        ``terms`` are ``(index, part, weight)`` with ``index`` (..., n) or ``None`` (the totals row)
+        and ``weight`` a float or an array broadcastable to (..., n). ``1 / divisor`` (..., n) is
+        folded into the weights, so the (n, columns) result is written once.
+        """
+        weights = [w for _, _, w in terms]
+        if divisor is not None:
+            scale = 1.0 / divisor
+            weights = [scale if _is_one(w) else scale * w for w in weights]
+        return combine_rows(self.xp, table, [t[0] for t in terms], [t[1] for t in terms], weights, columns,
+                            cache=cache)
 
 
 class Pair:
@@ -184,11 +207,11 @@ class DoubleFloat:
             r = r + al
         return self._new(q, r / c)
 
-    def table(self, keys, weights):
+    def table(self, keys, weights, perm, take=None, ones=False):
         """Exclusive double-float prefix sums of ``[w, y w]``; ``keys`` is a pair, ``weights`` plain."""
         xp = self.xp
         kh, kl = self._parts(keys)
-        w = xp.astype(weights, kh.dtype)
+        w = sorted_weights(xp, weights, perm, kh.dtype, take=take, ones=ones)
         p, e = self._two_prod(kh[..., None], w)
         e = e + kl[..., None] * w
         hi = xp.concat([w, p], axis=-1)
@@ -203,10 +226,33 @@ class DoubleFloat:
             sh = xp.concat([pad, hi[..., :n - step, :]], axis=-2)
             sl = xp.concat([pad, lo[..., :n - step, :]], axis=-2)
             s, err = self._two_sum(hi, sh)
-            hi, lo = self._fast_two_sum(s, err + lo + sl)
+            hi, lo = materialize(self.xp, *self._fast_two_sum(s, err + lo + sl))
             step *= 2
         return self._new(hi, lo)
 
     def gather(self, table, index):
         hi, lo = self._parts(table)
         return self._new(take_rows(self.xp, hi, index), take_rows(self.xp, lo, index))
+
+    def combine(self, table, terms, columns, divisor=None, cache=None):
+        """:meth:`Plain.combine` in double-float: gathered rows times weights, summed, then divided."""
+        c = self.hi(table).shape[-1] // 2
+        cache = {} if cache is None else cache
+        acc = None
+        for index, part, weight in terms:
+            if index is None:
+                rows = table[..., -1:, :]
+            else:
+                rows = cache.get(id(index))
+                if rows is None:
+                    rows = cache[id(index)] = (index, self.gather(table, index))
+                rows = rows[1]
+            block = rows[..., part * c:(part + 1) * c][..., columns]
+            if isinstance(weight, (int, float)):
+                term = block if weight == 1 else self.scale(block, weight)
+            else:
+                term = self.mul(block, weight[..., None])
+            acc = term if acc is None else self.add(acc, term)
+        if divisor is not None:
+            acc = self.div(acc, divisor[..., None])
+        return acc

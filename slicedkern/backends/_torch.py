@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def searchsorted_right(sorted_keys, values, strict=False):
+def searchsorted_right(sorted_keys, values):
     """torch's native batched ``searchsorted`` (leading shapes must match exactly)."""
-    return torch.searchsorted(sorted_keys.contiguous(), values.contiguous(), right=not strict)
+    return torch.searchsorted(sorted_keys.contiguous(), values.contiguous(), right=True)
 
 
 def take_rows(table, index):
@@ -18,21 +18,163 @@ def take_rows(table, index):
     return torch.gather(table, -2, index[..., None].expand(*index.shape, table.shape[-1]))
 
 
-def prefix_table(keys, weights):
-    """One allocation: write ``[w, y w]`` below a zero row, then an in-place cumulative sum."""
-    m, c = weights.shape[-2], weights.shape[-1]
-    table = torch.empty((*weights.shape[:-2], m + 1, 2 * c), dtype=keys.dtype, device=keys.device)
-    table[..., 0, :] = 0
-    table[..., 1:, :c] = weights
-    table[..., 1:, c:] = table[..., 1:, :c]
-    table[..., 1:, c:] *= keys[..., None]
-    return table.cumsum_(-2)
+def finite_rows(values):
+    """(...) whether all of ``values`` (..., m, c) is finite: one ``aminmax`` pass, no boolean temporaries."""
+    flat = values.flatten(-2)
+    if flat.shape[-1] == 0:
+        return torch.ones(flat.shape[:-1], dtype=torch.bool, device=values.device)
+    lo, hi = torch.aminmax(flat, dim=-1)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+#: Rows per block of the CPU prefix sum: a block of a (rows, 2C) float64 table stays in cache while
+#: each of its columns is summed.
+_BLOCK = 64
+
+
+def _cumsum_rows_(table):
+    """In-place inclusive cumulative sum of ``table`` (nb, M, C) along its rows.
+
+    torch's CPU ``cumsum`` walks each column from top to bottom in turn: over a large row-major
+    table every walk reloads the rows' cache lines. Summing blocks of rows in cache, then adding the
+    running block totals, reads the table twice instead of once per column group.
+    """
+    nb, rows, width = table.shape
+    nblocks = rows // _BLOCK
+    if table.device.type != "cpu" or width < 8 or nblocks < 4:
+        return table.cumsum_(-2)
+    main = table[:, :nblocks * _BLOCK].view(nb, nblocks, _BLOCK, width)
+    main.cumsum_(-2)
+    running = main[:, :, -1, :].cumsum(-2)               # (nb, nblocks, C) totals of blocks 0..b
+    main[:, 1:].add_(running[:, :-1, None, :])
+    rest = table[:, nblocks * _BLOCK:]
+    if rest.shape[1]:
+        rest.cumsum_(-2)
+        rest.add_(running[:, -1:, :])
+    return table
+
+
+def prefix_table(keys, weights, perm, take=None, ones=False):
+    """:func:`slicedkern.backends.prefix_table` in one allocation and no temporaries.
+
+    The table is laid out as (..., m + 1, 2, C) rows. Its ``y w`` half first holds the unsorted
+    weights (cast on the copy, a zero row first); one ``index_select`` writes them in key order
+    into the ``w`` half (keys that take no part read the zero row: nothing of theirs is read); one
+    multiply by the sorted keys fills the ``y w`` half; then the prefix sum runs in place.
+    """
+    lead, m = tuple(perm.shape[:-1]), perm.shape[-1]
+    c = weights.shape[-1]
+    width = c + int(bool(ones))
+    nb = 1
+    for size in lead:
+        nb *= size
+    dev, dt = keys.device, keys.dtype
+    with torch.no_grad():
+        table = torch.empty((nb, m + 1, 2, width), dtype=dt, device=dev)
+        src = table.view(*lead, m + 1, 2, width)[..., 1, :]
+        src[..., 0, :] = 0
+        src[..., 1:, :c] = weights
+        if ones:
+            src[..., 1:, c] = 1
+        base = torch.arange(nb, device=dev)[:, None] * (m + 1)
+        index = torch.empty((nb, m + 1), dtype=torch.int64, device=dev)
+        index[:, :1] = base
+        order = perm.reshape(nb, m)
+        if take is None:
+            index[:, 1:] = order + (base + 1)
+        else:
+            keep = torch.gather(take.reshape(nb, m), 1, order)
+            index[:, 1:] = torch.where(keep, order + (base + 1), base)
+        flat = table.view(nb * (m + 1), 2, width)
+        scaled = torch.empty((nb, m + 1), dtype=dt, device=dev)
+        scaled[:, 0] = 0
+        scaled[:, 1:] = keys.reshape(nb, m)
+        if dev.type == "cpu" and not torch.compiler.is_compiling():
+            # out= into the strided halves: no (m, C) temporaries (Dynamo traces no strided out=).
+            torch.index_select(flat[:, 1, :], 0, index.view(-1), out=flat[:, 0, :])
+            torch.mul(flat[:, 0, :], scaled.view(-1, 1), out=flat[:, 1, :])
+        else:
+            flat[:, 0, :] = flat[:, 1, :].index_select(0, index.view(-1))
+            flat[:, 1, :] = flat[:, 0, :] * scaled.view(-1, 1)
+        table = _cumsum_rows_(table.view(nb, m + 1, 2 * width))
+    return table.view(*lead, m + 1, 2 * width)
+
+
+#: Up to this many columns, :func:`combine_rows` gathers column by column instead of by bags.
+_NARROW = 2
+
+
+def combine_rows(table, indices, parts, weights, columns, cache):
+    """:func:`slicedkern.backends.combine_rows` as one ``embedding_bag``: a bag per query.
+
+    The table is read as rows of ``c`` (each prefix-table row is two: ``w`` sums, ``y w`` sums), and
+    the bag of query ``i`` sums its rows weighted by ``per_sample_weights``: one pass that gathers,
+    scales and adds, writing only the (n, columns) result. A narrow result (the normaliser's column)
+    is cheaper as a few gathers of single columns, shared through ``cache``. ``None`` where the
+    layout does not fit.
+    """
+    if not table.is_contiguous() or table.dtype not in (torch.float64, torch.float32) or not parts:
+        return None
+    lead, rows = tuple(table.shape[:-2]), table.shape[-2]
+    c = table.shape[-1] // 2
+    sizes = ([i.shape[-1] for i in indices if i is not None]
+             + [w.shape[-1] for w in weights if isinstance(w, torch.Tensor) and w.ndim])
+    if not sizes:
+        return None
+    n = max(sizes)
+    nb = 1
+    for size in lead:
+        nb *= size
+    k = len(parts)
+    dev = table.device
+    width = len(range(c)[columns])
+    if width <= _NARROW:
+        return _combine_columns(table.view(nb, rows, 2, c), lead, n, indices, parts, weights, columns, cache)
+    with torch.no_grad():
+        base = torch.arange(nb, device=dev)[:, None] * rows
+        index = torch.empty((nb, n, k), dtype=torch.int64, device=dev)
+        scale = torch.empty((nb, n, k), dtype=table.dtype, device=dev)
+        for j, (at, part, weight) in enumerate(zip(indices, parts, weights)):
+            index[:, :, j] = (base + (rows - 1 if at is None else at.reshape(nb, n))) * 2 + part
+            if isinstance(weight, torch.Tensor):
+                weight = torch.broadcast_to(weight, lead + (n,)).reshape(nb, n)
+            scale[:, :, j] = weight
+        source = table.view(nb * rows * 2, c)[:, columns]
+        out = torch.nn.functional.embedding_bag(index.view(nb * n, k), source,
+                                                per_sample_weights=scale.view(nb * n, k), mode="sum")
+    return out.view(*lead, n, out.shape[-1])
+
+
+def _combine_columns(table, lead, n, indices, parts, weights, columns, cache):
+    """:func:`combine_rows` for a few columns: one ``gather`` per (rank, half), shared via ``cache``."""
+    nb, width = table.shape[0], len(range(table.shape[-1])[columns])
+    acc = None
+    with torch.no_grad():
+        for at, part, weight in zip(indices, parts, weights):
+            source = table[:, :, part, columns]                        # (nb, rows, width), strided
+            if at is None:
+                vals = source[:, -1:, :]
+            else:
+                key = ("torch-columns", id(at), part, columns.start, columns.stop, columns.step)
+                hit = cache.get(key)
+                if hit is None:
+                    at2 = at.reshape(nb, n, 1).expand(nb, n, width)
+                    hit = cache[key] = (at, torch.gather(source, 1, at2))
+                vals = hit[1]
+            if isinstance(weight, torch.Tensor):
+                weight = torch.broadcast_to(weight, lead + (n,)).reshape(nb, n, 1)
+            term = vals * weight
+            acc = term if acc is None else acc + term
+    return acc.expand(nb, n, width).reshape(*lead, n, width)
 
 
 # ------------------------------------------------------------------------------- autograd adapter
 def _namespace():
     import array_api_compat.torch as xp
     return xp
+
+
+from .._diff import AttentionSpec  # noqa: E402
 
 
 class SortScan(torch.autograd.Function):
@@ -48,7 +190,7 @@ class SortScan(torch.autograd.Function):
         from .._diff import forward
         out, residuals = forward(spec, arrays, xp=_namespace())
         out = out.to(out_dtype)
-        aux = residuals[1] if residuals else {}
+        aux = (residuals[1] if residuals else None) or {}
         return (out, aux.get("take"), aux.get("relu_count"), aux.get("den"))
 
     @staticmethod
@@ -77,6 +219,8 @@ class SortScan(torch.autograd.Function):
             if ctx.has_den:
                 aux["den"] = saved[ctx.n_arrays + 3]
             residuals = (out, aux)
+        elif isinstance(ctx.spec, AttentionSpec):      # the sweep kept no per-query sums
+            residuals = (out, None)
         if not any(ctx.needs_input_grad[2:]):
             return (None, None) + (None,) * ctx.n_arrays
         grads = backward(ctx.spec, arrays, residuals, grad_out.to(arrays[0].dtype), xp=_namespace())

@@ -33,7 +33,19 @@ def _zeros(xp, like, shape):
 
 
 def _width(profile: Profile, c: int) -> range:
-    return range(c)[profile.columns]
+    cols = range(c)[profile.columns]
+    if cols.step != 1:
+        raise ValueError("profile columns must be a contiguous slice")
+    return cols
+
+
+def _accumulate_columns(xp, total, part, cols: range, like, c: int):
+    """``total`` (..., m, c) plus ``part`` placed in the columns ``cols`` (zeros elsewhere)."""
+    if len(cols) != c:
+        left = xp.zeros(part.shape[:-1] + (cols.start,), dtype=part.dtype, device=compat.device(part))
+        right = xp.zeros(part.shape[:-1] + (c - cols.stop,), dtype=part.dtype, device=compat.device(part))
+        part = xp.concat([left, part, right], axis=-1)
+    return part if total is None else total + part
 
 
 def profiles_vjp(x, y, w, profiles: Sequence[Profile], cotangents, *, xp, param_grads=True,
@@ -88,19 +100,12 @@ def profiles_vjp(x, y, w, profiles: Sequence[Profile], cotangents, *, xp, param_
     sums = profile_sums(ys, skx, reflected + [r.with_(derivative=True) for r in reflected], xp=xp, ar=ar,
                         strict=True)
     values, slopes = sums[:len(profiles)], sums[len(profiles):]
-    dw_parts = [None] * c
-    dy = None
+    dw = dy = None
     for p, val, slope in zip(profiles, values, slopes):
         cols = _width(p, c)
-        val = ar.value(val)
-        for local, col in enumerate(cols):
-            piece = val[..., local]
-            dw_parts[col] = piece if dw_parts[col] is None else dw_parts[col] + piece
-        term = xp.sum(w[..., cols.start:cols.stop:cols.step] * ar.value(slope), axis=-1)
+        dw = _accumulate_columns(xp, dw, ar.value(val), cols, y, c)
+        term = xp.sum(w[..., cols.start:cols.stop] * ar.value(slope), axis=-1)
         dy = term if dy is None else dy + term
-    zero_col = _zeros(xp, y, y.shape)
-    dw = xp.stack([part if part is not None else zero_col for part in dw_parts], axis=-1)
-
     return dx, dy, dw, _param_grads(sk, xs, profiles, cotangents, xp=xp, ar=ar, param_grads=param_grads)
 
 
@@ -110,18 +115,14 @@ def _sweep_profiles_vjp(x, y, w, profiles, cotangents, *, xp, ar, param_grads):
     from ._diff import _sweep_profile
     batch = tuple(x.shape[:-1])
     c = w.shape[-1]
-    dx = dy = None
-    dw_parts = [None] * c
+    dx = dy = dw = None
     for p, g in zip(profiles, cotangents):
         cols = _width(p, c)
-        px, py, pw = _sweep.kernel_sum_vjp(x, y, w[..., cols.start:cols.stop:cols.step], g=g,
+        px, py, pw = _sweep.kernel_sum_vjp(x, y, w[..., cols.start:cols.stop], g=g,
                                            **_sweep_profile(p, batch))
         dx = px if dx is None else dx + px
         dy = py if dy is None else dy + py
-        for local, col in enumerate(cols):
-            dw_parts[col] = pw[..., local] if dw_parts[col] is None else dw_parts[col] + pw[..., local]
-    zero_col = _zeros(xp, y, y.shape)
-    dw = xp.stack([part if part is not None else zero_col for part in dw_parts], axis=-1)
+        dw = _accumulate_columns(xp, dw, pw, cols, y, c)
     needs_params = param_grads and any(not (isinstance(t, float) and isinstance(c_, float))
                                        for p in profiles for t, c_ in zip(p.knots, p.coeffs))
     if needs_params:
@@ -176,48 +177,64 @@ def attention_vjp(q, k, v, profile: Profile, gout, out, aux, *, key_mask, center
     the profile summed over the valid-key indicator; ``den``: the unclamped normaliser sum), or
     ``None`` (the sweep keeps none): then they are recomputed here, one sort-scan of one column each.
     Returns ``(dq, dk, dv, (dknots, dcoeffs))``.
+
+    The values and the valid-key indicator are pulled back separately: the (..., n, Dv) work is one
+    kernel-sum VJP of ``v`` with the cotangent ``g / den`` (per-query factors, no copy of ``v``), and
+    the centring and normaliser terms ride on a one-column VJP of the indicator.
     """
     from ._ops import sanitize_keys
-    dv_ = v.shape[-1]
     work = q.dtype
     q, k, v, q_ok, row_ok = sanitize_keys(xp, q, k, v, key_mask)
     if aux is None:
         aux = _attention_aux(q, k, profile, key_mask, row_ok, normalizer, xp=xp, engine=engine)
-    take = aux["take"]
-    zero = xp.asarray(0.0, dtype=work, device=compat.device(q))
-    gout = xp.where(q_ok[..., None] & row_ok[..., None, None], xp.astype(gout, work), zero)
-    out = xp.where(q_ok[..., None] & row_ok[..., None, None], xp.astype(out, work), zero)
-    takef = xp.astype(take, work)
-    w = xp.concat([xp.astype(v, work) * takef[..., None], takef[..., None]], axis=-1)
+    takef = xp.astype(aux["take"], work)
     count = xp.clip(xp.sum(takef, axis=-1), min=1.0)[..., None, None]
-
-    if normalizer is None:
-        gnum = gout
-    else:
+    good = (q_ok & row_ok[..., None])[..., None]                      # (..., n, 1)
+    zero = xp.zeros((), dtype=work, device=compat.device(q))
+    scale = xp.astype(good, work)
+    if normalizer is not None:
         den = aux["den"] if isinstance(normalizer, Profile) else count
-        clamp_floor = eps if isinstance(normalizer, Profile) else 1.0
-        den_c = xp.clip(den, min=clamp_floor)
+        den_c = xp.clip(den, min=eps if isinstance(normalizer, Profile) else 1.0)
         den_c = xp.where(den_c > 0, den_c, xp.ones_like(den_c))     # eps = 0, empty sum: as the forward
-        gnum = gout / den_c
-    g_count = _zeros(xp, q, q.shape + (1,))
+        scale = scale / den_c
+    gnum = gout * scale                                               # (..., n, Dv), work dtype
+    dq, dk, dv, params = profiles_vjp(q, k, v, [profile], [gnum], xp=xp, engine=engine)
+
+    indicator_profiles, indicator_cots = [], []
     if center:
-        mean = xp.sum(w[..., :dv_], axis=-2, keepdims=True) / count
-        g_count = -xp.sum(gnum * mean, axis=-1, keepdims=True)
-    profiles = [profile.with_(columns=slice(0, dv_ + 1))]
-    cotangents = [xp.concat([gnum, g_count], axis=-1)]
+        mean = xp.sum(v, axis=-2, keepdims=True, dtype=work) / count   # v is zero on masked keys
+        indicator_profiles.append(profile)
+        indicator_cots.append(-(gnum @ xp.matrix_transpose(mean)))       # (..., n, 1), no (n, Dv) temporary
     if isinstance(normalizer, Profile):
-        gden = -xp.sum(gout * out, axis=-1, keepdims=True) / den_c
-        gden = xp.where(aux["den"] >= eps, gden, zero)
-        profiles.append(normalizer.with_(columns=slice(dv_, dv_ + 1)))
-        cotangents.append(gden)
-    dq, dk, dw, params = profiles_vjp(q, k, w, profiles, cotangents, xp=xp, engine=engine)
-    dv = dw[..., :dv_]
+        dot = xp.astype(xp.vecdot(gout, xp.astype(out, gout.dtype))[..., None], work)
+        gden = xp.where(good & (aux["den"] >= eps), -dot / den_c, zero)
+        indicator_profiles.append(normalizer)
+        indicator_cots.append(gden)
+    if indicator_profiles:
+        dq2, dk2, _, params2 = profiles_vjp(q, k, takef[..., None], indicator_profiles, indicator_cots,
+                                            xp=xp, engine=engine)
+        dq, dk = dq + dq2, dk + dk2
+        params = _add_params(params, params2[:1]) if center else params
+
+    # masked keys get no gradient; bad rows get NaN (the forward's NaN policy)
+    nan = xp.asarray(float("nan"), dtype=work, device=compat.device(q))
+    key_factor = xp.where(row_ok[..., None], takef, nan)[..., None]
     if center:
-        g_mean = -xp.sum(aux["relu_count"] * gnum, axis=-2, keepdims=True)   # (..., 1, Dv)
+        g_mean = -(xp.matrix_transpose(aux["relu_count"]) @ gnum)             # (..., 1, Dv)
         dv = dv + g_mean / count
-    dv = dv * takef[..., None]
-    dq, dk, dv = _nan_rows(xp, dq, dk, dv, q_ok, row_ok)
+    dv = dv * key_factor
+    dq = xp.where(q_ok & row_ok[..., None], dq, nan)
+    dk = xp.where(row_ok[..., None], dk, nan)
     return dq, dk, dv, params[0]
+
+
+def _add_params(a, b):
+    """Sum two ``profiles_vjp`` parameter-gradient lists (None where a parameter is a float)."""
+    out = []
+    for (ka, ca), (kb, cb) in zip(a, b):
+        out.append((tuple(x if y is None else (y if x is None else x + y) for x, y in zip(ka, kb)),
+                    tuple(x if y is None else (y if x is None else x + y) for x, y in zip(ca, cb))))
+    return out
 
 
 def _attention_aux(q, k, profile, key_mask, row_ok, normalizer, *, xp, engine):

@@ -54,14 +54,20 @@ def _best(fn, repeats):
 
 
 def speed(args):
+    import numpy as np
     torch.manual_seed(0)
     b, n, d = 8, args.n, 64
     q, k, v = torch.randn(b, n), torch.randn(b, n), torch.randn(b, n, d)
+    qn, kn, vn = q.numpy(), k.numpy(), v.numpy()
 
     def floor():
         keys, perm = torch.sort(k, dim=-1)
         vals = torch.gather(v, 1, perm[..., None].expand(-1, -1, d))
         return torch.cumsum(vals, dim=1)
+
+    def numpy_floor():
+        perm = np.argsort(kn, axis=-1)
+        return np.cumsum(np.take_along_axis(vn, perm[..., None], axis=1), axis=1)
 
     def fwd_bwd(op):
         def run():
@@ -69,22 +75,40 @@ def speed(args):
             op(qg, kg, vg).backward(torch.ones(b, n, d))
         return run
 
+    def engine(name, fn):
+        def run():
+            with slicedkern.use_engine(name):
+                return fn()
+        return run
+
+    rows = {}
     with torch.no_grad():
-        t_floor = _best(floor, args.repeats)
-        t_fwd = _best(lambda: slicedkern.relu_attention(q, k, v), args.repeats)
-        t_ref_fwd = _best(lambda: reference_relu_attention(q, k, v), args.repeats)
-    t_fb = _best(fwd_bwd(slicedkern.relu_attention), args.repeats)
-    t_ref_fb = _best(fwd_bwd(reference_relu_attention), args.repeats)
-    err = (slicedkern.relu_attention(q, k, v) - reference_relu_attention(q, k, v)).norm() / \
-        reference_relu_attention(q, k, v).norm()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {b} x {n} float32 scores, D = {d}")
-    print(f"floor (sort + gather + cumsum)        {t_floor * 1e3:9.1f} ms")
-    print(f"relu_attention forward                {t_fwd * 1e3:9.1f} ms   {t_fwd / t_floor:5.2f}x floor")
-    print(f"reference algorithm forward           {t_ref_fwd * 1e3:9.1f} ms   {t_ref_fwd / t_floor:5.2f}x floor")
-    print(f"relu_attention forward+backward       {t_fb * 1e3:9.1f} ms")
-    print(f"reference algorithm forward+backward  {t_ref_fb * 1e3:9.1f} ms   "
-          f"slicedkern is {t_ref_fb / t_fb:4.2f}x faster")
-    print(f"(relative difference of the two outputs: {float(err):.1e})")
+        rows["floor"] = _best(floor, args.repeats)
+        rows["numpy floor"] = _best(numpy_floor, args.repeats)
+        for name in ("sweep", "scan"):
+            rows[f"fwd {name}"] = _best(engine(name, lambda: slicedkern.relu_attention(q, k, v)), args.repeats)
+            rows[f"numpy fwd {name}"] = _best(engine(name, lambda: slicedkern.relu_attention(qn, kn, vn)),
+                                              args.repeats)
+        rows["reference fwd"] = _best(lambda: reference_relu_attention(q, k, v), args.repeats)
+    for name in ("sweep", "scan"):
+        rows[f"fwd+bwd {name}"] = _best(engine(name, fwd_bwd(slicedkern.relu_attention)), args.repeats)
+    rows["reference fwd+bwd"] = _best(fwd_bwd(reference_relu_attention), args.repeats)
+    ref = reference_relu_attention(q, k, v)
+    err = (slicedkern.relu_attention(q, k, v) - ref).norm() / ref.norm()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {b} x {n} float32 scores, D = {d}, "
+          f"best of {args.repeats}, all in one run")
+    for name, t in rows.items():
+        print(f"  {name:24s} {t * 1e3:9.1f} ms")
+    print("ratios")
+    print(f"  torch forward, sweep / floor            {rows['fwd sweep'] / rows['floor']:6.2f}x   (target <= 0.75)")
+    print(f"  reference forward / sweep forward       {rows['reference fwd'] / rows['fwd sweep']:6.2f}x   (target >= 8)")
+    print(f"  reference fwd+bwd / sweep fwd+bwd       {rows['reference fwd+bwd'] / rows['fwd+bwd sweep']:6.2f}x   "
+          f"(target >= 6)")
+    print(f"  numpy forward, sweep / numpy floor      {rows['numpy fwd sweep'] / rows['numpy floor']:6.2f}x   "
+          f"(target <= 1)")
+    print(f"  torch forward, scan / floor             {rows['fwd scan'] / rows['floor']:6.2f}x   (target <= 3)")
+    print(f"  reference fwd+bwd / scan fwd+bwd        {rows['reference fwd+bwd'] / rows['fwd+bwd scan']:6.2f}x")
+    print(f"  (relative difference, slicedkern vs the reference algorithm: {float(err):.1e})")
 
 
 _MEMORY_CHILD = r"""

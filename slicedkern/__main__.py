@@ -1,8 +1,12 @@
-"""Command line: ``python -m slicedkern demo``.
+"""Command line: ``python -m slicedkern demo`` and ``python -m slicedkern bench``.
 
 ``demo`` runs sliced ReLU attention on the default embedded problem (8 x 65536 random scores,
 D = 64) with NumPy, checks it against the dense reference on a slice small enough for O(n^2), and
 prints the time and the error.
+
+``bench`` times sliced ReLU / hat attention against softmax attention (torch SDPA) and the dense
+reference over sequence lengths on an installed backend, and prints a table (see
+``python -m slicedkern bench --help``).
 """
 
 from __future__ import annotations
@@ -47,6 +51,12 @@ def main(argv=None) -> int:
     demo.add_argument("--n", type=int, default=65536)
     demo.add_argument("--dim", type=int, default=64)
     demo.set_defaults(func=_demo)
+    from . import _bench             # imports no framework: they are imported when the bench runs
+    bench = sub.add_parser(
+        "bench", help="sliced attention vs softmax attention vs the dense reference, over L",
+        description=_bench.description(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    _bench.add_arguments(bench)
+    bench.set_defaults(func=_bench.main)
     args = parser.parse_args(argv)
     return args.func(args)
 

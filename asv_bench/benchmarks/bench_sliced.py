@@ -1,0 +1,40 @@
+"""Sliced kernels in R^d: the sliced energy distance between two point clouds."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .common import BACKENDS, ENGINES, Benchmark, backend_module, public, sync, to_backend
+
+DIM = 16
+SLICES = 32
+
+
+class EnergyDistance(Benchmark):
+    """``energy_distance(x, y, directions=theta)``: x, y of shape (n, 16), 32 fixed directions."""
+
+    params = [BACKENDS, ENGINES, [2 ** 12, 2 ** 16]]
+    param_names = ["backend", "engine", "n"]
+
+    def setup(self, backend, engine, n):
+        backend_module(backend)
+        energy_distance = public("energy_distance", "sliced")
+        rng = np.random.default_rng(n)
+        theta = rng.standard_normal((SLICES, DIM))
+        theta /= np.linalg.norm(theta, axis=1, keepdims=True)
+        x = rng.standard_normal((n, DIM)).astype(np.float32)
+        y = (rng.standard_normal((n, DIM)) + 0.5).astype(np.float32)
+        self.x, self.y, self.theta = (to_backend(backend, a) for a in (x, y, theta.astype(np.float32)))
+        if backend == "jax":
+            import jax
+            energy_distance = jax.jit(energy_distance)
+        self.fn = energy_distance
+        self.enter_engine(engine, self.x)
+        try:
+            sync(backend, self.fn(self.x, self.y, directions=self.theta))     # warm-up / compile
+        except Exception as exc:
+            self.teardown()
+            raise NotImplementedError(f"energy_distance fails here: {exc}") from exc
+
+    def time_energy_distance(self, backend, engine, n):
+        sync(backend, self.fn(self.x, self.y, directions=self.theta))

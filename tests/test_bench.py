@@ -1,0 +1,269 @@
+"""The benchmarks: ``python -m slicedkern bench`` and the asv suite in ``asv_bench/``.
+
+Tiny sizes only: these tests check that the bench and the asv suite run and report what they
+claim, not how fast anything is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import io
+import itertools
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from slicedkern import _bench
+from slicedkern import __main__ as cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(sizes=[64, 128], repeats=1, batch=2, dim=8, min_time=0.0, progress=False)
+
+
+def _installed(name):
+    return importlib.util.find_spec(name) is not None
+
+
+def _subprocess_env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _expected_keys(backend):
+    be = _bench._make_backend(backend, "cpu", 1, 1)
+    engines = ["scan"] + (["sweep"] if _bench.sweep_serves(be)[0] else [])
+    keys = [f"relu_fwd:{e}" for e in engines] + [f"relu_fwdbwd:{e}" for e in engines] + ["hat_fwd"]
+    keys += ["sdpa"] if _installed("torch") else []
+    return keys + ["dense"]
+
+
+# --------------------------------------------------------------------------------- the bench
+@pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
+def test_bench_table(backend):
+    pytest.importorskip(backend)
+    sizes = [64] if backend == "jax" else [64, 128]      # JAX compiles once per shape: keep it short
+    result = _bench.run_bench(backend=backend, budget=math.inf, **{**TINY, "sizes": sizes})
+    assert result.sizes == sizes
+    assert [c.key for c in result.columns] == _expected_keys(backend)
+    for n in result.sizes:
+        for col in result.columns:
+            t = result.times[n, col.key]
+            if col.key.startswith(("relu_fwd:", "hat", "sdpa", "dense")):
+                assert t.measured, (n, col.key, t, result.notes)
+            if t.seconds is not None:
+                assert math.isfinite(t.seconds) and t.seconds > 0, (n, col.key, t)
+                assert t.calls == 1
+        ratio, estimated = result.speedup(n, "dense")
+        assert ratio is not None and math.isfinite(ratio) and not estimated
+    text = result.format()
+    lines = text.splitlines()
+    for n in sizes:
+        assert sum(line.split()[:1] == [str(n)] for line in lines) == 2    # one row in each table
+    for words in ("ReLU fwd", "ReLU fwd+bwd", "hat fwd", "dense fwd", "speed-up", "peak MiB",
+                  "CPU:", "versions:"):
+        assert words in text
+    assert ("SDPA fwd" in text) == _installed("torch")
+
+
+def test_bench_engine_columns(monkeypatch):
+    """One forward and one forward+backward column per engine, the speed-up from the fastest."""
+    monkeypatch.setattr(_bench, "sweep_serves", lambda backend: (True, ""))
+    result = _bench.run_bench(backend="numpy", budget=math.inf, **TINY)
+    keys = [c.key for c in result.columns]
+    assert keys[:4] == ["relu_fwd:scan", "relu_fwd:sweep", "relu_fwdbwd:scan", "relu_fwdbwd:sweep"]
+    for n in result.sizes:
+        assert result.best_sliced(n) == min(result.times[n, k].seconds for k in keys[:2])
+        assert {"relu_fwd:scan", "relu_fwd:sweep"} <= {k for (m, k) in result.memory if m == n}
+    lines = result.format().splitlines()
+    assert lines[lines.index("time per call") + 2].split()[:5] == ["scan", "sweep", "scan", "sweep",
+                                                                   "b=0.5"]
+
+
+def test_bench_budget_extrapolates(monkeypatch):
+    result = _bench.run_bench(backend="numpy", budget=0.0, **TINY)
+    times = [result.times[n, "relu_fwd:scan"] for n in result.sizes]
+    assert times[0].measured and times[1].estimated    # even the headline, beyond 30 x budget
+    monkeypatch.setattr(_bench, "_HEADLINE_FACTOR", math.inf)
+    result = _bench.run_bench(backend="numpy", budget=0.0, **TINY)
+    assert all(result.times[n, "relu_fwd:scan"].measured for n in result.sizes)
+    dense = [result.times[n, "dense"] for n in result.sizes]
+    assert dense[0].measured and dense[1].estimated   # 128 extrapolated from 64, x L^2
+    assert dense[1].seconds == pytest.approx(4 * dense[0].seconds)
+    assert "~" in result.format()
+
+
+def test_bench_skips_dense_above_limit(monkeypatch):
+    monkeypatch.setattr(_bench, "_DENSE_MAX", 64)
+    result = _bench.run_bench(backend="numpy", budget=math.inf, **TINY)
+    assert result.times[64, "dense"].measured
+    assert result.times[128, "dense"].seconds is None
+    assert result.times[128, "dense"].note == "skip"
+
+
+def test_bench_progress_bar():
+    stream = io.StringIO()
+    _bench.run_bench(backend="numpy", budget=math.inf, stream=stream,
+                     **{**TINY, "sizes": [64], "progress": True})
+    text = stream.getvalue()
+    assert "\r[" in text and "L=64" in text
+    assert text.endswith("\r")                         # erased at the end
+
+
+def test_bench_errors():
+    with pytest.raises(ValueError, match="CPU only"):
+        _bench.run_bench(backend="numpy", device="cuda", **TINY)
+    with pytest.raises(ValueError, match="backend"):
+        _bench.run_bench(backend="cupy", **TINY)
+
+
+def test_cli_bench(capsys):
+    status = cli.main(["bench", "--backend", "numpy", "--sizes", "64,128", "--repeats", "1",
+                       "--batch", "2", "--dim", "8", "--no-progress"])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "time per call" in out and "ReLU fwd" in out and "total bench time" in out
+
+
+def test_cli_bench_bad_sizes(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--sizes", "64,abc"])
+    assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_cli_plot(tmp_path, capsys):
+    path = tmp_path / "bench.png"
+    argv = ["bench", "--backend", "numpy", "--sizes", "64,128", "--repeats", "1", "--batch", "2",
+            "--dim", "8", "--no-progress", "--plot", str(path)]
+    if _installed("matplotlib"):
+        assert cli.main(argv) == 0
+        assert path.stat().st_size > 0
+    else:
+        assert cli.main(argv) == 2
+        assert "matplotlib" in capsys.readouterr().err
+
+
+def test_cli_help():
+    proc = subprocess.run([sys.executable, "-m", "slicedkern", "bench", "--help"], cwd=ROOT,
+                          env=_subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for option in ("--backend", "--sizes", "--device", "--batch", "--dim", "--repeats", "--plot"):
+        assert option in proc.stdout
+
+
+def test_cli_imports_no_framework():
+    code = ("import sys, slicedkern, slicedkern._bench, slicedkern.__main__ as m\n"
+            "try:\n    m.main(['bench', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(k for k in ('torch', 'jax', 'matplotlib', 'numba') if k in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+# ---------------------------------------------------------------------------------- asv suite
+@pytest.fixture(scope="module")
+def asv_modules():
+    """The benchmark modules of ``asv_bench/benchmarks``, imported as asv does."""
+    path = os.path.join(ROOT, "asv_bench")
+    sys.path.insert(0, path)
+    try:
+        names = sorted(f[:-3] for f in os.listdir(os.path.join(path, "benchmarks"))
+                       if f.startswith("bench_") and f.endswith(".py"))
+        return [importlib.import_module(f"benchmarks.{name}") for name in names]
+    finally:
+        sys.path.remove(path)
+
+
+_PREFIXES = ("time_", "peakmem_", "track_")
+
+
+def _benchmark_classes(modules):
+    for module in modules:
+        for name, cls in vars(module).items():
+            if (inspect.isclass(cls) and not name.startswith("_") and cls.__module__ == module.__name__
+                    and any(m.startswith(_PREFIXES) for m in dir(cls))):
+                yield cls
+
+
+def test_asv_suite_layout(asv_modules):
+    classes = list(_benchmark_classes(asv_modules))
+    names = {c.__name__ for c in classes}
+    assert {"KernelSum", "ReluAttention", "ReluAttentionGrad", "HatAttention", "HatAttentionGrad",
+            "EnergyDistance"} <= names
+    for cls in classes:
+        assert len(cls.params) == len(cls.param_names), cls
+        assert cls.param_names[:3] == ["backend", "engine", "n"], cls
+        assert cls.params[0] == ["numpy", "torch", "jax"]      # never depends on what is installed
+        assert cls.params[1] == ["scan", "sweep"]
+    methods = {m for c in classes for m in dir(c) if m.startswith(_PREFIXES)}
+    assert {"time_forward", "time_forward_backward", "peakmem_forward", "track_float32_error",
+            "time_kernel_sum", "time_energy_distance"} <= methods
+
+
+def _engine_choice():
+    """What the engine selection does now, seen through the public ``engine_for``."""
+    import slicedkern
+    seen = [slicedkern.engine_for(np.zeros(2, dtype=np.float32))]
+    if _installed("jax"):
+        import jax.numpy as jnp
+        try:
+            seen.append(slicedkern.engine_for(jnp.zeros(2, dtype=jnp.float32)))
+        except ValueError:              # "sweep" forced: JAX arrays are not served
+            seen.append("refused")
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
+def test_asv_benchmarks_run(asv_modules, backend):
+    """Every benchmark's setup / methods / teardown on tiny sizes; skips only where it may."""
+    pytest.importorskip(backend)
+    before = _engine_choice()
+    ran = set()
+    for cls in _benchmark_classes(asv_modules):
+        if backend == "jax" and not cls.__name__.startswith("ReluAttention"):
+            continue                        # JAX: the jit and grad paths once (compiling is slow)
+        extras = list(itertools.product(*cls.params[3:]))   # e.g. every kernel of KernelSum
+        for extra in extras:
+            for engine in ("scan", "sweep"):
+                params = (backend, engine, 64, *extra)
+                bench = cls()
+                try:
+                    bench.setup(*params)
+                except NotImplementedError:
+                    continue
+                try:
+                    for name in dir(cls):
+                        if name.startswith(_PREFIXES):
+                            value = getattr(bench, name)(*params)
+                            if name.startswith("track_"):
+                                assert getattr(cls, name).unit == "relative error"
+                                assert 0 <= value < 1e-4, (cls.__name__, params, value)
+                            ran.add((cls.__name__, engine))
+                finally:
+                    bench.teardown(*params)
+                assert _engine_choice() == before, (cls.__name__, params)   # context was left
+    # what this version has must run, not skip
+    import slicedkern
+    expected = {"ReluAttention", "ReluAttentionGrad"}
+    if backend != "jax":
+        expected |= {"KernelSum", "HatAttention", "HatAttentionGrad"}
+        expected |= {"EnergyDistance"} if hasattr(slicedkern, "energy_distance") else set()
+    engines = ["scan"] + (["sweep"] if _bench.sweep_serves(
+        _bench._make_backend(backend, "cpu", 1, 1))[0] else [])
+    missing = {(name, e) for name in expected for e in engines} - ran
+    assert not missing, missing
+
+
+def test_asv_engine_skip(asv_modules):
+    """An engine that cannot serve the arrays skips (NotImplementedError), never fails."""
+    common = importlib.import_module("benchmarks.common")
+    jnp = pytest.importorskip("jax.numpy")
+    with pytest.raises(NotImplementedError):
+        common.engine_context("sweep", jnp.zeros(3, dtype=np.float32))

@@ -33,6 +33,7 @@ import numbers
 import array_api_compat as compat
 import numpy as np
 
+from ._api import _check_kernel, _need_ndim
 from ._namespace import (broadcast_shapes, check_floating, check_same_device, compute_dtypes,
                          has_float64, is_traced, namespace_of, shape_str)
 from .kernels import Abs, PiecewiseLinear
@@ -71,19 +72,8 @@ def _count(value, name: str) -> int:
     return int(value)
 
 
-def _check_kernel(kernel):
-    if not isinstance(kernel, PiecewiseLinear):
-        raise TypeError("argument 'kernel' must be a slicedkern.kernels.PiecewiseLinear (ReLU(), Hat(b), "
-                        f"...), got {type(kernel).__name__}")
-
-
 def _check_chunk(chunk_size):
     return None if chunk_size is None else _count(chunk_size, "chunk_size")
-
-
-def _need_ndim(a, name, ndim, what):
-    if a.ndim < ndim:
-        raise ValueError(f"argument {name!r} must have shape {what}, got {shape_str(a)}")
 
 
 def _setup(named: dict, xp, *, masks=()):

@@ -23,6 +23,7 @@ this module) imports none of torch, JAX, numba or matplotlib.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import gc
 import importlib.util
@@ -385,7 +386,7 @@ class _Probe:
 
 
 # ----------------------------------------------------------------------------------- the backends
-class _Backend:
+class _Backend(abc.ABC):
     """Inputs, synchronisation and differentiation for one array library on one device."""
 
     name = ""
@@ -411,20 +412,21 @@ class _Backend:
         """How to probe the memory of calls on this backend."""
         return "rss" if _proc_status("VmHWM") is not None else None
 
+    @abc.abstractmethod
     def convert(self, a):
-        raise NotImplementedError
+        """``a`` (NumPy) as an array of this backend, on its device."""
 
     def sync(self, out):
         """Wait for ``out`` to be computed."""
         return out
 
+    @abc.abstractmethod
     def forward(self, fn, engine=None):
         """A closure computing ``fn(q, k, v)`` on given arrays, under ``engine``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def forward_backward(self, fn, engine=None):
         """A closure computing ``fn(q, k, v)`` and the gradients of ``sum(g * out)``."""
-        raise NotImplementedError
 
 
 def _engine_ctx(engine):

@@ -28,10 +28,6 @@ from ._wide import arithmetic
 __all__ = ["profiles_vjp", "kernel_sum_vjp", "attention_vjp"]
 
 
-def _zeros(xp, like, shape):
-    return xp.zeros(shape, dtype=like.dtype, device=compat.device(like))
-
-
 def _width(profile: Profile, c: int) -> range:
     cols = range(c)[profile.columns]
     if cols.step != 1:

@@ -112,10 +112,6 @@ def as_work(xp, a, work):
     return xp.astype(a, work)
 
 
-def float_eps(xp, dtype) -> float:
-    return float(xp.finfo(dtype).eps)
-
-
 def ceil_log2(n: int) -> int:
     return max(0, math.ceil(math.log2(n))) if n > 0 else 0
 

@@ -20,16 +20,6 @@ from .backends import finite_rows, quiet_nonfinite
 __all__ = ["kernel_sum", "attention"]
 
 
-def _row_ok(xp, keys, values, valid):
-    """(...,) True where every key taking part (and its weights) is finite."""
-    ok_k = xp.isfinite(keys)
-    ok_v = xp.all(xp.isfinite(values), axis=-1)
-    if valid is not None:
-        ok_k = ok_k | ~valid
-        ok_v = ok_v | ~valid
-    return xp.all(ok_k & ok_v, axis=-1)
-
-
 def _fill_masked(xp, y, take, key_mask):
     """Zero ``y`` where it takes no part; masked keys sit at the mean of the valid ones instead."""
     zero = xp.asarray(0.0, dtype=y.dtype, device=compat.device(y))
@@ -46,19 +36,13 @@ def _fill_masked(xp, y, take, key_mask):
 def sanitize_keys(xp, x, y, w, key_mask):
     """Zero the entries the NaN policy excludes; return ``(x, y, w, q_ok, row_ok)``.
 
-    ``y`` is zeroed where masked (masked keys take no part) and on bad rows; ``w`` is zeroed on
-    masked keys and bad rows (keeping its dtype); ``q_ok`` (..., n) marks finite queries, ``row_ok``
-    (...) batch rows whose participating keys and weights are all finite.
+    The backward's form of :func:`_screen` (every weight checked now): ``y`` is made finite as there,
+    ``w`` is zeroed on masked keys and bad rows (keeping its dtype); ``q_ok`` (..., n) marks finite
+    queries, ``row_ok`` (...) batch rows whose participating keys and weights are all finite.
     """
-    q_ok = xp.isfinite(x)
-    row_ok = _row_ok(xp, y, w, key_mask)
-    take = xp.broadcast_to(row_ok[..., None], y.shape)
-    if key_mask is not None:
-        take = take & key_mask
-    zero = xp.asarray(0.0, dtype=x.dtype, device=compat.device(x))
+    sc = _screen(xp, x, y, w, key_mask, defer=False)
     w_zero = xp.asarray(0.0, dtype=w.dtype, device=compat.device(w))
-    y = _fill_masked(xp, y, take, key_mask)
-    return xp.where(q_ok, x, zero), y, xp.where(take[..., None], w, w_zero), q_ok, row_ok
+    return sc.x, sc.y, xp.where(sc.take[..., None], w, w_zero), sc.q_ok, sc.row_ok
 
 
 class _Screened:
@@ -84,7 +68,7 @@ class _Screened:
         return xp.where(good, den, nan)
 
 
-def _screen(xp, ar, x, y, w, key_mask) -> _Screened:
+def _screen(xp, x, y, w, key_mask, *, defer) -> _Screened:
     """The NaN policy's screening of queries ``x``, keys ``y`` and weights ``w`` (..., m, c).
 
     Scores are cheap to screen: non-finite queries and keys (taking part) are found and replaced
@@ -92,15 +76,14 @@ def _screen(xp, ar, x, y, w, key_mask) -> _Screened:
     quietly and the weights are narrower than the work dtype (so that no sum of finite ones can
     overflow), their check is *deferred* to the totals of the prefix table, and only masked keys
     are kept out of it; otherwise every weight is checked now and bad rows are zeroed in the table.
+    ``defer`` says which (see :func:`_can_defer`).
     """
     q_ok = xp.isfinite(x)
     k_ok = xp.isfinite(y)
     if key_mask is not None:
         k_ok = k_ok | ~key_mask
     row_ok = xp.all(k_ok, axis=-1)
-    deferred = (quiet_nonfinite(xp) and not ar.wide
-                and xp.finfo(w.dtype).bits < xp.finfo(x.dtype).bits)
-    if not deferred:
+    if not defer:
         row_ok = row_ok & finite_rows(xp, w, key_mask)
     take = xp.broadcast_to(row_ok[..., None], y.shape)
     if key_mask is not None:
@@ -108,7 +91,13 @@ def _screen(xp, ar, x, y, w, key_mask) -> _Screened:
     y = _fill_masked(xp, y, take, key_mask)
     zero = xp.asarray(0.0, dtype=x.dtype, device=compat.device(x))
     x = xp.where(q_ok, x, zero)
-    return _Screened(x, y, q_ok, row_ok, take, key_mask if deferred else take, deferred)
+    return _Screened(x, y, q_ok, row_ok, take, key_mask if defer else take, defer)
+
+
+def _can_defer(xp, ar, x, w) -> bool:
+    """Whether the weights' finiteness check can wait for the row totals (see :func:`_screen`)."""
+    return (quiet_nonfinite(xp) and not ar.wide
+            and xp.finfo(w.dtype).bits < xp.finfo(x.dtype).bits)
 
 
 def kernel_sum(x, y, w, profile: Profile, *, xp):
@@ -120,7 +109,7 @@ def kernel_sum(x, y, w, profile: Profile, *, xp):
     if m == 0 or n == 0:
         return xp.zeros(x.shape + (c,), dtype=x.dtype, device=compat.device(x))
     ar = arithmetic(xp, x.dtype)
-    sc = _screen(xp, ar, x, y, w, None)
+    sc = _screen(xp, x, y, w, None, defer=_can_defer(xp, ar, x, w))
     sk = sort_keys(sc.y, w, xp=xp, ar=ar, take=sc.table_take)
     sc.settle(xp, ar.value(sk.prefix[..., -1:, :]), c)
     xs = queries(sc.x, sk, ar=ar)
@@ -170,7 +159,7 @@ def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, 
         return xp.zeros(q.shape + (dv,), dtype=dt, device=dev), {"take": take, "relu_count": zeros,
                                                                   "den": zeros}
     ar = arithmetic(xp, dt)
-    sc = _screen(xp, ar, q, k, v, key_mask)
+    sc = _screen(xp, q, k, v, key_mask, defer=_can_defer(xp, ar, q, v))
     sk = sort_keys(sc.y, v, xp=xp, ar=ar, take=sc.table_take, ones=True)
     totals = ar.value(sk.prefix[..., -1:, :])                    # (..., 1, 2 (Dv + 1))
     sc.settle(xp, totals, dv)

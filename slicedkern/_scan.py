@@ -28,10 +28,11 @@ from typing import Any, NamedTuple, Sequence
 
 import array_api_compat as compat
 
+from ._wide import _is_one, two_sum
 from .backends import searchsorted_right
 
-__all__ = ["Profile", "SortedKeys", "sort_keys", "knot_sums", "profile_sums", "searches",
-           "profile_terms", "combine_sums"]
+__all__ = ["Profile", "SortedKeys", "Queries", "sort_keys", "queries", "knot_sums", "profile_sums",
+           "searches", "profile_terms", "combine_sums"]
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,9 @@ class Profile:
 
 
 class SortedKeys(NamedTuple):
-    keys: Any     # (..., m) sorted keys minus ``shift``, a wide value
+    keys: Any     # (..., m) the sorted keys themselves (ties are decided on them, exactly)
     prefix: Any   # (..., m + 1, 2c): exclusive prefix sums [P0 | P1] over the sorted keys, wide
-    perm: Any     # (..., m) the sorting permutation
-    shift: Any    # (..., 1) the median key subtracted from keys and queries
-    raw: Any      # (..., m) the sorted keys themselves (ties are decided on them, exactly)
+    shift: Any    # (..., 1) the median key, subtracted from keys and queries in the arithmetic
 
 
 class Queries(NamedTuple):
@@ -94,12 +93,6 @@ def queries(x, sk: SortedKeys, *, ar) -> Queries:
 
 def _is_zero(value) -> bool:
     return isinstance(value, (int, float)) and value == 0
-
-
-def _is_one(value) -> bool:
-    return isinstance(value, (int, float)) and value == 1
-
-
 
 
 def _batch(value, extra_dims: int):
@@ -125,10 +118,8 @@ def sort_keys(y, w, *, xp, ar, take=None, ones=False) -> SortedKeys:
     keys = xp.take_along_axis(y, perm, axis=-1)
     mid = m // 2
     shift = keys[..., mid:mid + 1]
-    raw = keys
-    keys = ar.shift(keys, shift)
-    prefix = ar.table(keys, w, perm, take=take, ones=ones)
-    return SortedKeys(keys, prefix, perm, shift, raw)
+    prefix = ar.table(ar.shift(keys, shift), w, perm, take=take, ones=ones)
+    return SortedKeys(keys, prefix, shift)
 
 
 def knot_sums(sk: SortedKeys, xs: Queries, knot, *, xp, ar, strict=False):
@@ -159,14 +150,11 @@ def _search(sk: SortedKeys, xs: Queries, knot, *, xp, ar, strict):
     if _is_zero(knot):
         threshold = xp.nextafter(x, down) if strict else x
     else:
-        t = _batch(knot, 1)
-        rounded = x - t
-        back = rounded - x
-        error = (x - (rounded - back)) + (-t - back)        # x - t = rounded + error, exactly
+        rounded, error = two_sum(x, -_batch(knot, 1))      # x - t = rounded + error, exactly
         below = xp.nextafter(rounded, down)
         threshold = (xp.where(error > 0, rounded, below) if strict else
                      xp.where(error < 0, below, rounded))
-    return s, searchsorted_right(xp, sk.raw, threshold)
+    return s, searchsorted_right(xp, sk.keys, threshold)
 
 
 def _knot_id(knot):

@@ -26,11 +26,18 @@ import array_api_compat as compat
 
 from .backends import combine_rows, prefix_table, sorted_weights, take_rows, materialize
 
-__all__ = ["arithmetic", "Plain", "DoubleFloat", "Pair"]
+__all__ = ["arithmetic", "two_sum", "Plain", "DoubleFloat", "Pair"]
 
 
 def _is_one(value) -> bool:
     return isinstance(value, (int, float)) and value == 1
+
+
+def two_sum(a, b):
+    """Knuth's TwoSum: ``(s, e)`` with ``s = fl(a + b)`` and ``a + b = s + e`` exactly."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
 
 
 def arithmetic(xp, work):
@@ -47,9 +54,6 @@ class Plain:
         self.xp = xp
 
     def lift(self, a):
-        return a
-
-    def hi(self, a):
         return a
 
     def value(self, a):
@@ -125,11 +129,7 @@ class DoubleFloat:
         self.xp = xp
 
     # -- error-free transformations ----------------------------------------------------------
-    @staticmethod
-    def _two_sum(a, b):
-        s = a + b
-        bb = s - a
-        return s, (a - (s - bb)) + (b - bb)
+    _two_sum = staticmethod(two_sum)
 
     @staticmethod
     def _fast_two_sum(a, b):

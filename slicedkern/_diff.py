@@ -191,12 +191,8 @@ def backward(spec, arrays, residuals, cotangent, *, xp):
     engine = engine_for(arrays[0])
     if isinstance(spec, KernelSumSpec):
         x, y, w = arrays
-        if engine == "sweep":
-            from . import _sweep
-            dx, dy, dw = _sweep.kernel_sum_vjp(
-                x, y, w, g=cotangent, **_sweep_profile(Profile.of(spec.kernel), tuple(x.shape[:-1])))
-            return xp.astype(dx, x.dtype), xp.astype(dy, y.dtype), xp.astype(dw, w.dtype)
-        dx, dy, dw, _ = _grad.kernel_sum_vjp(x, y, w, Profile.of(spec.kernel), cotangent, xp=xp)
+        dx, dy, dw, _ = _grad.kernel_sum_vjp(x, y, w, Profile.of(spec.kernel), cotangent, xp=xp,
+                                             engine=engine)
         return dx, dy, xp.astype(dw, w.dtype)
     q, k, v, mask, params = _unpack(spec, arrays)
     out, aux = residuals

@@ -35,7 +35,7 @@ def _width(profile: Profile, c: int) -> range:
     return cols
 
 
-def _accumulate_columns(xp, total, part, cols: range, like, c: int):
+def _accumulate_columns(xp, total, part, cols: range, c: int):
     """``total`` (..., m, c) plus ``part`` placed in the columns ``cols`` (zeros elsewhere)."""
     if len(cols) != c:
         left = xp.zeros(part.shape[:-1] + (cols.start,), dtype=part.dtype, device=compat.device(part))
@@ -99,7 +99,7 @@ def profiles_vjp(x, y, w, profiles: Sequence[Profile], cotangents, *, xp, param_
     dw = dy = None
     for p, val, slope in zip(profiles, values, slopes):
         cols = _width(p, c)
-        dw = _accumulate_columns(xp, dw, ar.value(val), cols, y, c)
+        dw = _accumulate_columns(xp, dw, ar.value(val), cols, c)
         term = xp.sum(w[..., cols.start:cols.stop] * ar.value(slope), axis=-1)
         dy = term if dy is None else dy + term
     return dx, dy, dw, _param_grads(sk, xs, profiles, cotangents, xp=xp, ar=ar, param_grads=param_grads)
@@ -118,7 +118,7 @@ def _sweep_profiles_vjp(x, y, w, profiles, cotangents, *, xp, ar, param_grads):
                                            **_sweep_profile(p, batch))
         dx = px if dx is None else dx + px
         dy = py if dy is None else dy + py
-        dw = _accumulate_columns(xp, dw, pw, cols, y, c)
+        dw = _accumulate_columns(xp, dw, pw, cols, c)
     needs_params = param_grads and any(not (isinstance(t, float) and isinstance(c_, float))
                                        for p in profiles for t, c_ in zip(p.knots, p.coeffs))
     if needs_params:
@@ -151,11 +151,15 @@ def _param_grads(sk, xs, profiles, cotangents, *, xp, ar, param_grads):
     return params
 
 
-def kernel_sum_vjp(x, y, w, profile: Profile, g, *, xp):
-    """VJP of :func:`slicedkern._ops.kernel_sum`: ``(dx, dy, dw, (dknots, dcoeffs))``."""
+def kernel_sum_vjp(x, y, w, profile: Profile, g, *, xp, engine="scan"):
+    """VJP of :func:`slicedkern._ops.kernel_sum`: ``(dx, dy, dw, (dknots, dcoeffs))``.
+
+    A non-finite query contributes nothing to ``dy`` and ``dw`` (as in :func:`attention_vjp`).
+    """
     from ._ops import sanitize_keys
     x, y, w, q_ok, row_ok = sanitize_keys(xp, x, y, w, None)
-    dx, dy, dw, params = profiles_vjp(x, y, xp.astype(w, x.dtype), [profile], [g], xp=xp)
+    g = xp.where(q_ok[..., None], g, xp.zeros((), dtype=g.dtype, device=compat.device(g)))
+    dx, dy, dw, params = profiles_vjp(x, y, w, [profile], [g], xp=xp, engine=engine)
     return (*_nan_rows(xp, dx, dy, dw, q_ok, row_ok), params[0])
 
 

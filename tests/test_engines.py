@@ -114,3 +114,21 @@ def test_zero_eps_and_an_empty_normaliser_give_zero(engine):
         none = slicedkern.relu_attention(q, k, v, normalize="abs", eps=0.0, key_mask=~mask)
     assert out[0, 0, 0] == 0.0 and out[0, 1, 0] == 1.0
     assert np.all(none == 0.0)
+
+
+@pytest.mark.parametrize("engine", ["scan", "sweep"])
+def test_a_nan_query_adds_nothing_to_the_key_gradients(rng, engine):
+    x, y, w = rng.normal(size=(1, 6)), rng.normal(size=(1, 5)), rng.normal(size=(1, 5, 2))
+    g = rng.normal(size=(1, 6, 2))
+    bad = x.copy()
+    bad[0, 2] = np.nan
+    with slicedkern.use_engine(engine):
+        _, pullback = slicedkern.vjp(slicedkern.kernel_sum, bad, y, w, Hat(0.8))
+        dx, dy, dw, _ = pullback(g)
+    keep = np.array([0, 1, 3, 4, 5])
+    _, clean = slicedkern.vjp(slicedkern.kernel_sum, x[:, keep], y, w, Hat(0.8))
+    cx, cy, cw, _ = clean(g[:, keep])
+    assert np.all(np.isnan(dx[0, 2]))
+    np.testing.assert_allclose(dx[:, keep], cx, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dy, cy, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dw, cw, rtol=1e-12, atol=1e-12)

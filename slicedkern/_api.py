@@ -64,17 +64,17 @@ def _positive_param(xp, value, name, device, work):
     return value
 
 
-def _floating(xp, value, name, device, work):
-    """An array parameter checked against the namespace, device and dtype of q, k, v."""
+def _floating(xp, value, name, device, work, expected="a number, a sequence of numbers or an array"):
+    """An array parameter checked against the namespace and device of the other arrays, and its dtype."""
     try:
         space = compat.array_namespace(value)
     except TypeError:
-        raise TypeError(f"argument {name!r} must be a number, a sequence of numbers or an array, got "
-                        f"{type(value).__name__}") from None
+        raise TypeError(f"argument {name!r} must be {expected}, got {type(value).__name__}") from None
     if space is not xp:
-        raise TypeError(f"argument {name!r} comes from a different array library than q, k, v")
+        raise TypeError(f"argument {name!r} comes from a different array library than the other arrays")
     if compat.device(value) is not None and device is not None and compat.device(value) != device:
-        raise TypeError(f"argument {name!r} is on device {compat.device(value)}, q, k, v on {device}")
+        raise TypeError(f"argument {name!r} is on device {compat.device(value)}, the other arrays on "
+                        f"{device}")
     if not xp.isdtype(value.dtype, "real floating"):
         raise TypeError(f"argument {name!r} must have a real floating dtype, got {shape_str(value)}")
     return as_work(xp, value, work)

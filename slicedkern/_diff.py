@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import array_api_compat as compat
 import numpy as np
 
 from . import _grad, _ops

@@ -352,7 +352,6 @@ if AVAILABLE:
             if coeffs[b, mm] != 0.0:
                 last = mm
         linear = a != 0.0 or bs != 0.0
-        centre = mode == 1 and center           # mu stays zero otherwise
         for pos in range(nqb):
             i = qp[pos]
             xu = qrow[pos]          # the query as given: ties are decided on it

@@ -33,10 +33,9 @@ import numbers
 import array_api_compat as compat
 import numpy as np
 
-from ._api import _check_kernel, _need_ndim
-from ._namespace import (broadcast_shapes, check_floating, check_same_device, compute_dtypes,
-                         has_float64, is_traced, namespace_of, shape_str)
-from .kernels import Abs, PiecewiseLinear
+from ._api import _check_kernel, _floating, _need_ndim, _setup
+from ._namespace import broadcast_shapes, has_float64, is_traced, shape_str
+from .kernels import Abs
 
 __all__ = ["directions", "sliced_kernel_sum", "sliced_attention", "energy_distance", "mmd",
            "radial_profile"]
@@ -74,16 +73,6 @@ def _count(value, name: str) -> int:
 
 def _check_chunk(chunk_size):
     return None if chunk_size is None else _count(chunk_size, "chunk_size")
-
-
-def _setup(named: dict, xp, *, masks=()):
-    """Namespace, device, output and work dtypes of the named arrays, with errors that name them."""
-    xp = namespace_of(named, xp)
-    device = check_same_device(named)
-    floats = {k: a for k, a in named.items() if k not in masks and a is not None}
-    check_floating(xp, floats)
-    out_dtype, work = compute_dtypes(xp, list(floats.values()), device)
-    return xp, device, out_dtype, work
 
 
 def _work(xp, a, work):
@@ -296,21 +285,11 @@ def _resolve_directions(value, dim, *, xp, device, work, seed):
         if value.dtype.kind != "f":
             raise TypeError(f"argument 'directions' must have a real floating dtype, got {shape_str(value)}")
         value = xp.asarray(np.asarray(value, dtype=np.float64), dtype=work, device=device)
-    try:
-        space = compat.array_namespace(value)
-    except TypeError:
-        raise TypeError(f"argument 'directions' must be a positive integer or a (P, d) array, got "
-                        f"{type(value).__name__}") from None
-    if space is not xp:
-        raise TypeError("argument 'directions' comes from a different array library than the samples")
-    if compat.device(value) != device:
-        raise TypeError(f"argument 'directions' is on device {compat.device(value)}, the samples on {device}")
-    if not xp.isdtype(value.dtype, "real floating"):
-        raise TypeError(f"argument 'directions' must have a real floating dtype, got {shape_str(value)}")
+    value = _floating(xp, value, "directions", device, work, expected="a positive integer or a (P, d) array")
     if value.ndim != 2 or value.shape[1] != dim or value.shape[0] < 1:
         raise ValueError(f"argument 'directions' must have shape (P, d) with P >= 1 and d = {dim} (the last "
                          f"axis of the samples), got {shape_str(value)}")
-    return _work(xp, value, work)
+    return value
 
 
 # ----------------------------------------------------------------------------------- kernel sums
@@ -498,8 +477,7 @@ def sliced_attention(q, k, v, kernel, *, directions, key_mask=None, center=False
     >>> sliced_attention(q, k, v, ReLU(), directions=8, seed=0, center=True, normalize="abs").shape
     (2, 5, 3)
     """
-    xp, device, out_dtype, work = _setup({"q": q, "k": k, "v": v, "key_mask": key_mask}, xp,
-                                         masks=("key_mask",))
+    xp, device, out_dtype, work = _setup({"q": q, "k": k, "v": v, "key_mask": key_mask}, xp)
     _check_kernel(kernel)
     _need_ndim(q, "q", 2, "(..., Lq, d)")
     _need_ndim(k, "k", 2, "(..., Lk, d)")

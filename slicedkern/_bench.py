@@ -236,7 +236,7 @@ class BenchResult:
             f"extrapolated from the largest L measured (x L^2 for SDPA and dense, x L log L for the "
             f"others; the sliced ReLU forward is measured up to {_HEADLINE_FACTOR} x the budget).",
             f"  'skip' = dense reference not run above L = {_DENSE_MAX} (O(L^2) float64 memory).",
-            "  'n/a' = not available here (engine not wired in / not for this device, op failed).",
+            "  'n/a' = not available here (engine not for this device or without numba, op failed).",
             "  speed-up = baseline forward time / fastest sliced ReLU forward time.",
             "  fwd+bwd = the forward and the gradients of sum(g * out) with respect to q, k and v: "
             + {"torch": "torch autograd.", "jax": "jax.grad, jitted.",
@@ -452,11 +452,7 @@ class _NumpyBackend(_Backend):
         return run
 
     def forward_backward(self, fn, engine=None):
-        import slicedkern
-        vjp = getattr(slicedkern, "vjp", None)
-        if vjp is None:
-            from . import _dispatch
-            vjp = _dispatch.vjp
+        from ._dispatch import vjp
 
         def run(q, k, v, g):
             with _engine_ctx(engine):
@@ -559,24 +555,15 @@ def installed_backends() -> list[str]:
 
 
 def sweep_serves(backend: _Backend) -> tuple[bool, str]:
-    """Whether the "sweep" engine is wired in and serves this backend's arrays, and why not."""
-    try:
-        from . import _engine
-    except ImportError:
-        return False, "no engine selection in this version"
-    q = backend.inputs(4, batch=1)[0]
+    """Whether the "sweep" engine serves this backend's arrays here, and why not."""
+    from . import _engine
+    if not _engine.sweep_available():
+        return False, "the sweep engine needs numba"
     try:
         with _engine.use_engine("sweep"):
-            if _engine.engine_for(q) != "sweep":
-                return False, "the sweep engine does not serve these arrays"
+            _engine.engine_for(backend.inputs(4, batch=1)[0])
     except ValueError as exc:
         return False, str(exc)
-    try:
-        from . import _sweep
-    except ImportError:
-        return False, "the sweep engine is not in this version"
-    if not getattr(_sweep, "AVAILABLE", True):
-        return False, "the sweep engine needs numba"
     return True, ""
 
 
@@ -695,11 +682,8 @@ def _build_tasks(backend: _Backend, engines: list[str], with_sdpa: bool, sdpa_de
 
 
 def _auto_engine(backend: _Backend) -> str:
-    try:
-        from . import _engine
-        return _engine.engine_for(backend.inputs(4, batch=1)[0])
-    except (ImportError, ValueError):
-        return "auto"
+    from . import _engine
+    return _engine.engine_for(backend.inputs(4, batch=1)[0])
 
 
 class _Sdpa:

@@ -612,6 +612,23 @@ def _dummy(dt):
     return _ro(np.zeros((1, 1, 1), dt))
 
 
+def _checked(x, y, w, names):
+    """NumPy views of ``x`` (..., n), ``y`` (..., m), ``w`` (..., m, c), their torch dtypes, the batch.
+
+    ``names`` name the three arguments in the errors; leading (batch) shapes must be equal.
+    """
+    (x, tx), (y, ty), (w, tw) = (_to_numpy(a, nm) for a, nm in zip((x, y, w), names))
+    nx, ny, nw = names
+    if x.ndim < 1 or y.ndim < 1 or w.ndim != y.ndim + 1:
+        raise ValueError(f"expected {nx} (..., n), {ny} (..., m), {nw} (..., m, c), got shapes {x.shape}, "
+                         f"{y.shape}, {w.shape}")
+    batch = x.shape[:-1]
+    if y.shape[:-1] != batch or w.shape[:-2] != batch or w.shape[-2] != y.shape[-1]:
+        raise ValueError(f"shapes {nx} {x.shape}, {ny} {y.shape}, {nw} {w.shape} do not match (batch dims "
+                         f"must be equal, {nw} must have m = {y.shape[-1]} rows)")
+    return (x, y, w), (tx, ty, tw), batch
+
+
 def kernel_sum(x, y, w, knots, coeffs, slope=0.0, intercept=0.0):
     """``S[..., i, :] = sum_j f(x_i - y_j) w[..., j, :]`` by one fused sweep per batch row.
 
@@ -629,15 +646,7 @@ def kernel_sum(x, y, w, knots, coeffs, slope=0.0, intercept=0.0):
     """
     if not AVAILABLE:
         _unavailable()
-    (x, tx), (y, ty), (w, tw) = _to_numpy(x, "x"), _to_numpy(y, "y"), _to_numpy(w, "w")
-    tdt = (tx, ty, tw)
-    if x.ndim < 1 or y.ndim < 1 or w.ndim != y.ndim + 1:
-        raise ValueError(f"expected x (..., n), y (..., m), w (..., m, c), got shapes {x.shape}, {y.shape}, "
-                         f"{w.shape}")
-    batch = x.shape[:-1]
-    if y.shape[:-1] != batch or w.shape[:-2] != batch or w.shape[-2] != y.shape[-1]:
-        raise ValueError(f"shapes x {x.shape}, y {y.shape}, w {w.shape} do not match (batch dims must be "
-                         f"equal, w must have m = {y.shape[-1]} rows)")
+    (x, y, w), tdt, batch = _checked(x, y, w, ("x", "y", "w"))
     _common_float([x, y, w], ["x", "y", "w"])
     n, m, c = x.shape[-1], y.shape[-1], w.shape[-1]
     if n == 0 or m == 0 or c == 0 or 0 in batch:
@@ -684,14 +693,7 @@ def attention(q, k, v, key_mask=None, knots=(0.0,), coeffs=(1.0,), center=True, 
         _unavailable()
     if normalizer not in _NORM_CODES:
         raise ValueError(f"argument 'normalizer' must be one of {tuple(_NORM_CODES)}, got {normalizer!r}")
-    (q, tq), (k, tk), (v, tv) = _to_numpy(q, "q"), _to_numpy(k, "k"), _to_numpy(v, "v")
-    tdt = (tq, tk, tv)
-    if q.ndim < 1 or k.ndim < 1 or v.ndim != k.ndim + 1:
-        raise ValueError(f"expected q (..., Lq), k (..., Lk), v (..., Lk, Dv), got shapes {q.shape}, "
-                         f"{k.shape}, {v.shape}")
-    batch = q.shape[:-1]
-    if k.shape[:-1] != batch or v.shape[:-2] != batch or v.shape[-2] != k.shape[-1]:
-        raise ValueError(f"shapes q {q.shape}, k {k.shape}, v {v.shape} do not match")
+    (q, k, v), tdt, batch = _checked(q, k, v, ("q", "k", "v"))
     # The values decide the compute dtype: scores are converted to float64 for the sort anyway, so
     # float64 scores (the library casts them) must not widen float32 values.
     _common_float([q, k], ["q", "k"])

@@ -5,11 +5,12 @@ from __future__ import annotations
 import numbers
 
 import array_api_compat as compat
+import numpy as np
 
 from ._diff import AttentionSpec, KernelSumSpec
 from ._dispatch import execute as _execute
 from ._namespace import (as_work, broadcast_shapes, check_floating, check_same_device,
-                         compute_dtypes, is_traced, namespace_of, shape_str)
+                         compute_dtypes, holds_everywhere, namespace_of, shape_str)
 from .kernels import HatMixture, PiecewiseLinear, ReLU
 
 __all__ = ["kernel_sum", "relu_attention", "hat_attention", "hat_mixture_attention",
@@ -19,9 +20,12 @@ _NORMALIZERS = ("abs", "relu", "count", None)
 
 
 # --------------------------------------------------------------------------- validation helpers
-def _setup(named: dict, xp):
-    """Namespace, device and dtypes of the array arguments, with errors that name them."""
-    xp = namespace_of(named, xp)
+def _setup(named: dict, xp, required=()):
+    """Namespace, device and dtypes of the array arguments, with errors that name them.
+
+    ``required`` names the arguments that must be arrays (the others may be ``None``).
+    """
+    xp = namespace_of(named, xp, required=required)
     device = check_same_device(named)
     floats = {k: a for k, a in named.items() if k != "key_mask"}
     check_floating(xp, floats)
@@ -46,9 +50,18 @@ def _check_normalize(normalize):
 
 
 def _check_eps(eps):
-    if not isinstance(eps, numbers.Real) or not eps >= 0:
-        raise ValueError(f"argument 'eps' must be a non-negative number, got {eps!r}")
+    # eps = 0 would make out = num / 0 wherever every valid key ties with the query (inf, or NaN for
+    # 0 / 0); a positive floor keeps the formula and a finite answer (docs/mathematics.rst, "Attention")
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not (0 < eps < float("inf")):
+        raise ValueError(f"argument 'eps' must be a positive finite number (the normaliser's floor), "
+                         f"got {eps!r}")
     return float(eps)
+
+
+def _check_bool(value, name):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"argument {name!r} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def _positive_param(xp, value, name, device, work):
@@ -59,7 +72,7 @@ def _positive_param(xp, value, name, device, work):
             raise ValueError(f"argument {name!r} must be positive and finite, got {value}")
         return value
     value = _floating(xp, value, name, device, work)
-    if not is_traced(value) and not bool(xp.all((value > 0) & xp.isfinite(value))):
+    if holds_everywhere(xp, value, lambda ns, a: (a > 0) & ns.isfinite(a)) is False:
         raise ValueError(f"argument {name!r} must be positive and finite everywhere")
     return value
 
@@ -136,7 +149,7 @@ def kernel_sum(x, y, w, kernel, *, xp=None):
     >>> slicedkern.kernel_sum(x, y, w, ReLU())
     array([0., 3.])
     """
-    xp, device, out_dtype, work = _setup({"x": x, "y": y, "w": w}, xp)
+    xp, device, out_dtype, work = _setup({"x": x, "y": y, "w": w}, xp, required=("x", "y", "w"))
     _check_kernel(kernel)
     _need_ndim(x, "x", 1, "(..., n)")
     _need_ndim(y, "y", 1, "(..., m)")
@@ -164,7 +177,7 @@ def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, 
     returns the hat part of the spec and its array parameters.
     """
     named = {"q": q, "k": k, "v": v, "key_mask": key_mask}
-    xp, device, out_dtype, work = _setup(named, xp)
+    xp, device, out_dtype, work = _setup(named, xp, required=("q", "k", "v"))
     _need_ndim(q, "q", 1, "(..., Lq)")
     _need_ndim(k, "k", 1, "(..., Lk)")
     _need_ndim(v, "v", 2, "(..., Lk, Dv)")
@@ -182,6 +195,7 @@ def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, 
         arrays["key_mask"], cores["key_mask"] = key_mask, 1
     _check_normalize(normalize)
     eps = _check_eps(eps)
+    center = _check_bool(center, "center")
     batch, arrays = _broadcast_all(xp, arrays, cores, tuple(arrays))
     hat_fields, params = hats(xp, device, work, batch) if hats is not None else ({}, {})
     fields = {"kernel": kernel, **hat_fields}
@@ -189,6 +203,10 @@ def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, 
                          has_mask=key_mask is not None, param_layout=tuple(params), **fields)
     q, k = (as_work(xp, arrays[n], work) for n in ("q", "k"))
     v = arrays["v"]                  # widened inside the prefix sums, after the gather
+    if v.dtype != out_dtype:
+        # values narrower than the scores: the result is in the promoted dtype, so the values are too
+        # (an engine that computes in the values' dtype would round the result to it)
+        v = xp.astype(v, out_dtype)
     inputs = (q, k, v) + ((arrays["key_mask"],) if key_mask is not None else ()) + tuple(params.values())
     names = ("q", "k", "v") + (("key_mask",) if key_mask is not None else ()) + tuple(params)
     return _execute(xp, spec, inputs, names, out_dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import array_api_compat as compat
 import numpy as np
 
 from . import _grad, _ops
@@ -175,14 +176,31 @@ def forward(spec, arrays, *, xp):
         q, k, v, mask, params = _unpack(spec, arrays)
         out = _sweep.attention(q, k, v, mask, center=spec.center, normalizer=spec.normalize, eps=spec.eps,
                                **_sweep_profile(_profile(spec, params), batch))
-        return out, (out, None)
+        return _nan_where_bandwidth_invalid(xp, spec, params, out), (out, None)
     if isinstance(spec, KernelSumSpec):
         x, y, w = arrays
         return _ops.kernel_sum(x, y, w, Profile.of(spec.kernel), xp=xp), ()
     q, k, v, mask, params = _unpack(spec, arrays)
     out, aux = _ops.attention(q, k, v, _profile(spec, params), key_mask=mask, center=spec.center,
                               normalizer=_normalizer(spec), eps=spec.eps, xp=xp)
-    return out, (out, aux)
+    return _nan_where_bandwidth_invalid(xp, spec, params, out), (out, aux)
+
+
+def _nan_where_bandwidth_invalid(xp, spec, params, out):
+    """NaN rows where an array bandwidth is not positive and finite.
+
+    The public layer rejects such values when it can see them; under ``jax.jit`` or
+    ``torch.compile`` they are traced, and this makes their batch rows NaN instead of finite nonsense.
+    """
+    alphas = [a for a in _hats(spec, params)[0] if not isinstance(a, float)]
+    if not alphas:
+        return out
+    ok = None
+    for a in alphas:
+        good = (a > 0) & xp.isfinite(a)
+        ok = good if ok is None else ok & good
+    nan = xp.asarray(float("nan"), dtype=out.dtype, device=compat.device(out))
+    return xp.where(ok[..., None, None], out, nan)
 
 
 def backward(spec, arrays, residuals, cotangent, *, xp):

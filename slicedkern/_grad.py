@@ -23,6 +23,7 @@ from typing import Sequence
 import array_api_compat as compat
 
 from ._scan import Profile, knot_sums, profile_sums, sort_keys, queries
+from ._namespace import clamp_min
 from ._wide import arithmetic
 
 __all__ = ["profiles_vjp", "kernel_sum_vjp", "attention_vjp"]
@@ -188,14 +189,15 @@ def attention_vjp(q, k, v, profile: Profile, gout, out, aux, *, key_mask, center
     if aux is None:
         aux = _attention_aux(q, k, profile, key_mask, row_ok, normalizer, xp=xp, engine=engine)
     takef = xp.astype(aux["take"], work)
-    count = xp.clip(xp.sum(takef, axis=-1), min=1.0)[..., None, None]
+    valid = xp.sum(takef, axis=-1)[..., None, None]
+    count = clamp_min(xp, valid, 1.0)
     good = (q_ok & row_ok[..., None])[..., None]                      # (..., n, 1)
     zero = xp.zeros((), dtype=work, device=compat.device(q))
     scale = xp.astype(good, work)
     if normalizer is not None:
         den = aux["den"] if isinstance(normalizer, Profile) else count
-        den_c = xp.clip(den, min=eps if isinstance(normalizer, Profile) else 1.0)
-        den_c = xp.where(den_c > 0, den_c, xp.ones_like(den_c))     # eps = 0, empty sum: as the forward
+        den_c = clamp_min(xp, den, eps if isinstance(normalizer, Profile) else 1.0)
+        den_c = xp.where(valid > 0, den_c, xp.ones_like(den_c))     # no valid key: as the forward
         scale = scale / den_c
     gnum = gout * scale                                               # (..., n, Dv), work dtype
     dq, dk, dv, params = profiles_vjp(q, k, v, [profile], [gnum], xp=xp, engine=engine)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import array_api_compat as compat
+import numpy as np
 
 __all__ = [
     "namespace_of",
@@ -26,16 +27,23 @@ def shape_str(a) -> str:
     return f"shape {tuple(a.shape)} and dtype {a.dtype}"
 
 
-def namespace_of(named_arrays: dict, xp=None):
+def namespace_of(named_arrays: dict, xp=None, *, required=()):
     """Return the common namespace of the given arrays, with an error naming each argument.
 
-    ``named_arrays`` maps argument names to arrays (``None`` entries and Python scalars are skipped).
+    ``named_arrays`` maps argument names to arrays (``None`` entries and Python scalars are skipped,
+    except for the names in ``required``, which must be arrays). With an explicit ``xp`` every array
+    must come from that library.
     """
+    for name in required:
+        a = named_arrays.get(name)
+        if a is None or _is_scalar(a) or not compat.is_array_api_obj(a):
+            raise TypeError(f"argument {name!r} must be an array (NumPy, torch, JAX, CuPy or another "
+                            f"array-API library), got {type(a).__name__}")
     arrays = {k: a for k, a in named_arrays.items() if a is not None and not _is_scalar(a)}
-    if xp is not None:
-        return xp
-    if not arrays:
-        raise TypeError("no array argument was given: pass arrays or set xp=")
+    for name, a in arrays.items():
+        if isinstance(a, np.ma.MaskedArray):
+            raise TypeError(f"argument {name!r} is a NumPy masked array, whose mask slicedkern would "
+                            "ignore; pass the data and express the mask with key_mask instead")
     spaces = {}
     for name, a in arrays.items():
         try:
@@ -43,6 +51,15 @@ def namespace_of(named_arrays: dict, xp=None):
         except TypeError as exc:
             raise TypeError(f"argument {name!r} is not an array of a supported library "
                             f"(got {type(a).__name__})") from exc
+    if xp is not None:
+        for name, space in spaces.items():
+            if not same_library(space, xp):
+                raise TypeError(f"argument {name!r} ({type(arrays[name]).__module__}."
+                                f"{type(arrays[name]).__name__}) does not belong to the namespace "
+                                f"xp={getattr(xp, '__name__', xp)!r}; convert it or leave xp=None")
+        return xp
+    if not arrays:
+        raise TypeError("no array argument was given: pass arrays or set xp=")
     first_name, first = next(iter(spaces.items()))
     for name, space in spaces.items():
         if space is not first:
@@ -51,6 +68,15 @@ def namespace_of(named_arrays: dict, xp=None):
                             f"({type(arrays[name]).__module__}.{type(arrays[name]).__name__}) come from "
                             "different array libraries; convert them to one library first")
     return first
+
+
+def same_library(a, b) -> bool:
+    """Whether two namespaces are the same library (``numpy`` and ``array_api_compat.numpy`` are)."""
+    if a is b:
+        return True
+    checks = (compat.is_numpy_namespace, compat.is_torch_namespace, compat.is_jax_namespace,
+              compat.is_cupy_namespace, compat.is_array_api_strict_namespace, compat.is_dask_namespace)
+    return any(check(a) and check(b) for check in checks)
 
 
 def _is_scalar(a) -> bool:
@@ -112,6 +138,12 @@ def as_work(xp, a, work):
     return xp.astype(a, work)
 
 
+def clamp_min(xp, a, lower: float):
+    """``max(a, lower)`` elementwise, ``lower`` a Python float (``xp.clip`` of some wrappers does not
+    trace under ``torch.compile(dynamic=True)``)."""
+    return xp.maximum(a, xp.asarray(lower, dtype=a.dtype, device=compat.device(a)))
+
+
 def ceil_log2(n: int) -> int:
     return max(0, math.ceil(math.log2(n))) if n > 0 else 0
 
@@ -133,6 +165,19 @@ def broadcast_shapes(*shapes, names=None) -> tuple:
                     size = d
         out.append(size)
     return tuple(out)
+
+
+def holds_everywhere(xp, a, predicate) -> bool | None:
+    """``all(predicate(xp, a))`` when the values of ``a`` are known now; ``None`` when ``a`` is traced.
+
+    A concrete JAX array closed over by a jitted function is checked on the host: inside the trace
+    every ``jnp`` operation is staged, even on concrete inputs, and ``bool`` of the result would fail.
+    """
+    if is_traced(a):
+        return None
+    if compat.is_jax_array(a):
+        return bool(np.all(predicate(np, np.asarray(a))))
+    return bool(xp.all(predicate(xp, a)))
 
 
 def is_traced(a) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import array_api_compat as compat
 
 from ._scan import Profile, combine_sums, profile_terms, searches, sort_keys, queries
+from ._namespace import clamp_min
 from ._wide import arithmetic
 from .backends import finite_rows, quiet_nonfinite
 
@@ -28,7 +29,7 @@ def _fill_masked(xp, y, take, key_mask):
         # Masked keys sit at the mean of the valid ones: they stay out of the sums (zero weight)
         # and out of the way of the median shift, which keeps s P0 - P1 from cancelling.
         count = xp.sum(xp.astype(take, y.dtype), axis=-1, keepdims=True)
-        fill = xp.sum(y, axis=-1, keepdims=True) / xp.clip(count, min=1.0)
+        fill = xp.sum(y, axis=-1, keepdims=True) / clamp_min(xp, count, 1.0)
         y = xp.where(take, y, fill)
     return y
 
@@ -163,7 +164,7 @@ def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, 
     sk = sort_keys(sc.y, v, xp=xp, ar=ar, take=sc.table_take, ones=True)
     totals = ar.value(sk.prefix[..., -1:, :])                    # (..., 1, 2 (Dv + 1))
     sc.settle(xp, totals, dv)
-    count = xp.clip(totals[..., dv:dv + 1], min=1.0)             # (..., 1, 1) valid keys, >= 1
+    count = clamp_min(xp, totals[..., dv:dv + 1], 1.0)           # (..., 1, 1) valid keys, >= 1
 
     xs = queries(sc.x, sk, ar=ar)
     profiles = [profile] + ([normalizer] if isinstance(normalizer, Profile) else [])
@@ -178,10 +179,11 @@ def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, 
     elif isinstance(normalizer, Profile):
         aux["den"] = ar.value(combine_sums(xs, sk, profile_terms(normalizer, xs, found, ar=ar), indicator,
                                            xp=xp, ar=ar, cache=cache))
-        den = xp.clip(aux["den"][..., 0], min=eps)
-        # eps = 0 and an empty sum (no valid key, or every key above a "relu" query): the numerator
-        # is an empty sum too, and the attention of an empty key set is 0, not 0 / 0
-        den = xp.where(den > 0, den, xp.ones_like(den))
+        den = clamp_min(xp, aux["den"][..., 0], eps)
+        # a row with no valid key: its numerator is an empty sum, and its attention 0; dividing by 1
+        # rather than a tiny eps keeps the folded 1 / den finite (a huge coefficient times 1 / eps
+        # would overflow to inf, and inf times an empty prefix sum is NaN)
+        den = xp.where(totals[..., dv] > 0, den, xp.ones_like(den))
     else:
         den = count[..., 0]
     if center:

@@ -146,15 +146,27 @@ def _search(sk: SortedKeys, xs: Queries, knot, *, xp, ar, strict):
     """
     s = xs.wide if _is_zero(knot) else ar.sub(xs.wide, _batch(knot, 1))
     x = xs.raw
-    down = xp.asarray(-float("inf"), dtype=x.dtype, device=compat.device(x))
     if _is_zero(knot):
-        threshold = xp.nextafter(x, down) if strict else x
+        threshold = _next_below(xp, x) if strict else x
     else:
         rounded, error = two_sum(x, -_batch(knot, 1))      # x - t = rounded + error, exactly
-        below = xp.nextafter(rounded, down)
+        below = _next_below(xp, rounded)
         threshold = (xp.where(error > 0, rounded, below) if strict else
                      xp.where(error < 0, below, rounded))
     return s, searchsorted_right(xp, sk.keys, threshold)
+
+
+def _next_below(xp, a):
+    """The largest value below ``a``: ``nextafter(a, -inf)``, also where subnormals are flushed.
+
+    XLA on CPU flushes subnormal results to zero, so ``nextafter(0, -inf)`` comes back as ``-0.0``
+    there, and a strict count ``y < 0`` would count the keys equal to 0. Where that happens the
+    subnormals themselves compare as zero too, so ``-smallest_normal`` is the next value below.
+    """
+    down = xp.asarray(-float("inf"), dtype=a.dtype, device=compat.device(a))
+    below = xp.nextafter(a, down)
+    tiny = xp.asarray(-xp.finfo(a.dtype).smallest_normal, dtype=a.dtype, device=compat.device(a))
+    return xp.where(below == a, tiny, below)
 
 
 def _knot_id(knot):

@@ -34,7 +34,7 @@ import array_api_compat as compat
 import numpy as np
 
 from ._api import _check_kernel, _floating, _need_ndim, _setup
-from ._namespace import broadcast_shapes, has_float64, is_traced, shape_str
+from ._namespace import broadcast_shapes, has_float64, holds_everywhere, shape_str
 from .kernels import Abs
 
 __all__ = ["directions", "sliced_kernel_sum", "sliced_attention", "energy_distance", "mmd",
@@ -569,11 +569,10 @@ def _probability_weights(xp, weights, n, name, *, device, work):
                          f"{shape_str(weights)}")
     weights = _work(xp, weights, work)
     total = xp.sum(weights, axis=-1, keepdims=True)
-    if not is_traced(weights):
-        if bool(xp.any(weights < 0)):
-            raise ValueError(f"argument {name!r} must be non-negative")
-        if bool(xp.any(total <= 0)):
-            raise ValueError(f"argument {name!r} must have a positive sum")
+    if holds_everywhere(xp, weights, lambda ns, a: a >= 0) is False:
+        raise ValueError(f"argument {name!r} must be non-negative")
+    if holds_everywhere(xp, total, lambda ns, a: a > 0) is False:
+        raise ValueError(f"argument {name!r} must have a positive sum")
     return weights / total
 
 

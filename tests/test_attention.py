@@ -156,13 +156,13 @@ def test_relu_attention_defaults(xp, rng):
     assert np.max(np.abs(xp.to_numpy(uncentred) - xp.to_numpy(out))) > 1e-3
 
 
-@pytest.mark.parametrize("normalize, eps", [("abs", 0.0), ("abs", 1e-6), ("abs", 5.0), ("relu", 1e-6),
+@pytest.mark.parametrize("normalize, eps", [("abs", 1e-300), ("abs", 1e-6), ("abs", 5.0), ("relu", 1e-6),
                                            ("relu", 0.5), ("relu", 5.0)])
 def test_eps_clamps_the_normaliser(xp, rng, eps, normalize):
     q, k, v = data(rng)
     q[..., :3] = k.min(axis=-1, keepdims=True) - 0.1   # below every key: ReLU normaliser 0
     mask = random_mask(rng)
-    mask[-1, -1, 0] = True                               # no empty key set (0 / 0 with eps = 0)
+    mask[-1, -1, 0] = True                               # no empty key set (0 / 0 with a vanishing eps)
     run(xp, slicedkern.relu_attention, reference.relu_attention, q, k, v, key_mask=mask,
         normalize=normalize, eps=eps, center=False)
     if normalize == "relu" and eps > 0:

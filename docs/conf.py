@@ -33,6 +33,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
     "sphinx.ext.mathjax",
+    "sphinx-mathjax-offline",          # MathJax ships with the pages: formulas render offline too
     "numpydoc",
     "sphinx_gallery.gen_gallery",
 ]
@@ -90,7 +91,8 @@ sphinx_gallery_conf = {
 # -- HTML ----------------------------------------------------------------------------------------
 html_theme = "pydata_sphinx_theme"
 html_title = f"slicedkern {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["slicedkern.css"]
 html_show_sourcelink = False
 html_theme_options = {
     "navigation_with_keys": False,

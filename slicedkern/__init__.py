@@ -6,15 +6,19 @@ Works unchanged on NumPy, PyTorch, JAX, CuPy and any array-API namespace; import
 of the frameworks.
 """
 
-from . import kernels, reference
-from ._api import (hat_attention, hat_mixture_attention, kernel_attention, kernel_sum,
-                   relu_attention)
-from ._dispatch import vjp
-from ._engine import engine_for, use_engine
-from .sliced import (directions, energy_distance, mmd, radial_profile, sliced_attention,
-                     sliced_kernel_sum)
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
 
-__version__ = "0.1.0"
+from . import kernels, reference
+from .adapters.vjp import vjp
+from .engines import engine_for, use_engine
+from .ops import hat_attention, hat_mixture_attention, kernel_attention, kernel_sum, relu_attention
+from .sliced import directions, energy_distance, mmd, radial_profile, sliced_attention, sliced_kernel_sum
+
+try:                                   # one source of truth: the version in pyproject.toml
+    __version__ = _version("slicedkern")
+except PackageNotFoundError:           # running from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = ["kernels", "reference", "kernel_sum", "relu_attention", "hat_attention",
            "hat_mixture_attention", "kernel_attention", "vjp", "use_engine", "engine_for",

@@ -22,9 +22,10 @@ True
 from __future__ import annotations
 
 import numbers
-from typing import Sequence
+from collections.abc import Sequence
 
-__all__ = ["PiecewiseLinear", "ReLU", "Abs", "Hat", "HatMixture"]
+__all__ = ["PiecewiseLinear", "ReLU", "Abs", "Hat", "HatMixture", "Profile", "hat_profile",
+           "hat_pullback"]
 
 
 def _real(value, name: str) -> float:
@@ -97,7 +98,7 @@ class PiecewiseLinear:
     def intercept(self) -> float:
         return self._intercept
 
-    def as_piecewise_linear(self) -> "PiecewiseLinear":
+    def as_piecewise_linear(self) -> PiecewiseLinear:
         """The same profile as a plain :class:`PiecewiseLinear`."""
         return PiecewiseLinear(self._knots, self._coeffs, self._slope, self._intercept)
 
@@ -140,15 +141,9 @@ class PiecewiseLinear:
     def __neg__(self):
         return (-1.0) * self
 
-    def reflect(self) -> "PiecewiseLinear":
-        """The profile ``r -> f(-r)``, again piecewise linear.
-
-        Uses ``ReLU(-r - t) = ReLU(r + t) - (r + t)``.
-        """
-        total = sum(self._coeffs)
-        return PiecewiseLinear(tuple(-t for t in self._knots), self._coeffs,
-                               -self._slope - total,
-                               self._intercept - sum(c * t for c, t in zip(self._coeffs, self._knots)))
+    def reflect(self) -> PiecewiseLinear:
+        """The profile ``r -> f(-r)``, again piecewise linear (see :func:`_reflected`)."""
+        return PiecewiseLinear(*_reflected(self._knots, self._coeffs, self._slope, self._intercept))
 
     def derivative_at(self, r):
         """Right derivative ``f'(r) = b + sum_m c_m [r >= t_m]`` evaluated on an array."""
@@ -179,6 +174,19 @@ class PiecewiseLinear:
         pairs = list(zip(self._knots + self._coeffs + (self._slope, self._intercept),
                          other._knots + other._coeffs + (other._slope, other._intercept)))
         return all(abs(a - b) <= 1e-12 * scale for a, b in pairs)
+
+
+def _reflected(knots, coeffs, slope, intercept):
+    """``(knots, coeffs, slope, intercept)`` of ``r -> f(-r)``; float or array parameters.
+
+    ``ReLU(-r - t) = ReLU(r + t) - (r + t)``: the knots flip, the coefficients stay, and the linear
+    part absorbs ``-sum_m c_m (r + t_m)``.
+    """
+    total, moment = 0.0, 0.0
+    for t, c in zip(knots, coeffs):
+        total = total + c
+        moment = moment + c * t
+    return tuple(-t for t in knots), tuple(coeffs), -slope - total, intercept - moment
 
 
 def _namespace(r):
@@ -230,7 +238,8 @@ class Hat(PiecewiseLinear):
 
     def __init__(self, bandwidth: float = 1.0):
         b = _positive(bandwidth, "bandwidth")
-        super().__init__((-b, 0.0, b), (1.0 / b, -2.0 / b, 1.0 / b))
+        p = hat_profile((b,), (1.0,))
+        super().__init__(p.knots, p.coeffs, p.slope, p.intercept)
 
     @property
     def bandwidth(self) -> float:
@@ -259,7 +268,115 @@ class HatMixture(PiecewiseLinear):
         if len(bandwidths) != len(weights):
             raise ValueError(f"bandwidths and weights must have the same length, got {len(bandwidths)} "
                              f"and {len(weights)}")
-        total = PiecewiseLinear()
-        for b, w in zip(bandwidths, weights):
-            total = total + w * Hat(b)
-        super().__init__(total.knots, total.coeffs, total.slope, total.intercept)
+        p = hat_profile(bandwidths, weights)
+        super().__init__(p.knots, p.coeffs, p.slope, p.intercept)
+
+
+def is_fixed(value) -> bool:
+    """Whether a profile parameter is a fixed Python number (else an array: differentiable).
+
+    NumPy turns arithmetic on 0-d arrays into NumPy scalars, which are ``float`` subclasses but
+    still parameters the caller passed as arrays, so the test is on the exact type.
+    """
+    return type(value) in (int, float)
+
+
+class Profile:
+    """A profile ``intercept + slope r + sum_m coeffs[m] ReLU(r - knots[m])`` whose parameters may be
+    arrays (per batch row: per-head bandwidths), as the engines evaluate it.
+
+    Parameters
+    ----------
+    knots, coeffs : tuple
+        Floats, or arrays of (a shape broadcastable to) the problem's batch shape.
+    slope, intercept : float or array
+    columns : slice
+        The weight columns the profile is summed over.
+    derivative : bool
+        Sum ``f'(x_i - y_j) w_j`` instead of ``f``.
+    strict_knots : tuple of bool, optional
+        Per knot, whether the knot's own gradient counts a tie ``x - y = t_m`` as below the knot
+        (``H(0) = 0``) rather than at it (``H(0) = 1``): chosen by a parametric family so that its
+        parameter gradients are one-sided derivatives (see :func:`hat_profile`).
+    """
+
+    __slots__ = ("knots", "coeffs", "slope", "intercept", "columns", "derivative", "strict_knots")
+
+    def __init__(self, knots, coeffs, slope=0.0, intercept=0.0, columns=slice(None), derivative=False,
+                 strict_knots=None):
+        self.knots, self.coeffs = tuple(knots), tuple(coeffs)
+        self.slope, self.intercept = slope, intercept
+        self.columns, self.derivative = columns, derivative
+        self.strict_knots = tuple(strict_knots) if strict_knots is not None else (False,) * len(self.knots)
+
+    @classmethod
+    def of(cls, kernel: PiecewiseLinear, **kw) -> Profile:
+        return cls(kernel.knots, kernel.coeffs, kernel.slope, kernel.intercept, **kw)
+
+    def reflect(self, **kw) -> Profile:
+        """The profile ``r -> f(-r)`` (float or array parameters)."""
+        return Profile(*_reflected(self.knots, self.coeffs, self.slope, self.intercept), **kw)
+
+    def with_(self, **kw) -> Profile:
+        return Profile(self.knots, self.coeffs, self.slope, self.intercept,
+                       kw.get("columns", self.columns), kw.get("derivative", self.derivative),
+                       self.strict_knots)
+
+    @property
+    def is_fixed(self) -> bool:
+        """Whether every parameter is a Python number."""
+        return all(is_fixed(p) for p in self.knots + self.coeffs + (self.slope, self.intercept))
+
+    def __call__(self, r, xp):
+        """Dense evaluation on differences ``r`` (..., n, m); array parameters have batch shape (...)."""
+        def lift(p):
+            return p if is_fixed(p) else xp.astype(p, r.dtype)[..., None, None]
+        out = lift(self.intercept) + lift(self.slope) * r
+        for t, c in zip(self.knots, self.coeffs):
+            out = out + lift(c) * xp.clip(r - lift(t), min=0.0)
+        return out
+
+
+def hat_profile(bandwidths, weights) -> Profile:
+    """The mixture ``sum_i weights[i] max(0, 1 - |r| / bandwidths[i])`` as a :class:`Profile`.
+
+    ``b max(0, 1 - |r| / a) = (b / a) (ReLU(r + a) - 2 ReLU(r) + ReLU(r - a))``: knots ``-a_i, +a_i``
+    per hat and one shared knot at 0 (last). Parameters are floats or batch-shaped arrays.
+    At a tie ``|x - y| = a`` the bandwidth gradient is the right derivative (``a`` increasing): the
+    ``+a`` knot counts the tie below it, the ``-a`` knot at it (docs/mathematics.rst, "The backward pass").
+    """
+    knots, coeffs, strict, centre = [], [], [], 0.0
+    for a, b in zip(bandwidths, weights):
+        knots += [-a, a]
+        coeffs += [b / a, b / a]
+        strict += [False, True]
+        centre = centre - 2.0 * b / a
+    return Profile(tuple(knots) + (0.0,), tuple(coeffs) + (centre,), strict_knots=tuple(strict) + (False,))
+
+
+def hat_pullback(bandwidths, weights, dknots, dcoeffs):
+    """Chain rule from the knots / coefficients of :func:`hat_profile` back to its parameters.
+
+    ``dknots``, ``dcoeffs`` are aligned with the profile's knots (``None`` where not needed).
+    Returns ``(dbandwidths, dweights)``: lists with ``None`` for fixed (float) parameters.
+    """
+    def plus(a, b):
+        if a is None:
+            return b
+        return a if b is None else a + b
+
+    d_centre = dcoeffs[-1]
+    dalpha, dbeta = [], []
+    for i, (a, b) in enumerate(zip(bandwidths, weights)):
+        dk_neg, dk_pos = dknots[2 * i], dknots[2 * i + 1]
+        dc = plus(dcoeffs[2 * i], dcoeffs[2 * i + 1])
+        if d_centre is not None:
+            dc = plus(dc, -2.0 * d_centre)
+        da = None
+        if not is_fixed(a):
+            da = plus(dk_pos, None if dk_neg is None else -dk_neg)
+            if dc is not None:
+                da = plus(da, -dc * b / (a * a))
+        dalpha.append(da)
+        dbeta.append(None if is_fixed(b) or dc is None else dc / a)
+    return dalpha, dbeta

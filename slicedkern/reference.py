@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import array_api_compat as compat
 
-from ._namespace import compute_dtypes
-from .kernels import Abs, Hat, HatMixture, ReLU
+from ._lib.namespace import compute_dtypes
+from .kernels import Abs, HatMixture, ReLU, hat_profile
 
 __all__ = ["kernel_sum", "relu_attention", "hat_attention", "hat_mixture_attention",
            "kernel_attention", "kernel_matrix"]
@@ -63,17 +63,17 @@ def _attention(q, k, v, weights_of, key_mask, center, normalize, eps):
     v = xp.where(valid[..., :, None] != 0, v, zero)
     count = xp.sum(valid, axis=-1)[..., None, None]
     if center:
-        v = v - xp.sum(v, axis=-2, keepdims=True) / xp.clip(count, min=1.0)
+        v = v - xp.sum(v, axis=-2, keepdims=True) / xp.maximum(count, xp.ones_like(count))
         v = xp.where(valid[..., :, None] != 0, v, zero)
     num = kmat @ v
     if normalize is None:
         out = num
     elif normalize == "count":
-        out = num / xp.clip(count, min=1.0)
+        out = num / xp.maximum(count, xp.ones_like(count))
     else:
         den_kernel = Abs() if normalize == "abs" else ReLU()
         den = xp.sum(xp.where(keep, den_kernel(r), zero), axis=-1)[..., None]
-        out = num / xp.clip(den, min=eps)
+        out = num / xp.maximum(den, xp.full_like(den, eps))
     return xp.astype(out, out_dtype)
 
 
@@ -90,17 +90,7 @@ def kernel_attention(q, k, v, kernel, *, key_mask=None, center=False, normalize=
 def _hats(alphas, betas):
     """Kernel-matrix builder for hats with float or array (batch-shaped) bandwidths / weights."""
     def weights_of(r):
-        xp = compat.array_namespace(r)
-        total = 0.0
-        for a, b in zip(alphas, betas):
-            if hasattr(b, "shape"):
-                b = xp.astype(b, r.dtype)[..., None, None]
-            if not hasattr(a, "shape"):
-                total = total + b * Hat(a)(r)
-            else:
-                a = xp.astype(a, r.dtype)[..., None, None]
-                total = total + b * xp.clip(1.0 - xp.abs(r) / a, min=0.0)
-        return total
+        return hat_profile(alphas, betas)(r, compat.array_namespace(r))
     return weights_of
 
 

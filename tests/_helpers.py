@@ -15,13 +15,17 @@ import array_api_compat as compat
 import numpy as np
 import pytest
 
-__all__ = ["ALL_BACKENDS", "Backend", "make_backend", "backend_context", "jax_x64", "selected_backends",
+from slicedkern._lib.backends import Backend as BackendName
+from slicedkern.engines import available as engines_available
+
+__all__ = ["ALL_BACKENDS", "Backend", "backend_ids", "make_backend", "backend_context", "jax_x64", "selected_backends",
            "require_selected", "assert_meta", "assert_close", "assert_values_close", "rel_err", "to_numpy",
            "scan_atol", "attention_atol", "names_argument", "scaled_kernel", "tie_scores", "queries_on_knots",
            "N", "M", "C"]
 
-#: Every backend the suite knows about; the last two need a GPU.
-ALL_BACKENDS = ("numpy", "array_api_strict", "torch", "jax", "cupy", "torch_cuda")
+#: Every backend the suite knows about (the one list shared with the bench and asv); the last two
+#: need a GPU.
+ALL_BACKENDS = BackendName.names()
 
 ENV_VAR = "SLICEDKERN_BACKENDS"
 
@@ -70,9 +74,10 @@ class Backend:
     xp: Any
     device: Any
     native: Any
+    engine: str | None = None
 
     def __repr__(self):
-        return f"Backend({self.name!r})"
+        return f"Backend({self.name!r}, engine={self.engine!r})"
 
     # -- dtypes -------------------------------------------------------------------------------
     def dtype(self, name: str | None):
@@ -82,7 +87,7 @@ class Backend:
         if name == "bfloat16":
             if self.name not in ("torch", "torch_cuda", "jax"):
                 pytest.skip(f"{self.name} has no bfloat16")
-            return getattr(self.native, "bfloat16")
+            return self.native.bfloat16
         if name == "float16" and self.name == "array_api_strict":
             pytest.skip("array_api_strict has no float16")
         return getattr(self.xp, name)
@@ -174,8 +179,23 @@ def _cupy_backend():
     return Backend("cupy", ccupy, cupy.cuda.Device(0), cupy)
 
 
+def backend_ids(names) -> list[str]:
+    """The fixture's ids: each CPU backend once per engine that serves it (``numpy-scan``,
+    ``numpy-sweep``, ``torch-scan``, ``torch-sweep``), the others once (their engine: the scan)."""
+    ids = []
+    for name in names:
+        engines = engines_available(name) if name in ("numpy", "torch") else []
+        ids += [f"{name}-{e}" for e in engines] if len(engines) > 1 else [name]
+    return ids
+
+
 def make_backend(name: str) -> Backend:
-    """Build the :class:`Backend` called ``name``; skips the calling test when it is unavailable."""
+    """Build the :class:`Backend` called ``name`` (``numpy-sweep``: NumPy with the sweep engine as
+    the default of the test); skips the calling test when it is unavailable."""
+    if "-" in name:
+        base, engine = name.split("-")
+        backend = make_backend(base)
+        return Backend(backend.name, backend.xp, backend.device, backend.native, engine)
     if name == "numpy":
         return _numpy_backend()
     if name == "array_api_strict":
@@ -204,13 +224,16 @@ def jax_x64(enabled: bool):
 
 
 @contextlib.contextmanager
-def backend_context(*names: str):
-    """Context a test on these backends runs in: x64 on for JAX (float64 comparisons)."""
-    if "jax" in names:
-        pytest.importorskip("jax")
-        with jax_x64(True):
-            yield
-    else:
+def backend_context(*names: str, engine: str | None = None):
+    """Context a test on these backends runs in: x64 on for JAX (float64 comparisons), and the
+    backend's engine as the default of every op call."""
+    import slicedkern
+    with contextlib.ExitStack() as stack:
+        if "jax" in names:
+            pytest.importorskip("jax")
+            stack.enter_context(jax_x64(True))
+        if engine is not None:
+            stack.enter_context(slicedkern.use_engine(engine))
         yield
 
 

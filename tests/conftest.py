@@ -1,7 +1,9 @@
 """Backend selection for the whole suite.
 
 * ``xp`` fixture: one :class:`tests._helpers.Backend` per selected backend (numpy, array_api_strict,
-  torch, jax, cupy, torch_cuda). A backend whose library is missing, or that needs a GPU there is
+  torch, jax, cupy, torch_cuda) and engine: NumPy and CPU torch run every test on the scan and on
+  the sweep (``numpy-scan``, ``numpy-sweep``, ...), the engine being the default of the test's
+  calls. A backend whose library is missing, or that needs a GPU there is
   none of, is skipped, never failed.
 * ``xp_pair`` fixture: every unordered pair of selected backends (cross-backend tests).
 * Selection: ``pytest --backend numpy,torch`` or ``SLICEDKERN_BACKENDS=numpy,torch`` (the option
@@ -23,8 +25,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _helpers import (ALL_BACKENDS, ENV_VAR, assert_close, backend_context,  # noqa: E402
-                      make_backend, selected_backends)
+from _helpers import ALL_BACKENDS, ENV_VAR, assert_close, backend_context, backend_ids, make_backend, selected_backends  # noqa: E402
 
 __all__ = ["assert_close"]
 
@@ -49,7 +50,8 @@ def pytest_configure(config):
 def pytest_generate_tests(metafunc):
     names = selected_backends(metafunc.config)
     if "xp" in metafunc.fixturenames:
-        metafunc.parametrize("xp", names, indirect=True, ids=names)
+        ids = backend_ids(names)
+        metafunc.parametrize("xp", ids, indirect=True, ids=ids)
     if "xp_pair" in metafunc.fixturenames:
         pairs = list(itertools.combinations(names, 2))
         metafunc.parametrize("xp_pair", pairs, indirect=True, ids=[f"{a}-{b}" for a, b in pairs])
@@ -61,7 +63,7 @@ def xp(request):
     backend = make_backend(request.param)
     if backend.is_jax and request.node.get_closest_marker("new_shapes") is not None and not _jax_all(request):
         pytest.skip("new shapes: JAX compiles per shape; run with --jax-all or SLICEDKERN_JAX_ALL=1")
-    with backend_context(backend.name):
+    with backend_context(backend.name, engine=backend.engine):
         yield backend
 
 

@@ -1,11 +1,10 @@
-"""Attention ops (SPEC §2.3) against their dense ``slicedkern.reference`` counterparts."""
+"""Attention ops (docs/mathematics.rst, "Attention") against their dense ``slicedkern.reference`` counterparts."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from _helpers import (C, M, N, assert_close, assert_meta, assert_values_close, attention_atol,
-                      scaled_kernel, tie_scores)
+from _helpers import C, M, N, assert_close, assert_meta, assert_values_close, attention_atol, scaled_kernel, tie_scores
 
 import slicedkern
 from slicedkern import reference

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _helpers import (C, M, N, assert_meta, assert_values_close, backend_context, jax_x64,
-                      require_selected)
+from _helpers import C, M, N, assert_meta, assert_values_close, backend_context, jax_x64, require_selected
 
 import slicedkern
 from slicedkern import reference
@@ -135,7 +134,8 @@ def _fast(name, case):
 def test_float32_without_float64_is_accurate(no_float64, rng, offset):
     """float32 in, float32 out, within 1e-5 (relative, normwise and to the data's magnitude) of the
     float64 result on the same (float32-rounded) inputs: narrow hats at 200 keys included, where
-    plain float32 prefix sums lose about 1e-4 (SPEC §4: compensated accumulation without float64)."""
+    plain float32 prefix sums lose about 1e-4 (docs/mathematics.rst, "Numerics": compensated
+    accumulation without float64)."""
     name, to_backend, ns = no_float64
     n = m = 200
     q = (offset + rng.normal(size=(2, n))).astype(np.float32)

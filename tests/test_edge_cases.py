@@ -1,4 +1,4 @@
-"""SPEC §4 on every backend: errors that name the argument, the NaN / inf policy, empty inputs,
+"""Numerics and bad input on every backend: errors that name the argument, the NaN / inf policy, empty inputs,
 no in-place modification, determinism, and an import that pulls in no framework."""
 
 from __future__ import annotations
@@ -363,3 +363,9 @@ def test_importing_imports_no_framework():
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", f"importing slicedkern imported {result.stdout.strip()}"
+
+
+def test_sdpa_shaped_scores_get_a_message_that_says_how_to_project(rng):
+    q, k, v = rng.normal(size=(2, 4, 16, 8)), rng.normal(size=(2, 4, 16, 8)), rng.normal(size=(2, 4, 16, 8))
+    with pytest.raises(ValueError, match="one projected score per token.*q @ w_q"):
+        slicedkern.relu_attention(q, k, v)

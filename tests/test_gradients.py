@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _helpers import to_numpy
 
 import slicedkern
 from slicedkern import reference
 from slicedkern.kernels import Abs, Hat, HatMixture, PiecewiseLinear, ReLU
-
-from _helpers import to_numpy
 
 OPS = {
     "relu": (slicedkern.relu_attention, reference.relu_attention, {}),
@@ -151,7 +150,8 @@ def test_ties_give_finite_one_sided_gradients(rng):
     for j in range(k.shape[-1]):
         step = np.zeros_like(k)
         step[0, j] = h
-        left = (loss(q, k) - loss(q, k - step)) / h       # keys: the left derivative (SPEC §2.4)
+        # keys: the left derivative (docs/mathematics.rst, "The backward pass")
+        left = (loss(q, k) - loss(q, k - step)) / h
         assert dk[0, j] == pytest.approx(left, rel=1e-5, abs=1e-5)
 
 
@@ -212,8 +212,8 @@ def test_torch_compile_and_func(rng):
 # -------------------------------------------------------------------------------------------- jax
 def test_jax_grad_jit_vmap_match_numpy(rng):
     jax = pytest.importorskip("jax")
-    from _helpers import jax_x64
     import jax.numpy as jnp
+    from _helpers import jax_x64
     q, k, v, mask, g = _data(rng)
     bw = rng.random(2) + 0.4
     with jax_x64(True):
@@ -235,8 +235,8 @@ def test_jax_grad_jit_vmap_match_numpy(rng):
 
 def test_jax_float32_grad_without_x64(rng):
     jax = pytest.importorskip("jax")
-    from _helpers import jax_x64
     import jax.numpy as jnp
+    from _helpers import jax_x64
     q, k, v, _, g = _data(rng)
     with jax_x64(False):
         grads = jax.grad(lambda *a: jnp.sum(slicedkern.relu_attention(*a) * g), argnums=(0, 1, 2))(
@@ -257,3 +257,26 @@ def test_cross_backend_gradients(xp_pair, rng):
         results.append([to_numpy(a) for a in pullback(b.asarray(g))])
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-13)
+
+
+# ------------------------------------------------------------------------- higher order
+def test_torch_second_order_is_a_clear_error(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v, _, _ = _data(rng)
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    out = slicedkern.relu_attention(tq, tk, tv).sum()
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        torch.autograd.grad(out, (tq,), create_graph=True)
+
+
+def test_jax_second_order_is_a_clear_error(rng):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from _helpers import jax_x64
+    q, k, v, _, _ = _data(rng)
+    with jax_x64(True):
+        def loss(q_):
+            return jnp.sum(slicedkern.relu_attention(q_, jnp.asarray(k), jnp.asarray(v)))
+
+        with pytest.raises(TypeError, match="differentiable once"):
+            jax.grad(lambda q_: jnp.sum(jax.grad(loss)(q_)))(jnp.asarray(q))

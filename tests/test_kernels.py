@@ -1,4 +1,4 @@
-"""The kernel algebra of SPEC §2.1: representation, evaluation, sum / scale / reflect, equality."""
+"""The kernel algebra: representation, evaluation, sum / scale / reflect, equality."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ import pytest
 
 from slicedkern import reference
 from slicedkern.kernels import Abs, Hat, HatMixture, PiecewiseLinear, ReLU
-from slicedkern.sliced import (directions, energy_distance, mmd, radial_profile, sliced_attention,
-                               sliced_kernel_sum)
+from slicedkern.sliced import directions, energy_distance, mmd, radial_profile, sliced_attention, sliced_kernel_sum
 
 #: Backends of the value tests. JAX compiles the sort-scan for every new shape (about 2 s each), so it
 #: runs the cheap metadata tests here and a few shape-sharing checks in ``test_jax_*`` below.
@@ -570,7 +569,7 @@ def test_torch_grad_of_a_self_sum(kernel, rng):
     """The building block of the energy distance and MMD: ``sum_ij u_i u_j f(z_i - z_j)``, queries and
     keys the same tensor. Its diagonal ``f(0)`` is constant, so the tie of every point with itself must
     not contribute: the query-side and key-side derivatives must use the same one-sided convention
-    (SPEC §2.4: ``f'`` with ``H(0) = 1`` in both ``dx`` and ``dy``)."""
+    (docs/mathematics.rst, "The backward pass": ``f'`` with ``H(0) = 1`` in both ``dx`` and ``dy``)."""
     import slicedkern
     torch = _torch()
     z, u = rng.normal(size=9), rng.normal(size=9)

@@ -1,181 +1,130 @@
-"""Per-framework fast paths and autograd adapters.
+"""The backend registry: one row per array library, with the primitives the engines need.
 
-The core (``slicedkern._scan``) only speaks the array API standard. What the standard lacks or does
-slowly lives here, one small module per framework, imported only when an array of that framework
-reaches us (so importing :mod:`slicedkern` imports no framework).
+The sort-scan speaks the array API standard; what the standard lacks or does slowly (a batched
+``searchsorted``, a fused weighted row gather, an in-place blocked prefix sum) is a method of the
+library's row, and everything else falls through to the standard-only :class:`ArrayBackend`. A row
+is imported only when an array of its library reaches us (array-api-compat's ``is_*`` checks look at
+modules the caller already imported), so importing :mod:`slicedkern` imports no framework.
+
+To add a backend: a module ``_<library>.py`` with a subclass of :class:`ArrayBackend`, and one entry
+in :data:`_ROWS` (see docs/architecture.rst).
 """
 
 from __future__ import annotations
 
 import array_api_compat as compat
 
-from . import _generic
+from ._generic import ArrayBackend
 
-__all__ = ["materialize", "searchsorted_right", "take_rows", "sorted_weights", "prefix_table", "combine_rows",
-           "quiet_nonfinite", "finite_rows"]
+__all__ = ["ArrayBackend", "ops_for", "backend_of", "same_library", "holds_everywhere", "is_traced",
+           "is_numpy_namespace", "to_host", "searchsorted_right", "take_rows", "finite_rows",
+           "sorted_weights", "prefix_table", "combine_rows", "materialize", "quiet_nonfinite"]
+
+def _numpy_row():
+    from ._numpy import NumpyBackend
+    return NumpyBackend()
 
 
+def _torch_row():
+    from ._torch import TorchBackend  # imports torch: only once a torch array has arrived
+    return TorchBackend()
+
+
+def _jax_row():
+    from ._jax import JaxBackend  # imports jax: only once a JAX array has arrived
+    return JaxBackend()
+
+
+#: (library, namespace test, array test, row loader): checked in order; the generic row serves the rest.
+_ROWS = (
+    ("numpy", compat.is_numpy_namespace, compat.is_numpy_array, _numpy_row),
+    ("torch", compat.is_torch_namespace, compat.is_torch_array, _torch_row),
+    ("jax", compat.is_jax_namespace, compat.is_jax_array, _jax_row),
+)
+_GENERIC = ArrayBackend()
+_loaded: dict = {}
+
+
+def _row(library, load) -> ArrayBackend:
+    row = _loaded.get(library)
+    if row is None:
+        row = _loaded[library] = load()
+    return row
+
+
+def ops_for(xp) -> ArrayBackend:
+    """The registry row of namespace ``xp`` (the generic one for libraries without a row)."""
+    for library, owns_namespace, _, load in _ROWS:
+        if owns_namespace(xp):
+            return _row(library, load)
+    return _GENERIC
+
+
+def backend_of(a) -> ArrayBackend:
+    """The registry row of array ``a``."""
+    for library, _, owns_array, load in _ROWS:
+        if owns_array(a):
+            return _row(library, load)
+    return _GENERIC
+
+
+def same_library(a, b) -> bool:
+    """Whether two namespaces are the same library (``numpy`` and ``array_api_compat.numpy`` are)."""
+    if a is b:
+        return True
+    checks = (compat.is_numpy_namespace, compat.is_torch_namespace, compat.is_jax_namespace,
+              compat.is_cupy_namespace, compat.is_array_api_strict_namespace, compat.is_dask_namespace)
+    return any(check(a) and check(b) for check in checks)
+
+
+def is_numpy_namespace(xp) -> bool:
+    return compat.is_numpy_namespace(xp)
+
+
+def is_traced(a) -> bool:
+    """Whether ``a`` is an abstract value (a JAX tracer, or a tensor inside ``torch.compile``)."""
+    return backend_of(a).is_traced(a)
+
+
+def holds_everywhere(xp, a, predicate) -> bool | None:
+    """``all(predicate(ns, a))`` when ``a``'s values are known now (``ns`` the namespace it is
+    checked in), ``None`` when ``a`` is traced."""
+    return backend_of(a).holds_everywhere(xp, a, predicate)
+
+
+def to_host(a):
+    """``a``'s values as a NumPy array (concrete arrays only)."""
+    return backend_of(a).to_host(a)
+
+
+# The primitives, called by the engines with their namespace: one line each, through the registry.
 def searchsorted_right(xp, sorted_keys, values):
-    """Batched ``#{j : sorted_keys[..., j] <= values[..., i]}``.
-
-    Parameters
-    ----------
-    sorted_keys : array, shape (..., m)
-        Sorted along the last axis.
-    values : array, shape (..., n)
-        Same leading shape as ``sorted_keys``.
-
-    Returns
-    -------
-    array of the default integer dtype, shape (..., n)
-    """
-    if compat.is_torch_namespace(xp):
-        from . import _torch
-        return _torch.searchsorted_right(sorted_keys, values)
-    if compat.is_numpy_namespace(xp):
-        from . import _numpy
-        return _numpy.searchsorted_right(sorted_keys, values)
-    if compat.is_jax_namespace(xp):
-        from . import _jax
-        return _jax.searchsorted_right(sorted_keys, values)
-    return _generic.searchsorted_right(xp, sorted_keys, values)
-
-
-def materialize(xp, *arrays):
-    """The arrays unchanged, computed in full before anything that uses them.
-
-    Identity everywhere but under JAX, where it is an ``optimization_barrier``: in a loop whose steps
-    each read the previous step's result twice (the Hillis-Steele scan), XLA would otherwise fuse the
-    steps and recompute each one exponentially often.
-    """
-    if compat.is_jax_namespace(xp):
-        import jax
-        return jax.lax.optimization_barrier(arrays)
-    return arrays
+    return ops_for(xp).searchsorted_right(xp, sorted_keys, values)
 
 
 def take_rows(xp, table, index):
-    """``out[..., i, :] = table[..., index[..., i], :]``: a batched row gather.
-
-    Parameters
-    ----------
-    table : array, shape (..., m, c)
-    index : integer array, shape (..., n), values in ``[0, m)``; same leading shape as ``table``.
-    """
-    if compat.is_torch_namespace(xp):
-        from . import _torch
-        return _torch.take_rows(table, index)
-    return xp.take_along_axis(table, index[..., None], axis=-2)
-
-
-def quiet_nonfinite(xp) -> bool:
-    """Whether NaN and infinities may flow through this backend's arithmetic unnoticed.
-
-    Where they do (torch: no warnings, no traps), the core may let a non-finite value into the
-    prefix sums of its batch row and detect it from the row's totals, instead of screening and
-    zeroing every weight beforehand (two full passes over the values); the row's outputs are NaN
-    either way (SPEC §4). NumPy warns on ``inf - inf``, so everything else is screened first.
-    """
-    return compat.is_torch_namespace(xp)
+    return ops_for(xp).take_rows(xp, table, index)
 
 
 def finite_rows(xp, values, valid=None):
-    """(...) True where every entry of ``values`` (..., m, c) on a valid key (``valid`` (..., m)) is finite."""
-    if valid is None and compat.is_torch_namespace(xp):
-        from . import _torch
-        return _torch.finite_rows(values)
-    ok = xp.all(xp.isfinite(values), axis=-1)
-    if valid is not None:
-        ok = ok | ~valid
-    return xp.all(ok, axis=-1)
+    return ops_for(xp).finite_rows(xp, values, valid)
 
 
 def sorted_weights(xp, weights, perm, dtype, *, take=None, ones=False):
-    """``weights`` (..., m, c) in the key order ``perm``, cast to ``dtype``; ``(..., m, c + ones)``.
-
-    ``ones`` appends a column of ones; ``take`` (..., m) (in the original key order) zeroes the rows
-    (that column included) of the keys that take no part, whatever they hold.
-    """
-    wide = take_rows(xp, weights, perm)
-    if wide.dtype != dtype:
-        wide = xp.astype(wide, dtype)
-    if ones:
-        one = xp.ones(tuple(perm.shape) + (1,), dtype=dtype, device=compat.device(wide))
-        wide = xp.concat([wide, one], axis=-1)
-    if take is not None:
-        keep = xp.take_along_axis(take, perm, axis=-1)
-        wide = xp.where(keep[..., None], wide, xp.asarray(0.0, dtype=dtype, device=compat.device(wide)))
-    return wide
+    return ops_for(xp).sorted_weights(xp, weights, perm, dtype, take=take, ones=ones)
 
 
 def prefix_table(xp, keys, weights, perm, *, take=None, ones=False):
-    """Exclusive prefix sums of ``[w, y w]`` along the sorted keys, in the dtype of ``keys``.
-
-    Parameters
-    ----------
-    keys : array, shape (..., m)
-        Sorted keys ``y`` in the work dtype.
-    weights : array, shape (..., m, c)
-        Their weights in the original key order (``perm`` sorts them), in any floating dtype.
-    perm : integer array, shape (..., m)
-    take, ones
-        As in :func:`sorted_weights`.
-
-    Returns
-    -------
-    array, shape (..., m + 1, 2 C), ``C = c + ones``: row ``p`` holds
-    ``[sum_{j<p} w_j, sum_{j<p} y_j w_j]`` over the sorted keys.
-    """
-    if compat.is_torch_namespace(xp):
-        from . import _torch
-        return _torch.prefix_table(keys, weights, perm, take, ones)
-    wide = sorted_weights(xp, weights, perm, keys.dtype, take=take, ones=ones)
-    table = xp.concat([wide, keys[..., None] * wide], axis=-1)
-    return xp.cumulative_sum(table, axis=-2, include_initial=True)
+    return ops_for(xp).prefix_table(xp, keys, weights, perm, take=take, ones=ones)
 
 
 def combine_rows(xp, table, indices, parts, weights, columns, *, cache=None):
-    """``sum_k weights[k][..., i] * table[..., indices[k][..., i], part_k * c + columns]``.
+    return ops_for(xp).combine_rows(xp, table, indices, parts, weights, columns, cache=cache)
 
-    The one fused step of the scan that touches (queries x columns): gathers of prefix-table rows
-    at the query ranks, each scaled by a per-query factor, summed.
 
-    Parameters
-    ----------
-    table : array, shape (..., M, 2 c)
-        A prefix table (:func:`prefix_table`).
-    indices : list of integer arrays (..., n), or ``None`` for the last row (the totals)
-    parts : list of 0 / 1
-        Which half of the row: the ``w`` sums (0) or the ``y w`` sums (1).
-    weights : list of arrays broadcastable to (..., n), or floats, in the table's dtype
-        At least one array of shape (..., n).
-    columns : slice
-        Of the ``c`` weight columns.
-    cache : dict, optional
-        Row gathers keyed by ``id(index)``, shared between calls on one table (where a backend
-        gathers whole rows).
+def materialize(xp, *arrays):
+    return ops_for(xp).materialize(xp, *arrays)
 
-    Returns
-    -------
-    array, shape (..., n, len(columns))
-    """
-    cache = {} if cache is None else cache
-    if compat.is_torch_namespace(xp):
-        from . import _torch
-        out = _torch.combine_rows(table, indices, parts, weights, columns, cache)
-        if out is not None:
-            return out
-    c = table.shape[-1] // 2
-    acc = None
-    for index, part, weight in zip(indices, parts, weights):
-        if index is None:
-            rows = table[..., -1:, :]
-        else:
-            rows = cache.get(id(index))
-            if rows is None:
-                rows = cache[id(index)] = (index, take_rows(xp, table, index))
-            rows = rows[1]
-        block = rows[..., part * c:(part + 1) * c][..., columns]
-        term = block * (weight if isinstance(weight, (int, float)) else weight[..., None])
-        acc = term if acc is None else acc + term
-    return acc
+
+def quiet_nonfinite(xp) -> bool:
+    return ops_for(xp).quiet_nonfinite

@@ -1,28 +1,143 @@
-"""Standard-only fallbacks for any array-API namespace."""
+"""The generic backend row: standard-only implementations of every primitive, for any namespace.
+
+Framework rows (``_numpy``, ``_torch``, ``_jax``) subclass :class:`ArrayBackend` and override only
+what their library does faster or differently; everything else falls through to these.
+"""
 
 from __future__ import annotations
 
 import array_api_compat as compat
+import numpy as np
 
-from .._namespace import ceil_log2
+from .._lib.namespace import ceil_log2
+
+__all__ = ["ArrayBackend"]
 
 
-def searchsorted_right(xp, sorted_keys, values):
-    """Fixed-iteration batched binary search over ``take_along_axis``.
+class ArrayBackend:
+    """Array primitives the sort-scan needs, written against the array API standard only.
 
-    The loop count depends on the static length ``m`` only, so the function is safe under JIT
-    tracing; each iteration is one gather and one compare over ``values``.
+    A row of the backend registry (:func:`slicedkern.backends.ops_for`). ``library`` names the
+    framework as the engine registry and the tests see it.
     """
-    m = sorted_keys.shape[-1]
-    dev = compat.device(values)
-    lo = xp.zeros(values.shape, dtype=xp.int64, device=dev)
-    if m == 0:
+
+    library = "generic"
+    #: whether NaN and infinities flow through arithmetic unnoticed (no warnings, no traps): then a
+    #: non-finite weight may be detected from its row's totals instead of screened beforehand
+    quiet_nonfinite = False
+
+    # -- which arrays are ours ------------------------------------------------------------------
+    def owns_namespace(self, xp) -> bool:
+        return True
+
+    def owns_array(self, a) -> bool:
+        return compat.is_array_api_obj(a)
+
+    def is_traced(self, a) -> bool:
+        """Whether ``a`` is an abstract value (under ``jax.jit`` or ``torch.compile``)."""
+        return False
+
+    def host_readable(self, a) -> bool:
+        """Whether a compiled CPU engine may read ``a``'s memory directly (NumPy, CPU torch)."""
+        return False
+
+    def to_host(self, a) -> np.ndarray:
+        """A NumPy copy (or view) of ``a``'s values; only for concrete arrays."""
+        try:
+            return np.from_dlpack(a)
+        except (TypeError, RuntimeError, BufferError, AttributeError):
+            return np.asarray(a)
+
+    def holds_everywhere(self, xp, a, predicate) -> bool | None:
+        """``all(predicate(xp, a))`` when ``a``'s values are known now, ``None`` when it is traced."""
+        if self.is_traced(a):
+            return None
+        return bool(xp.all(predicate(xp, a)))
+
+    # -- primitives of the sort-scan --------------------------------------------------------------
+    def materialize(self, xp, *arrays):
+        """The arrays, computed in full before anything that uses them (identity but under JAX)."""
+        return arrays
+
+    def searchsorted_right(self, xp, sorted_keys, values):
+        """Batched ``#{j : sorted_keys[..., j] <= values[..., i]}``, shape (..., n), default int.
+
+        A fixed-iteration binary search over ``take_along_axis``: the loop count depends on the
+        static length ``m`` only, so it is safe under JIT tracing.
+        """
+        m = sorted_keys.shape[-1]
+        dev = compat.device(values)
+        lo = xp.zeros(values.shape, dtype=xp.int64, device=dev)
+        if m == 0:
+            return lo
+        hi = xp.full(values.shape, m, dtype=xp.int64, device=dev)
+        for _ in range(ceil_log2(m + 1)):
+            mid = (lo + hi) // 2
+            probe = xp.take_along_axis(sorted_keys, xp.minimum(mid, xp.asarray(m - 1, dtype=mid.dtype,
+                                                                                  device=dev)), axis=-1)
+            go_right = (mid < hi) & (probe <= values)
+            lo = xp.where(go_right, mid + 1, lo)
+            hi = xp.where(go_right, hi, mid)
         return lo
-    hi = xp.full(values.shape, m, dtype=xp.int64, device=dev)
-    for _ in range(ceil_log2(m + 1)):
-        mid = (lo + hi) // 2
-        probe = xp.take_along_axis(sorted_keys, xp.clip(mid, max=m - 1), axis=-1)
-        go_right = (mid < hi) & (probe <= values)
-        lo = xp.where(go_right, mid + 1, lo)
-        hi = xp.where(go_right, hi, mid)
-    return lo
+
+    def take_rows(self, xp, table, index):
+        """``out[..., i, :] = table[..., index[..., i], :]``: a batched row gather."""
+        return xp.take_along_axis(table, index[..., None], axis=-2)
+
+    def finite_rows(self, xp, values, valid=None):
+        """(...) True where every entry of ``values`` (..., m, c) on a valid key is finite."""
+        ok = xp.all(xp.isfinite(values), axis=-1)
+        if valid is not None:
+            ok = ok | ~valid
+        return xp.all(ok, axis=-1)
+
+    def sorted_weights(self, xp, weights, perm, dtype, *, take=None, ones=False):
+        """``weights`` (..., m, c) in the key order ``perm``, in ``dtype``; ``(..., m, c + ones)``.
+
+        ``ones`` appends a column of ones; ``take`` (..., m) (original key order) zeroes the rows
+        (that column included) of the keys that take no part, whatever they hold.
+        """
+        wide = self.take_rows(xp, weights, perm)
+        if wide.dtype != dtype:
+            wide = xp.astype(wide, dtype)
+        if ones:
+            one = xp.ones(tuple(perm.shape) + (1,), dtype=dtype, device=compat.device(wide))
+            wide = xp.concat([wide, one], axis=-1)
+        if take is not None:
+            keep = xp.take_along_axis(take, perm, axis=-1)
+            wide = xp.where(keep[..., None], wide, xp.asarray(0.0, dtype=dtype, device=compat.device(wide)))
+        return wide
+
+    def prefix_table(self, xp, keys, weights, perm, *, take=None, ones=False):
+        """Exclusive prefix sums of ``[w, y w]`` along the sorted keys, in the dtype of ``keys``.
+
+        ``keys`` (..., m) sorted, ``weights`` (..., m, c) in the original order, ``perm`` sorts them.
+        Returns (..., m + 1, 2 C), ``C = c + ones``: row ``p`` holds ``[sum_{j<p} w_j, sum_{j<p} y_j w_j]``.
+        """
+        wide = self.sorted_weights(xp, weights, perm, keys.dtype, take=take, ones=ones)
+        table = xp.concat([wide, keys[..., None] * wide], axis=-1)
+        return xp.cumulative_sum(table, axis=-2, include_initial=True)
+
+    def combine_rows(self, xp, table, indices, parts, weights, columns, *, cache=None):
+        """``sum_k weights[k][..., i] * table[..., indices[k][..., i], part_k * c + columns]``.
+
+        ``indices``: integer arrays (..., n), or ``None`` for the totals row; ``parts``: 0 for the
+        ``w`` sums, 1 for the ``y w`` sums; ``weights``: floats or arrays broadcastable to (..., n);
+        ``cache``: row gathers keyed by ``id(index)``, shared between calls on one table.
+        Returns (..., n, len(columns)).
+        """
+        cache = {} if cache is None else cache
+        c = table.shape[-1] // 2
+        acc = None
+        for index, part, weight in zip(indices, parts, weights):
+            if index is None:
+                rows = table[..., -1:, :]
+            else:
+                rows = cache.get(id(index))
+                if rows is None:
+                    rows = cache[id(index)] = (index, self.take_rows(xp, table, index))
+                rows = rows[1]
+            block = rows[..., part * c:(part + 1) * c][..., columns]
+            term = block * (weight if isinstance(weight, (int, float)) else weight[..., None])
+            acc = term if acc is None else acc + term
+        return acc

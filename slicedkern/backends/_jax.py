@@ -1,11 +1,13 @@
-"""JAX fast paths (jit- and vmap-safe)."""
+"""The JAX row of the backend registry (jit- and vmap-safe)."""
 
 from __future__ import annotations
 
-from functools import partial
-
+import array_api_compat as compat
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from ._generic import ArrayBackend
 
 
 def _search_row(keys, vals):
@@ -15,48 +17,36 @@ def _search_row(keys, vals):
 _search_rows = jax.vmap(_search_row)
 
 
-def searchsorted_right(sorted_keys, values):
-    """``jnp.searchsorted`` vectorised over the leading axes with ``vmap``."""
-    lead = values.shape[:-1]
-    keys2 = jnp.reshape(sorted_keys, (-1, sorted_keys.shape[-1]))
-    vals2 = jnp.reshape(values, (-1, values.shape[-1]))
-    return jnp.reshape(_search_rows(keys2, vals2), lead + (values.shape[-1],))
+class JaxBackend(ArrayBackend):
+    library = "jax"
 
+    def owns_namespace(self, xp) -> bool:
+        return compat.is_jax_namespace(xp)
 
-# ------------------------------------------------------------------------------- autograd adapter
+    def owns_array(self, a) -> bool:
+        return compat.is_jax_array(a)
 
+    def is_traced(self, a) -> bool:
+        return isinstance(a, jax.core.Tracer)
 
-def _namespace():
-    import array_api_compat
-    return array_api_compat.array_namespace(jnp.zeros(()))
+    def to_host(self, a) -> np.ndarray:
+        return np.asarray(a)
 
+    def holds_everywhere(self, xp, a, predicate) -> bool | None:
+        # Inside a trace every jnp operation is staged, even on a concrete array closed over by the
+        # jitted function, and bool() of the result fails: check concrete values on the host.
+        if self.is_traced(a):
+            return None
+        return bool(np.all(predicate(np, np.asarray(a))))
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sort_scan(spec, out_dtype, *arrays):
-    from .._diff import forward
-    out, _ = forward(spec, arrays, xp=_namespace())
-    return out.astype(out_dtype)
+    def materialize(self, xp, *arrays):
+        # In a loop whose steps each read the previous step's result twice (the Hillis-Steele scan),
+        # XLA would otherwise fuse the steps and recompute each one exponentially often.
+        return jax.lax.optimization_barrier(arrays)
 
-
-def _sort_scan_fwd(spec, out_dtype, *arrays):
-    from .._diff import forward
-    out, residuals = forward(spec, arrays, xp=_namespace())
-    out = out.astype(out_dtype)
-    if residuals:
-        residuals = (out, residuals[1])
-    return out, (arrays, residuals)
-
-
-def _sort_scan_bwd(spec, out_dtype, saved, grad_out):
-    from .._diff import backward
-    arrays, residuals = saved
-    grads = backward(spec, arrays, residuals, grad_out.astype(arrays[0].dtype), xp=_namespace())
-    return tuple(None if g is None else g.astype(a.dtype) for g, a in zip(grads, arrays))
-
-
-_sort_scan.defvjp(_sort_scan_fwd, _sort_scan_bwd)
-
-
-def apply(spec, arrays, out_dtype):
-    """Run ``spec`` on JAX arrays through a ``custom_vjp`` (jit-, vmap- and grad-safe)."""
-    return _sort_scan(spec, jnp.dtype(out_dtype), *arrays)
+    def searchsorted_right(self, xp, sorted_keys, values):
+        """``jnp.searchsorted`` vectorised over the leading axes with ``vmap``."""
+        lead = values.shape[:-1]
+        keys2 = jnp.reshape(sorted_keys, (-1, sorted_keys.shape[-1]))
+        vals2 = jnp.reshape(values, (-1, values.shape[-1]))
+        return jnp.reshape(_search_rows(keys2, vals2), lead + (values.shape[-1],))

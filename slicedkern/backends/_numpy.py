@@ -1,16 +1,34 @@
-"""NumPy fast paths (CPU)."""
+"""The NumPy row of the backend registry (CPU)."""
 
 from __future__ import annotations
 
+import array_api_compat as compat
 import numpy as np
 
+from ._generic import ArrayBackend
 
-def searchsorted_right(sorted_keys, values):
-    """``np.searchsorted`` is 1-D only: one C call per batch row."""
-    lead = values.shape[:-1]
-    keys2 = np.reshape(sorted_keys, (-1, sorted_keys.shape[-1]))
-    vals2 = np.reshape(values, (-1, values.shape[-1]))
-    out = np.empty(vals2.shape, dtype=np.intp)
-    for row in range(vals2.shape[0]):
-        out[row] = np.searchsorted(keys2[row], vals2[row], side="right")
-    return np.reshape(out, lead + (values.shape[-1],))
+
+class NumpyBackend(ArrayBackend):
+    library = "numpy"
+
+    def owns_namespace(self, xp) -> bool:
+        return compat.is_numpy_namespace(xp)
+
+    def owns_array(self, a) -> bool:
+        return compat.is_numpy_array(a)
+
+    def host_readable(self, a) -> bool:
+        return True
+
+    def to_host(self, a) -> np.ndarray:
+        return np.asarray(a)
+
+    def searchsorted_right(self, xp, sorted_keys, values):
+        """``np.searchsorted`` is 1-D only: one C call per batch row."""
+        lead = values.shape[:-1]
+        keys2 = np.reshape(sorted_keys, (-1, sorted_keys.shape[-1]))
+        vals2 = np.reshape(values, (-1, values.shape[-1]))
+        out = np.empty(vals2.shape, dtype=np.intp)
+        for row in range(vals2.shape[0]):
+            out[row] = np.searchsorted(keys2[row], vals2[row], side="right")
+        return np.reshape(out, lead + (values.shape[-1],))

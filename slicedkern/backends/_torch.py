@@ -1,8 +1,12 @@
-"""PyTorch fast paths (CPU and CUDA)."""
+"""The PyTorch row of the backend registry (CPU and CUDA): native fast paths, no autograd."""
 
 from __future__ import annotations
 
+import array_api_compat as compat
+import numpy as np
 import torch
+
+from ._generic import ArrayBackend
 
 
 def searchsorted_right(sorted_keys, values):
@@ -168,70 +172,52 @@ def _combine_columns(table, lead, n, indices, parts, weights, columns, cache):
     return acc.expand(nb, n, width).reshape(*lead, n, width)
 
 
-# ------------------------------------------------------------------------------- autograd adapter
-def _namespace():
-    import array_api_compat.torch as xp
-    return xp
 
 
-from .._diff import AttentionSpec  # noqa: E402
+class TorchBackend(ArrayBackend):
+    library = "torch"
+    quiet_nonfinite = True          # no warnings, no traps: a weight's check may wait for its row's totals
 
+    def owns_namespace(self, xp) -> bool:
+        return compat.is_torch_namespace(xp)
 
-class SortScan(torch.autograd.Function):
-    """One sort-scan op (its static ``spec``) as an autograd node.
+    def owns_array(self, a) -> bool:
+        return compat.is_torch_array(a)
 
-    ``forward`` is context-free and ``setup_context`` saves only the inputs, the output and a few
-    per-query scalars of the attention normaliser, so the graph holds ``O(n Dv)`` memory like the
-    inputs; ``backward`` is the same core VJP as JAX's and :func:`slicedkern.vjp`.
-    """
+    def is_traced(self, a) -> bool:
+        return torch.compiler.is_compiling()
 
-    @staticmethod
-    def forward(spec, out_dtype, *arrays):
-        from .._diff import forward
-        out, residuals = forward(spec, arrays, xp=_namespace())
-        out = out.to(out_dtype)
-        aux = (residuals[1] if residuals else None) or {}
-        return (out, aux.get("take"), aux.get("relu_count"), aux.get("den"))
+    def host_readable(self, a) -> bool:
+        # torch.func transforms wrap tensors without storage: data_ptr() raises on them (public API,
+        # unlike functorch's own predicate), and a compiled graph needs traceable ops anyway.
+        if a.device.type != "cpu" or torch.compiler.is_compiling():
+            return False
+        try:
+            a.data_ptr()
+        except RuntimeError:
+            return False
+        return True
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        spec, _, *arrays = inputs
-        out, take, relu_count, den = output
-        ctx.spec = spec
-        ctx.n_arrays = len(arrays)
-        ctx.has_aux = take is not None
-        ctx.has_den = den is not None
-        saved = list(arrays) + [out]
-        if ctx.has_aux:
-            saved += [take, relu_count] + ([den] if ctx.has_den else [])
-            ctx.mark_non_differentiable(take, relu_count, *([den] if ctx.has_den else []))
-        ctx.save_for_backward(*saved)
+    def to_host(self, a) -> np.ndarray:
+        return a.detach().cpu().numpy()
 
-    @staticmethod
-    def backward(ctx, grad_out, *_):
-        from .._diff import backward
-        saved = ctx.saved_tensors
-        arrays = saved[:ctx.n_arrays]
-        out = saved[ctx.n_arrays]
-        residuals = ()
-        if ctx.has_aux:
-            aux = {"take": saved[ctx.n_arrays + 1], "relu_count": saved[ctx.n_arrays + 2]}
-            if ctx.has_den:
-                aux["den"] = saved[ctx.n_arrays + 3]
-            residuals = (out, aux)
-        elif isinstance(ctx.spec, AttentionSpec):      # the sweep kept no per-query sums
-            residuals = (out, None)
-        if not any(ctx.needs_input_grad[2:]):
-            return (None, None) + (None,) * ctx.n_arrays
-        grads = backward(ctx.spec, arrays, residuals, grad_out.to(arrays[0].dtype), xp=_namespace())
-        grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[2:])]
-        return (None, None, *grads)
+    def searchsorted_right(self, xp, sorted_keys, values):
+        return searchsorted_right(sorted_keys, values)
 
+    def take_rows(self, xp, table, index):
+        return take_rows(table, index)
 
-def apply(spec, arrays, out_dtype):
-    """Run ``spec`` on torch tensors; an autograd node only when some input requires grad."""
-    if torch.is_grad_enabled() and any(a.requires_grad for a in arrays if a.is_floating_point()):
-        return SortScan.apply(spec, out_dtype, *arrays)[0]
-    from .._diff import forward
-    out, _ = forward(spec, arrays, xp=_namespace())
-    return out
+    def finite_rows(self, xp, values, valid=None):
+        if valid is None:
+            return finite_rows(values)
+        return super().finite_rows(xp, values, valid)
+
+    def prefix_table(self, xp, keys, weights, perm, *, take=None, ones=False):
+        return prefix_table(keys, weights, perm, take, ones)
+
+    def combine_rows(self, xp, table, indices, parts, weights, columns, *, cache=None):
+        cache = {} if cache is None else cache
+        out = combine_rows(table, indices, parts, weights, columns, cache)
+        if out is None:
+            return super().combine_rows(xp, table, indices, parts, weights, columns, cache=cache)
+        return out

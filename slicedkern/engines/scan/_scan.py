@@ -1,11 +1,13 @@
-"""The array-API sort-scan engine (SPEC §2.2): backend-neutral, GPU- and JIT-friendly.
+"""The array-API sort-scan: backend-neutral, GPU- and JIT-friendly.
+
+docs/mathematics.rst, "The kernel sum by sort-scan", has the derivation.
 
 For queries ``x`` (..., n), keys ``y`` (..., m) and weights ``w`` (..., m, c), every sum
 ``S_i = sum_j f(x_i - y_j) w_j`` with a piecewise-linear ``f`` is assembled from
 
 * one stable sort of the keys, carrying the weights along (``perm``);
 * one exclusive prefix sum of ``[w, y * w]`` over the sorted keys, in the work dtype (float64
-  where the backend has it, SPEC §4);
+  where the backend has it: docs/mathematics.rst, "Numerics");
 * per knot ``t``, one batched rank search ``r = #{j : y_j <= x_i - t}``:
   ``sum_j ReLU(x_i - t - y_j) w_j = s P0[r] - P1[r]`` and ``sum_j H(x_i - t - y_j) w_j = P0[r]``;
 * per profile, one *combination*: ``sum_k a_k[i] * table[r_k[i]]``, the rows of every knot (and the
@@ -18,55 +20,22 @@ are shifted by the median key first, so that ``s P0 - P1`` cancels as little as 
 scores far from zero.
 
 Every function here takes ``xp`` explicitly and touches no framework-specific API; rank search goes
-through :func:`slicedkern.backends.searchsorted_right`.
+through the backend registry (:func:`slicedkern.backends.searchsorted_right`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import array_api_compat as compat
 
-from ._wide import _is_one, two_sum
-from .backends import searchsorted_right
+from ...backends import searchsorted_right
+from ...kernels import Profile
+from ._wide import is_one, two_sum
 
-__all__ = ["Profile", "SortedKeys", "Queries", "sort_keys", "queries", "knot_sums", "profile_sums",
+__all__ = ["SortedKeys", "Queries", "sort_keys", "queries", "knot_sums", "profile_sums",
            "searches", "profile_terms", "combine_sums"]
-
-
-@dataclass(frozen=True)
-class Profile:
-    """``intercept + slope r + sum_m coeffs[m] ReLU(r - knots[m])`` with float or array parameters.
-
-    Array parameters have the leading (batch) shape of the problem, or one that broadcasts to it;
-    this is how per-head bandwidths enter. ``columns`` selects the weight columns the profile is
-    summed over (a ``slice``); ``derivative=True`` asks for ``sum_j f'(x_i - y_j) w_j`` instead.
-    """
-
-    knots: tuple
-    coeffs: tuple
-    slope: Any = 0.0
-    intercept: Any = 0.0
-    columns: slice = field(default_factory=lambda: slice(None))
-    derivative: bool = False
-
-    @classmethod
-    def of(cls, kernel, **kw) -> "Profile":
-        return cls(tuple(kernel.knots), tuple(kernel.coeffs), kernel.slope, kernel.intercept, **kw)
-
-    def reflect(self, **kw) -> "Profile":
-        """The profile ``r -> f(-r)`` (see :meth:`PiecewiseLinear.reflect`), float or array params."""
-        total, moment = 0.0, 0.0
-        for t, c in zip(self.knots, self.coeffs):
-            total = total + c
-            moment = moment + c * t
-        return Profile(tuple(-t for t in self.knots), self.coeffs, -self.slope - total,
-                       self.intercept - moment, **kw)
-
-    def with_(self, **kw) -> "Profile":
-        return Profile(self.knots, self.coeffs, self.slope, self.intercept,
-                       kw.get("columns", self.columns), kw.get("derivative", self.derivative))
 
 
 class SortedKeys(NamedTuple):
@@ -198,14 +167,14 @@ def profile_terms(prof: Profile, xs: Queries, found: dict, *, ar) -> list:
         if prof.derivative:
             terms.append((rank, 0, coeff))
         else:
-            terms.append((rank, 0, s if _is_one(coeff) else ar.scale(s, coeff)))
+            terms.append((rank, 0, s if is_one(coeff) else ar.scale(s, coeff)))
             terms.append((rank, 1, -coeff))
     slope, intercept = _batch(prof.slope, 1), _batch(prof.intercept, 1)
     if prof.derivative:
         if not _is_zero(slope):
             terms.append((None, 0, slope))
     else:
-        linear = None if _is_zero(slope) else (xs.wide if _is_one(slope) else ar.scale(xs.wide, slope))
+        linear = None if _is_zero(slope) else (xs.wide if is_one(slope) else ar.scale(xs.wide, slope))
         if not _is_zero(intercept):
             linear = intercept if linear is None else ar.add(linear, intercept)
         if linear is not None:

@@ -1,7 +1,7 @@
 """Backend-neutral compositions on top of the sort-scan: kernel sums and attention.
 
 Inputs arrive validated and in the work dtype; results leave in the work dtype (the public layer
-casts back). The NaN policy (SPEC §4) is applied here once for every engine: a non-finite query
+casts back). The NaN policy (docs/mathematics.rst, "Non-finite input") is applied here: a non-finite query
 makes its row NaN, a non-finite (unmasked) key or value makes its whole batch row NaN. Offending
 scores are replaced by zeros before any arithmetic, and so are offending weights, so that no backend
 warns or traps on them -- except where the backend lets them pass quietly (torch): there a weight's
@@ -13,92 +13,57 @@ from __future__ import annotations
 
 import array_api_compat as compat
 
-from ._scan import Profile, combine_sums, profile_terms, searches, sort_keys, queries
-from ._namespace import clamp_min
+from ..._lib.namespace import clamp_min
+from ...backends import quiet_nonfinite
+from ...kernels import Profile
+from .._nanpolicy import screen
+from ._scan import combine_sums, profile_terms, queries, searches, sort_keys
 from ._wide import arithmetic
-from .backends import finite_rows, quiet_nonfinite
 
 __all__ = ["kernel_sum", "attention"]
-
-
-def _fill_masked(xp, y, take, key_mask):
-    """Zero ``y`` where it takes no part; masked keys sit at the mean of the valid ones instead."""
-    zero = xp.asarray(0.0, dtype=y.dtype, device=compat.device(y))
-    y = xp.where(take, y, zero)
-    if key_mask is not None:
-        # Masked keys sit at the mean of the valid ones: they stay out of the sums (zero weight)
-        # and out of the way of the median shift, which keeps s P0 - P1 from cancelling.
-        count = xp.sum(xp.astype(take, y.dtype), axis=-1, keepdims=True)
-        fill = xp.sum(y, axis=-1, keepdims=True) / clamp_min(xp, count, 1.0)
-        y = xp.where(take, y, fill)
-    return y
-
-
-def sanitize_keys(xp, x, y, w, key_mask):
-    """Zero the entries the NaN policy excludes; return ``(x, y, w, q_ok, row_ok)``.
-
-    The backward's form of :func:`_screen` (every weight checked now): ``y`` is made finite as there,
-    ``w`` is zeroed on masked keys and bad rows (keeping its dtype); ``q_ok`` (..., n) marks finite
-    queries, ``row_ok`` (...) batch rows whose participating keys and weights are all finite.
-    """
-    sc = _screen(xp, x, y, w, key_mask, defer=False)
-    w_zero = xp.asarray(0.0, dtype=w.dtype, device=compat.device(w))
-    return sc.x, sc.y, xp.where(sc.take[..., None], w, w_zero), sc.q_ok, sc.row_ok
-
-
-class _Screened:
-    """The scores made finite, and how the NaN policy reaches the weights (see :func:`_screen`)."""
-
-    def __init__(self, x, y, q_ok, row_ok, take, table_take, deferred):
-        self.x, self.y, self.q_ok, self.row_ok = x, y, q_ok, row_ok
-        self.take, self.table_take, self.deferred = take, table_take, deferred
-
-    def settle(self, xp, totals, c):
-        """With the weights' check deferred: fold the finiteness of the row totals into ``row_ok``."""
-        if self.deferred:
-            self.row_ok = self.row_ok & xp.isfinite(xp.sum(totals[..., 0, :c], axis=-1))
-            self.take = self.take & self.row_ok[..., None]
-
-    def divisor(self, xp, den):
-        """``den`` broadcast to (..., n), NaN on bad queries and bad rows (SPEC §4): the one place
-        the policy touches the output, as the factor the combination divides by."""
-        good = self.q_ok & self.row_ok[..., None]
-        nan = xp.asarray(float("nan"), dtype=self.x.dtype, device=compat.device(self.x))
-        if isinstance(den, (int, float)):
-            den = xp.asarray(float(den), dtype=self.x.dtype, device=compat.device(self.x))
-        return xp.where(good, den, nan)
-
-
-def _screen(xp, x, y, w, key_mask, *, defer) -> _Screened:
-    """The NaN policy's screening of queries ``x``, keys ``y`` and weights ``w`` (..., m, c).
-
-    Scores are cheap to screen: non-finite queries and keys (taking part) are found and replaced
-    by zeros here. The weights are ``m c`` values: where the backend lets non-finite values pass
-    quietly and the weights are narrower than the work dtype (so that no sum of finite ones can
-    overflow), their check is *deferred* to the totals of the prefix table, and only masked keys
-    are kept out of it; otherwise every weight is checked now and bad rows are zeroed in the table.
-    ``defer`` says which (see :func:`_can_defer`).
-    """
-    q_ok = xp.isfinite(x)
-    k_ok = xp.isfinite(y)
-    if key_mask is not None:
-        k_ok = k_ok | ~key_mask
-    row_ok = xp.all(k_ok, axis=-1)
-    if not defer:
-        row_ok = row_ok & finite_rows(xp, w, key_mask)
-    take = xp.broadcast_to(row_ok[..., None], y.shape)
-    if key_mask is not None:
-        take = take & key_mask
-    y = _fill_masked(xp, y, take, key_mask)
-    zero = xp.asarray(0.0, dtype=x.dtype, device=compat.device(x))
-    x = xp.where(q_ok, x, zero)
-    return _Screened(x, y, q_ok, row_ok, take, key_mask if defer else take, defer)
 
 
 def _can_defer(xp, ar, x, w) -> bool:
     """Whether the weights' finiteness check can wait for the row totals (see :func:`_screen`)."""
     return (quiet_nonfinite(xp) and not ar.wide
             and xp.finfo(w.dtype).bits < xp.finfo(x.dtype).bits)
+
+
+def _power_of_two(xp, e):
+    """``2 ** e`` for integer-valued float32 ``e`` in [-126, 126], exactly (products of powers of two;
+    ``pow`` and ``exp2`` are not exact on every backend)."""
+    one = xp.ones_like(e)
+    up, down = one, one
+    magnitude = xp.abs(e)
+    for bit in range(7):
+        step = 2.0 ** (2 ** bit)
+        on = xp.remainder(xp.floor(magnitude / 2 ** bit), 2.0) == 1.0
+        up = xp.where(on & (e > 0), up * step, up)
+        down = xp.where(on & (e < 0), down / step, down)
+    return up * down
+
+
+def _power_of_two_scaled(xp, ar, w):
+    """Weights scaled per batch row by a power of two so that their largest finite entry is about 1.
+
+    Double-float products split each factor in halves (Dekker), which overflows for values above
+    about 1e34 and loses the error terms below about 1e-30 (subnormal, flushed). The sums are linear
+    in the weights, so the row's result is scaled back exactly. Plain float64 needs none of it.
+    Returns ``(w, factor)``: ``factor`` (..., 1, 1) multiplies the result, ``None`` when unscaled.
+    """
+    if not ar.wide:
+        return w, None
+    work = xp.float32
+    w = xp.astype(w, work)
+    size = xp.where(xp.isfinite(w), xp.abs(w), xp.zeros_like(w))
+    top = xp.max(size, axis=(-2, -1), keepdims=True)
+    tiny = xp.asarray(xp.finfo(work).smallest_normal, dtype=work, device=compat.device(w))
+    e = xp.clip(xp.floor(xp.log2(xp.maximum(top, tiny))), min=-126.0, max=126.0)
+    return w * _power_of_two(xp, -e), _power_of_two(xp, e)
+
+
+def _unscaled(out, factor):
+    return out if factor is None else out * factor
 
 
 def kernel_sum(x, y, w, profile: Profile, *, xp):
@@ -110,18 +75,19 @@ def kernel_sum(x, y, w, profile: Profile, *, xp):
     if m == 0 or n == 0:
         return xp.zeros(x.shape + (c,), dtype=x.dtype, device=compat.device(x))
     ar = arithmetic(xp, x.dtype)
-    sc = _screen(xp, x, y, w, None, defer=_can_defer(xp, ar, x, w))
+    w, unscale = _power_of_two_scaled(xp, ar, w)
+    sc = screen(xp, x, y, w, None, defer=_can_defer(xp, ar, x, w))
     sk = sort_keys(sc.y, w, xp=xp, ar=ar, take=sc.table_take)
     sc.settle(xp, ar.value(sk.prefix[..., -1:, :]), c)
     xs = queries(sc.x, sk, ar=ar)
     found = searches(xs, sk, [profile], xp=xp, ar=ar, strict=True)
     out = combine_sums(xs, sk, profile_terms(profile, xs, found, ar=ar), profile.columns, xp=xp, ar=ar,
                        divisor=sc.divisor(xp, 1.0))
-    return ar.value(out)
+    return _unscaled(ar.value(out), unscale)
 
 
 def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, eps: float, xp):
-    """Normalised kernel attention, SPEC §2.3; returns ``(out, aux)``.
+    """Normalised kernel attention, docs/mathematics.rst, "Attention"; returns ``(out, aux)``.
 
     Parameters
     ----------
@@ -160,7 +126,8 @@ def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, 
         return xp.zeros(q.shape + (dv,), dtype=dt, device=dev), {"take": take, "relu_count": zeros,
                                                                   "den": zeros}
     ar = arithmetic(xp, dt)
-    sc = _screen(xp, q, k, v, key_mask, defer=_can_defer(xp, ar, q, v))
+    v, unscale = _power_of_two_scaled(xp, ar, v)
+    sc = screen(xp, q, k, v, key_mask, defer=_can_defer(xp, ar, q, v))
     sk = sort_keys(sc.y, v, xp=xp, ar=ar, take=sc.table_take, ones=True)
     totals = ar.value(sk.prefix[..., -1:, :])                    # (..., 1, 2 (Dv + 1))
     sc.settle(xp, totals, dv)
@@ -189,4 +156,4 @@ def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, 
     if center:
         terms = terms + [(None, 0, ar.scale(ar.div(relu_count[..., 0], count[..., 0]), -1.0))]
     out = combine_sums(xs, sk, terms, slice(0, dv), xp=xp, ar=ar, divisor=sc.divisor(xp, den), cache=cache)
-    return ar.value(out), aux
+    return _unscaled(ar.value(out), unscale), aux

@@ -1,56 +1,33 @@
-"""Run a validated op on its framework, with gradients, and :func:`vjp` for everything else.
+"""``slicedkern.vjp``: reverse mode for NumPy, CuPy, ``array_api_strict`` and any namespace.
 
-torch tensors go through a ``torch.autograd.Function`` and JAX arrays through a ``jax.custom_vjp``
-(``slicedkern/backends``); NumPy, CuPy, ``array_api_strict`` and any other namespace run the forward
-directly, and :func:`vjp` gives them the same backward.
+The same engine backward the torch and JAX adapters use. An op call made inside :func:`vjp` is
+recorded (spec, engine, arrays, output, residuals) instead of being handed to an autograd system;
+the pullback replays it backwards. Composite ops (the sliced ones) are marked with
+:func:`composite`: their *plan* runs chunk by chunk forward and backward, with bounded memory.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
-from typing import Any
 
 import array_api_compat as compat
 
-from . import _diff
+from .._spec import sum_to
+from . import recording
 
-__all__ = ["execute", "vjp"]
-
-# Stack of active vjp() recorders: a plain list, because torch.compile cannot trace ContextVar.
-_recorders: list = []
+__all__ = ["vjp", "composite"]
 
 
-@dataclass
-class _Record:
-    xp: Any
-    spec: Any
-    arrays: tuple
-    names: tuple
-    residuals: Any
-    squeeze: bool
+def composite(planner):
+    """Mark a public op as composite: :func:`vjp` calls ``planner`` (same signature as the op).
 
-
-def execute(xp, spec, arrays, names, out_dtype, *, squeeze=False):
-    """Forward of ``spec`` on ``arrays`` (named ``names``), cast to ``out_dtype``.
-
-    ``squeeze`` drops a trailing axis of size one (``kernel_sum`` with vector weights).
+    ``planner(*args, **kwargs)`` returns a plan with ``xp``, ``work_dtype``, ``forward()`` (the op's
+    output) and ``pullback(g) -> {argument name: gradient}``.
     """
-    recorder = _recorders[-1] if _recorders else None
-    if recorder is not None:
-        out, residuals = _diff.forward(spec, arrays, xp=xp)
-        recorder.append(_Record(xp, spec, arrays, names, residuals, squeeze))
-    elif compat.is_torch_namespace(xp):
-        from .backends import _torch
-        out = _torch.apply(spec, arrays, out_dtype)
-    elif compat.is_jax_namespace(xp):
-        from .backends import _jax
-        out = _jax.apply(spec, arrays, out_dtype)
-    else:
-        out, _ = _diff.forward(spec, arrays, xp=xp)
-    if out.dtype != out_dtype:
-        out = xp.astype(out, out_dtype)
-    return out[..., 0] if squeeze else out
+    def mark(fn):
+        fn.__slicedkern_planner__ = planner
+        return fn
+    return mark
 
 
 def _positions(fn, args, kwargs, rec) -> dict:
@@ -71,9 +48,9 @@ def _positions(fn, args, kwargs, rec) -> dict:
     return dict(zip(wanted, array_positions))
 
 
-def _composite_vjp(fn, args, kwargs):
-    """vjp of a sliced op: its plan's forward, and the plan's pullback mapped to the arguments."""
-    plan, to_args = fn(*args, _planning=True, **kwargs)
+def _composite_vjp(fn, planner, args, kwargs):
+    """vjp of a composite op: its plan's forward, and the plan's pullback mapped to the arguments."""
+    plan = planner(*args, **kwargs)
     out = plan.forward()
     xp = plan.xp
     names = list(inspect.signature(fn).bind(*args, **kwargs).arguments)[:len(args)]
@@ -83,15 +60,14 @@ def _composite_vjp(fn, args, kwargs):
         if tuple(g.shape) != tuple(out.shape):
             raise ValueError(f"the cotangent must have the output's shape {tuple(out.shape)}, "
                              f"got {tuple(g.shape)}")
-        work = plan.theta.dtype
-        grads = to_args(plan.pullback(xp.astype(g, work)))
+        grads = plan.pullback(xp.astype(g, plan.work_dtype))
         result = []
         for name, arg in zip(names, args):
             grad = grads.get(name)
             if grad is None or not compat.is_array_api_obj(arg) or not xp.isdtype(arg.dtype, "real floating"):
                 result.append(None)
                 continue
-            result.append(xp.astype(_diff._sum_to(xp, grad, arg.shape), arg.dtype))
+            result.append(xp.astype(sum_to(xp, grad, arg.shape), arg.dtype))
         return tuple(result)
 
     return out, pullback
@@ -132,14 +108,15 @@ def vjp(fn, *args, **kwargs):
     >>> dv.shape
     (1, 2, 1)
     """
-    if getattr(fn, "_slicedkern_plan", False):
-        return _composite_vjp(fn, args, kwargs)
+    planner = getattr(fn, "__slicedkern_planner__", None)
+    if planner is not None:
+        return _composite_vjp(fn, planner, args, kwargs)
     records: list = []
-    _recorders.append(records)
+    token = recording.set(records)
     try:
         out = fn(*args, **kwargs)
     finally:
-        _recorders.pop()
+        recording.reset(token)
     if len(records) != 1:
         raise TypeError(f"vjp supports slicedkern's sort-scan ops, called once; {getattr(fn, '__name__', fn)!r} "
                         f"made {len(records)} such calls")
@@ -155,7 +132,7 @@ def vjp(fn, *args, **kwargs):
         g = xp.astype(g, rec.arrays[0].dtype)
         if rec.squeeze:
             g = g[..., None]
-        grads = _diff.backward(rec.spec, rec.arrays, rec.residuals, g, xp=xp)
+        grads = rec.engine.backward(rec.spec, rec.arrays, rec.out, rec.residuals, g, xp=xp)
         result = [None] * len(args)
         for name, grad in zip(rec.names, grads):
             if grad is None or name not in positional:
@@ -164,7 +141,7 @@ def vjp(fn, *args, **kwargs):
             original = args[index]
             if rec.squeeze and name == "w":
                 grad = grad[..., 0]
-            grad = _diff._sum_to(xp, grad, original.shape)
+            grad = sum_to(xp, grad, original.shape)
             result[index] = xp.astype(grad, original.dtype)
         return tuple(result)
 

@@ -1,6 +1,7 @@
 """Wide accumulation: the arithmetic of the sort-scan's prefix sums and their combination.
 
-SPEC §4: ``s P0[r] - P1[r]`` subtracts two terms far larger than their difference, and a narrow hat
+``s P0[r] - P1[r]`` subtracts two terms far larger than their difference (docs/mathematics.rst,
+"Numerics"), and a narrow hat
 subtracts such differences again, so both the prefix sums and the combination need more than
 float32. Two interchangeable implementations share one interface:
 
@@ -24,12 +25,12 @@ from __future__ import annotations
 
 import array_api_compat as compat
 
-from .backends import combine_rows, prefix_table, sorted_weights, take_rows, materialize
+from ...backends import combine_rows, materialize, prefix_table, sorted_weights, take_rows
 
 __all__ = ["arithmetic", "two_sum", "Plain", "DoubleFloat", "Pair"]
 
 
-def _is_one(value) -> bool:
+def is_one(value) -> bool:
     return isinstance(value, (int, float)) and value == 1
 
 
@@ -94,7 +95,7 @@ class Plain:
         weights = [w for _, _, w in terms]
         if divisor is not None:
             scale = 1.0 / divisor
-            weights = [scale if _is_one(w) else scale * w for w in weights]
+            weights = [scale if is_one(w) else scale * w for w in weights]
         return combine_rows(self.xp, table, [t[0] for t in terms], [t[1] for t in terms], weights, columns,
                             cache=cache)
 

@@ -1,0 +1,115 @@
+"""Namespace-neutral helpers: shapes, devices, dtypes, promotion.
+
+Everything here speaks the array API standard through ``array_api_compat``; nothing imports a
+framework or asks which framework an array belongs to (that is the backend registry's job).
+"""
+
+from __future__ import annotations
+
+import math
+
+import array_api_compat as compat
+
+__all__ = [
+    "is_scalar",
+    "check_same_device",
+    "check_floating",
+    "compute_dtypes",
+    "has_float64",
+    "as_work",
+    "shape_str",
+]
+
+
+def shape_str(a) -> str:
+    return f"shape {tuple(a.shape)} and dtype {a.dtype}"
+
+
+def is_scalar(a) -> bool:
+    return isinstance(a, (int, float, bool))
+
+
+def check_same_device(named_arrays: dict):
+    """Raise ``TypeError`` naming the arguments if the arrays do not all live on one device."""
+    arrays = [(k, a) for k, a in named_arrays.items() if a is not None and not is_scalar(a)]
+    if not arrays:
+        return None
+    placed = [(name, compat.device(a)) for name, a in arrays]
+    placed = [(name, dev) for name, dev in placed if dev is not None]   # tracers have no device
+    if not placed:
+        return compat.device(arrays[0][1])
+    name0, dev0 = placed[0]
+    for name, dev in placed[1:]:
+        if dev != dev0:
+            raise TypeError(f"arguments {name0!r} (device {dev0}) and {name!r} (device {dev}) are on "
+                            "different devices; move them to one device first")
+    return dev0
+
+
+def check_floating(xp, named_arrays: dict):
+    for name, a in named_arrays.items():
+        if a is None or is_scalar(a):
+            continue
+        if not xp.isdtype(a.dtype, "real floating"):
+            raise TypeError(f"argument {name!r} must have a real floating dtype, got {shape_str(a)}")
+
+
+def has_float64(xp, device) -> bool:
+    """Whether ``xp`` can hold float64 on ``device`` (False for JAX without x64, for instance)."""
+    try:
+        info = xp.__array_namespace_info__()
+        kinds = info.dtypes(device=device, kind="real floating")
+    except Exception:  # namespaces without an inspection API: assume the standard's full set
+        return True
+    return "float64" in kinds
+
+
+def compute_dtypes(xp, arrays, device):
+    """Return ``(out_dtype, work_dtype)`` for floating ``arrays``.
+
+    ``out_dtype`` is the promoted input dtype; ``work_dtype`` is float64 where the backend has it
+    (prefix sums and their combination are accumulated there: docs/mathematics.rst, "Numerics") and float32 otherwise.
+    Half-precision inputs are therefore never computed in half precision.
+    """
+    arrays = [a for a in arrays if a is not None and not is_scalar(a)]
+    out = xp.result_type(*arrays) if len(arrays) > 1 else arrays[0].dtype
+    work = xp.float64 if has_float64(xp, device) else xp.float32
+    return out, work
+
+
+def as_work(xp, a, work):
+    """``a`` cast to the work dtype (no copy when it already is)."""
+    if a.dtype == work:
+        return a
+    return xp.astype(a, work)
+
+
+def clamp_min(xp, a, lower: float):
+    """``max(a, lower)`` elementwise, ``lower`` a Python float (``xp.clip`` of some wrappers does not
+    trace under ``torch.compile(dynamic=True)``)."""
+    return xp.maximum(a, xp.asarray(lower, dtype=a.dtype, device=compat.device(a)))
+
+
+def ceil_log2(n: int) -> int:
+    return max(0, math.ceil(math.log2(n))) if n > 0 else 0
+
+
+def broadcast_shapes(*shapes, names=None) -> tuple:
+    """NumPy broadcasting of shapes; ``ValueError`` naming the arguments when they do not broadcast."""
+    ndim = max([len(s) for s in shapes] + [0])
+    out = []
+    for axis in range(-ndim, 0):
+        size = 1
+        for s in shapes:
+            if len(s) >= -axis:
+                d = s[axis]
+                if d != 1:
+                    if size not in (1, d):
+                        who = f" of {', '.join(names)}" if names else ""
+                        raise ValueError(f"the leading (batch) shapes{who} do not broadcast: "
+                                         f"{', '.join(str(tuple(s)) for s in shapes)}")
+                    size = d
+        out.append(size)
+    return tuple(out)
+
+

@@ -1,0 +1,126 @@
+"""What to compute: the static, hashable description of one op call, shared by every engine.
+
+An op call is reduced to a *spec* (kernel, options, where the parameters are arrays) and a flat tuple
+of arrays (scores, values, mask, array parameters) already broadcast to one batch shape by the public
+layer. Engines turn a spec and its arrays into a :class:`~slicedkern.kernels.Profile` with
+:func:`profile_of`; parameter gradients come back through :func:`param_grads`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .kernels import Abs, PiecewiseLinear, Profile, ReLU, hat_profile, hat_pullback, is_fixed
+
+__all__ = ["KernelSumSpec", "AttentionSpec", "NORMALIZERS", "normalizer_profile", "unpack", "hats",
+           "profile_of", "param_grads", "sum_to", "bandwidth_ok"]
+
+#: The attention normalisers: a profile summed over the valid keys (clamped below by ``eps``), the
+#: number of valid keys (``"count"``, at least 1), or none. The one table every layer reads.
+NORMALIZERS = {"abs": Abs(), "relu": ReLU(), "count": None, None: None}
+
+
+@dataclass(frozen=True)
+class KernelSumSpec:
+    """``kernel_sum`` with a fixed profile; arrays ``(x, y, w)``."""
+
+    kernel: PiecewiseLinear
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """An attention op; arrays ``(q, k, v[, key_mask], *params)``.
+
+    Either ``kernel`` is a fixed profile, or ``alphas`` / ``betas`` describe a (mixture of) hat(s):
+    one float per hat, where the values are fixed. ``param_layout`` names the array parameters in
+    order: "bandwidth" (one hat, batch shape), "bandwidths" / "weights" (mixtures, batch + (K,)).
+    """
+
+    kernel: PiecewiseLinear | None
+    alphas: tuple = ()
+    betas: tuple = ()
+    param_layout: tuple = ()
+    center: bool = False
+    normalize: str | None = "count"
+    eps: float = 1e-6
+    has_mask: bool = False
+
+
+def normalizer_profile(normalize):
+    """The normaliser called ``normalize`` as a :class:`Profile`, or ``"count"`` / ``None``."""
+    kernel = NORMALIZERS[normalize]
+    return Profile.of(kernel) if kernel is not None else normalize
+
+
+def unpack(spec: AttentionSpec, arrays):
+    """``(q, k, v, key_mask or None, {param name: array})`` from the flat array tuple."""
+    q, k, v = arrays[:3]
+    rest = list(arrays[3:])
+    mask = rest.pop(0) if spec.has_mask else None
+    return q, k, v, mask, dict(zip(spec.param_layout, rest))
+
+
+def hats(spec: AttentionSpec, params):
+    """Per-hat bandwidths and weights: floats, or arrays of the batch shape."""
+    if "bandwidth" in params:
+        alphas = [params["bandwidth"]]
+    elif "bandwidths" in params:
+        arr = params["bandwidths"]
+        alphas = [arr[..., i] for i in range(arr.shape[-1])]
+    else:
+        alphas = list(spec.alphas)
+    if "weights" in params:
+        arr = params["weights"]
+        betas = [arr[..., i] for i in range(arr.shape[-1])]
+    else:
+        betas = list(spec.betas)
+    return alphas, betas
+
+
+def profile_of(spec, params=None) -> Profile:
+    """The value profile of ``spec`` (its array parameters in ``params``)."""
+    if spec.kernel is not None:
+        return Profile.of(spec.kernel)
+    return hat_profile(*hats(spec, params))
+
+
+def param_grads(xp, spec: AttentionSpec, params, dknots, dcoeffs) -> tuple:
+    """Gradients of the array parameters (in ``spec.param_layout`` order) from the profile's knot and
+    coefficient gradients, summed to each parameter's shape."""
+    dalpha, dbeta = hat_pullback(*hats(spec, params), dknots, dcoeffs)
+    grads = {}
+    for name in spec.param_layout:
+        if name == "bandwidth":
+            grads[name] = dalpha[0]
+        elif name == "bandwidths":
+            grads[name] = xp.stack(dalpha, axis=-1)
+        else:
+            grads[name] = xp.stack(dbeta, axis=-1)
+    return tuple(sum_to(xp, grads[name], params[name].shape) for name in spec.param_layout)
+
+
+def sum_to(xp, grad, shape):
+    """Sum a broadcast gradient back to ``shape``."""
+    shape = tuple(shape)
+    extra = grad.ndim - len(shape)
+    if extra > 0:
+        grad = xp.sum(grad, axis=tuple(range(extra)))
+    axes = tuple(i for i, (g, s) in enumerate(zip(grad.shape, shape)) if s == 1 and g != 1)
+    if axes:
+        grad = xp.sum(grad, axis=axes, keepdims=True)
+    return xp.reshape(grad, shape)
+
+
+def bandwidth_ok(xp, spec: AttentionSpec, params):
+    """(batch) True where every array bandwidth is positive and finite, or ``None`` (all fixed).
+
+    The public layer rejects bad values it can see; under ``jax.jit`` / ``torch.compile`` they are
+    traced, and the engines make those batch rows NaN instead of finite nonsense.
+    """
+    ok = None
+    for a in hats(spec, params)[0]:
+        if is_fixed(a):
+            continue
+        good = (a > 0) & xp.isfinite(a)
+        ok = good if ok is None else ok & good
+    return ok

@@ -1,0 +1,64 @@
+"""The JAX adapter: one sort-scan op as a ``jax.custom_vjp`` (jit-, vmap- and grad-safe).
+
+The spec, the engine and the output dtype are static (non-differentiable) arguments; the forward's
+residuals are the inputs, the output and the engine's flat residual arrays.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import array_api_compat
+import jax
+import jax.numpy as jnp
+
+__all__ = ["apply"]
+
+_xp = array_api_compat.array_namespace(jnp.zeros(()))
+
+SECOND_ORDER = ("slicedkern's sort-scan ops are differentiable once: their gradient is piecewise "
+                "constant in the scores, with jumps at ties, so a second derivative (grad of grad, "
+                "jax.hessian) is not supported")
+
+
+@jax.custom_vjp
+def _first_order_only(grads):
+    """The identity on the backward's cotangents, which refuses to be differentiated itself."""
+    return grads
+
+
+def _first_order_fwd(grads):
+    return grads, None
+
+
+def _first_order_bwd(_, __):
+    raise TypeError(SECOND_ORDER)
+
+
+_first_order_only.defvjp(_first_order_fwd, _first_order_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _sort_scan(spec, engine, out_dtype, *arrays):
+    out, _ = engine.forward(spec, arrays, xp=_xp)
+    return out.astype(out_dtype)
+
+
+def _sort_scan_fwd(spec, engine, out_dtype, *arrays):
+    out, residuals = engine.forward(spec, arrays, xp=_xp)
+    out = out.astype(out_dtype)
+    return out, (arrays, out, residuals)
+
+
+def _sort_scan_bwd(spec, engine, out_dtype, saved, grad_out):
+    arrays, out, residuals = saved
+    grads = engine.backward(spec, arrays, out, residuals, grad_out.astype(arrays[0].dtype), xp=_xp)
+    return _first_order_only(tuple(None if g is None else g.astype(a.dtype) for g, a in zip(grads, arrays)))
+
+
+_sort_scan.defvjp(_sort_scan_fwd, _sort_scan_bwd)
+
+
+def apply(spec, engine, arrays, out_dtype):
+    """Run ``spec`` on JAX arrays through the ``custom_vjp``."""
+    return _sort_scan(spec, engine, jnp.dtype(out_dtype), *arrays)

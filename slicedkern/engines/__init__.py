@@ -1,0 +1,101 @@
+"""The engine registry: which engine computes a call, chosen once, in the public layer.
+
+Two engines compute the same forward and backward (docs/architecture.rst): the array-API **scan**
+(every backend, GPUs, JAX) and the fused numba **sweep** (NumPy arrays and CPU torch tensors).
+:func:`select` resolves an op's ``engine=`` argument, else the :func:`use_engine` default of the
+calling context, else the automatic rule (the sweep wherever it can run, the scan elsewhere), and
+returns the engine object the adapters then keep for the backward. To add an engine: a subpackage
+with an :class:`~slicedkern.engines._base.Engine` subclass, and one entry in :data:`_REGISTRY`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+from ..backends import backend_of
+from ._base import Engine
+from ._sweep_engine import SweepEngine
+from .scan import ScanEngine
+
+__all__ = ["Engine", "ENGINE_NAMES", "use_engine", "engine_for", "select", "get", "available"]
+
+#: Engines in order of preference for the automatic rule.
+_REGISTRY: dict[str, Engine] = {"sweep": SweepEngine(), "scan": ScanEngine()}
+ENGINE_NAMES = ("scan", "sweep")
+_CHOICES = ("auto",) + ENGINE_NAMES
+
+#: The calling context's default: each thread and each asyncio task sees its own.
+_default: contextvars.ContextVar[str] = contextvars.ContextVar("slicedkern_engine", default="auto")
+
+
+def get(name: str) -> Engine:
+    """The engine called ``name``."""
+    return _REGISTRY[name]
+
+
+def _check_name(name, argument: str) -> str:
+    if name not in _CHOICES:
+        raise ValueError(f"argument {argument!r} must be one of {_CHOICES}, got {name!r}")
+    return name
+
+
+@contextlib.contextmanager
+def use_engine(name: str):
+    """Make ``name`` ("auto", "scan" or "sweep") the default engine of the enclosed calls.
+
+    The default belongs to the calling thread (and asyncio task): other threads keep theirs. It is
+    read once per op call, so a backward runs on the engine its forward ran on wherever it is
+    called. An op's ``engine=`` argument wins over it.
+
+    Examples
+    --------
+    >>> import numpy as np, slicedkern
+    >>> with slicedkern.use_engine("scan"):
+    ...     out = slicedkern.relu_attention(np.zeros((1, 3)), np.ones((1, 3)), np.ones((1, 3, 2)))
+    """
+    _check_name(name, "name")
+    if name == "sweep" and not SweepEngine.installed():
+        raise ValueError("the 'sweep' engine needs numba: pip install numba")
+    token = _default.set(name)
+    try:
+        yield
+    finally:
+        _default.reset(token)
+
+
+def select(spec, arrays, requested: str | None = None) -> Engine:
+    """The engine for one call: ``requested``, else the context's default, else the automatic rule.
+
+    Raises ``ValueError`` naming the ``engine`` argument when the requested engine cannot serve the
+    arrays, with its reason (a CUDA tensor for the sweep, say): never a silent copy or fallback.
+    """
+    backend = backend_of(arrays[0])
+    if requested is None:
+        # torch.compile cannot trace ContextVar.get; a traced call uses the automatic rule (which
+        # picks the scan there, the one engine that traces)
+        requested = "auto" if backend.is_traced(arrays[0]) else _default.get()
+    _check_name(requested, "engine")
+    if requested != "auto":
+        engine = _REGISTRY[requested]
+        reason = engine.decline(spec, arrays, backend)
+        if reason is not None:
+            raise ValueError(f"argument 'engine': {reason}")
+        return engine
+    for engine in _REGISTRY.values():
+        if engine.decline(spec, arrays, backend) is None:
+            return engine
+    raise ValueError("no engine serves these arrays")    # the scan serves every namespace
+
+
+def engine_for(array) -> str:
+    """The name of the engine an op on ``array`` would run on in this context."""
+    return select(None, (array,)).name
+
+
+def available(library: str) -> list[str]:
+    """Engines that serve CPU arrays of ``library`` ("numpy", "torch", "jax", ...) here."""
+    names = ["scan"]
+    if library in ("numpy", "torch") and SweepEngine.installed():
+        names.append("sweep")
+    return names

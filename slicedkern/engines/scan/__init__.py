@@ -1,0 +1,34 @@
+"""The **scan** engine: the sort-scan written against the array API standard only.
+
+It serves every backend (GPUs, JAX under ``jit``/``vmap``, any namespace): one stable sort of the
+keys, prefix sums in the work dtype (float64, or double-float where the backend has none), batched
+rank searches and one weighted gather per profile (docs/mathematics.rst, "The kernel sum by sort-scan").
+"""
+
+from __future__ import annotations
+
+from ..._spec import normalizer_profile
+from .._base import Engine
+from ._backward import indicator_sums, profiles_vjp
+from ._compose import attention, kernel_sum
+
+__all__ = ["ScanEngine"]
+
+
+class ScanEngine(Engine):
+    name = "scan"
+
+    def kernel_sum(self, x, y, w, profile, *, xp):
+        return kernel_sum(x, y, w, profile, xp=xp)
+
+    def attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp):
+        out, aux = attention(q, k, v, profile, key_mask=key_mask, center=center,
+                             normalizer=normalizer_profile(normalize), eps=eps, xp=xp)
+        residuals = (aux["take"], aux["relu_count"]) + ((aux["den"],) if "den" in aux else ())
+        return out, residuals
+
+    def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
+        return profiles_vjp(x, y, w, profiles, cotangents, xp=xp, param_grads=param_grads)
+
+    def indicator_sums(self, q, k, ones, profiles, *, xp):
+        return indicator_sums(q, k, ones, profiles, xp=xp)

@@ -1,0 +1,7 @@
+"""The public 1-D ops: each validates its arguments once, builds a spec, selects the engine once and
+calls the framework's adapter."""
+
+from .attention import hat_attention, hat_mixture_attention, kernel_attention, relu_attention
+from .kernel_sum import kernel_sum
+
+__all__ = ["kernel_sum", "relu_attention", "hat_attention", "hat_mixture_attention", "kernel_attention"]

@@ -1,0 +1,168 @@
+"""Argument checks of the public ops, written once: every error names the argument.
+
+Checks run before any work; values are checked only where they are known (not under a trace).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import array_api_compat as compat
+import numpy as np
+
+from .._lib.namespace import (
+    as_work,
+    broadcast_shapes,
+    check_floating,
+    check_same_device,
+    compute_dtypes,
+    is_scalar,
+    shape_str,
+)
+from .._spec import NORMALIZERS
+from ..backends import holds_everywhere, same_library
+from ..kernels import PiecewiseLinear
+
+__all__ = ["setup", "namespace_of", "need_ndim", "check_kernel", "check_normalize", "check_eps",
+           "check_bool", "positive_param", "floating_param", "broadcast_all", "check_param_batch"]
+
+
+def namespace_of(named_arrays: dict, xp=None, *, required=()):
+    """The common namespace of the given arrays, with an error naming each argument.
+
+    ``named_arrays`` maps argument names to arrays (``None`` entries and Python scalars are skipped,
+    except for the names in ``required``, which must be arrays). With an explicit ``xp`` every array
+    must come from that library.
+    """
+    for name in required:
+        a = named_arrays.get(name)
+        if a is None or is_scalar(a) or not compat.is_array_api_obj(a):
+            raise TypeError(f"argument {name!r} must be an array (NumPy, torch, JAX, CuPy or another "
+                            f"array-API library), got {type(a).__name__}")
+    arrays = {k: a for k, a in named_arrays.items() if a is not None and not is_scalar(a)}
+    for name, a in arrays.items():
+        if isinstance(a, np.ma.MaskedArray):
+            raise TypeError(f"argument {name!r} is a NumPy masked array, whose mask slicedkern would "
+                            "ignore; pass the data and express the mask with key_mask instead")
+    spaces = {}
+    for name, a in arrays.items():
+        try:
+            spaces[name] = compat.array_namespace(a)
+        except TypeError as exc:
+            raise TypeError(f"argument {name!r} is not an array of a supported library "
+                            f"(got {type(a).__name__})") from exc
+    if xp is not None:
+        for name, space in spaces.items():
+            if not same_library(space, xp):
+                raise TypeError(f"argument {name!r} ({type(arrays[name]).__module__}."
+                                f"{type(arrays[name]).__name__}) does not belong to the namespace "
+                                f"xp={getattr(xp, '__name__', xp)!r}; convert it or leave xp=None")
+        return xp
+    if not arrays:
+        raise TypeError("no array argument was given: pass arrays or set xp=")
+    first_name, first = next(iter(spaces.items()))
+    for name, space in spaces.items():
+        if space is not first:
+            raise TypeError(f"arguments {first_name!r} ({type(arrays[first_name]).__module__}."
+                            f"{type(arrays[first_name]).__name__}) and {name!r} "
+                            f"({type(arrays[name]).__module__}.{type(arrays[name]).__name__}) come from "
+                            "different array libraries; convert them to one library first")
+    return first
+
+
+def setup(named: dict, xp, required=()):
+    """Namespace, device and dtypes of the array arguments, with errors that name them.
+
+    ``required`` names the arguments that must be arrays (the others may be ``None``).
+    """
+    xp = namespace_of(named, xp, required=required)
+    device = check_same_device(named)
+    floats = {k: a for k, a in named.items() if k != "key_mask"}
+    check_floating(xp, floats)
+    out_dtype, work = compute_dtypes(xp, [a for a in floats.values() if a is not None], device)
+    return xp, device, out_dtype, work
+
+
+def need_ndim(a, name, ndim, what):
+    if a.ndim < ndim:
+        raise ValueError(f"argument {name!r} must have shape {what}, got {shape_str(a)}")
+
+
+def check_kernel(kernel):
+    if not isinstance(kernel, PiecewiseLinear):
+        raise TypeError("argument 'kernel' must be a slicedkern.kernels.PiecewiseLinear (ReLU(), Hat(b), "
+                        f"...), got {type(kernel).__name__}")
+
+
+def check_normalize(normalize):
+    if normalize not in NORMALIZERS:
+        raise ValueError(f"argument 'normalize' must be one of {tuple(NORMALIZERS)}, got {normalize!r}")
+
+
+def check_eps(eps):
+    # eps = 0 would make out = num / 0 wherever every valid key ties with the query (inf, or NaN for
+    # 0 / 0); a positive floor keeps the formula and a finite answer (docs/mathematics.rst, "Attention")
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not (0 < eps < float("inf")):
+        raise ValueError(f"argument 'eps' must be a positive finite number (the normaliser's floor), "
+                         f"got {eps!r}")
+    return float(eps)
+
+
+def check_bool(value, name):
+    """A Python or NumPy boolean, else ``TypeError`` (a string such as "no" would be truthy)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"argument {name!r} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def positive_param(xp, value, name, device, work):
+    """A positive float, or an array of them (values checked unless traced), in the work dtype."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        value = float(value)
+        if not (value > 0 and value != float("inf")):
+            raise ValueError(f"argument {name!r} must be positive and finite, got {value}")
+        return value
+    value = floating_param(xp, value, name, device, work)
+    if holds_everywhere(xp, value, lambda ns, a: (a > 0) & ns.isfinite(a)) is False:
+        raise ValueError(f"argument {name!r} must be positive and finite everywhere")
+    return value
+
+
+def floating_param(xp, value, name, device, work, expected="a number, a sequence of numbers or an array"):
+    """An array parameter checked against the namespace and device of the other arrays, and its dtype."""
+    try:
+        space = compat.array_namespace(value)
+    except TypeError:
+        raise TypeError(f"argument {name!r} must be {expected}, got {type(value).__name__}") from None
+    if not same_library(space, xp):
+        raise TypeError(f"argument {name!r} comes from a different array library than the other arrays")
+    if compat.device(value) is not None and device is not None and compat.device(value) != device:
+        raise TypeError(f"argument {name!r} is on device {compat.device(value)}, the other arrays on "
+                        f"{device}")
+    if not xp.isdtype(value.dtype, "real floating"):
+        raise TypeError(f"argument {name!r} must have a real floating dtype, got {shape_str(value)}")
+    return as_work(xp, value, work)
+
+
+def broadcast_all(xp, arrays: dict, cores: dict, names):
+    """Broadcast the leading (batch) dims of the named arrays; ``cores`` gives each one's core rank."""
+    shapes = [tuple(a.shape[:a.ndim - cores[k]]) for k, a in arrays.items()]
+    batch = broadcast_shapes(*shapes, names=names)
+    return batch, {k: xp.broadcast_to(a, batch + tuple(a.shape[a.ndim - cores[k]:]))
+                   for k, a in arrays.items()}
+
+
+def check_param_batch(value, name, batch):
+    """``ValueError`` unless an array parameter broadcasts to the batch shape of the scores."""
+    if isinstance(value, float):
+        return
+    shape = tuple(value.shape)
+    try:
+        fits = len(shape) <= len(batch) and broadcast_shapes(shape, batch) == tuple(batch)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"argument {name!r} of shape {tuple(value.shape)} does not broadcast to the batch "
+                         f"shape {tuple(batch)} of the scores")
+
+

@@ -1,0 +1,290 @@
+"""The attention ops: validated once (:mod:`._validate`), built into a spec, the engine selected
+once, then run by the framework's adapter.
+
+Shapes follow ``scaled_dot_product_attention``: q (..., Lq), k (..., Lk) (one projected score per
+token), v (..., Lk, Dv) -> (..., Lq, Dv); leading dims broadcast (docs/mathematics.rst, "Attention").
+Bandwidth gradients at a tie ``|q - k| = b`` are the right derivative in ``b``.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+from .._lib.namespace import as_work, shape_str
+from .._lib.typing import Array, ArrayOrFloat, Namespace
+from .._spec import AttentionSpec
+from ..adapters import run
+from ..engines import select
+from ..kernels import HatMixture, PiecewiseLinear, ReLU
+from ._validate import (
+    broadcast_all,
+    check_bool,
+    check_eps,
+    check_kernel,
+    check_normalize,
+    check_param_batch,
+    floating_param,
+    need_ndim,
+    positive_param,
+    setup,
+)
+
+__all__ = ["relu_attention", "hat_attention", "hat_mixture_attention", "kernel_attention"]
+
+
+def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, engine, xp):
+    """Shared validation and dispatch of every attention op.
+
+    ``kernel`` is a fixed profile; otherwise ``hats`` is a builder (see :func:`_hat_spec`) that
+    returns the hat part of the spec and its array parameters.
+    """
+    named = {"q": q, "k": k, "v": v, "key_mask": key_mask}
+    xp, device, out_dtype, work = setup(named, xp, required=("q", "k", "v"))
+    need_ndim(q, "q", 1, "(..., Lq)")
+    need_ndim(k, "k", 1, "(..., Lk)")
+    need_ndim(v, "v", 2, "(..., Lk, Dv)")
+    if k.ndim == v.ndim and q.ndim == v.ndim:
+        raise ValueError(f"arguments 'q' and 'k' must be one projected score per token, shape (..., L), "
+                         f"with 'v' of shape (..., Lk, Dv); got 'q' {shape_str(q)}, 'k' {shape_str(k)} and "
+                         f"'v' {shape_str(v)}. If q and k carry a feature axis E (as in "
+                         "scaled_dot_product_attention), project them to one score per token first, e.g. "
+                         "q @ w_q with w_q of shape (E,) (docs/getting_started.rst)")
+    if v.shape[-2] != k.shape[-1]:
+        raise ValueError(f"arguments 'k' and 'v' must have the same number of keys Lk, got {shape_str(k)} "
+                         f"and {shape_str(v)}")
+    arrays, cores = {"q": q, "k": k, "v": v}, {"q": 1, "k": 1, "v": 2}
+    if key_mask is not None:
+        if key_mask.dtype != xp.bool:
+            raise TypeError(f"argument 'key_mask' must be a boolean array, got {shape_str(key_mask)}")
+        need_ndim(key_mask, "key_mask", 1, "(..., Lk)")
+        if key_mask.shape[-1] != k.shape[-1]:
+            raise ValueError(f"argument 'key_mask' must have Lk = {k.shape[-1]} entries on its last axis, "
+                             f"got {shape_str(key_mask)}")
+        arrays["key_mask"], cores["key_mask"] = key_mask, 1
+    check_normalize(normalize)
+    eps = check_eps(eps)
+    center = check_bool(center, "center")
+    batch, arrays = broadcast_all(xp, arrays, cores, tuple(arrays))
+    hat_fields, params = hats(xp, device, work, batch) if hats is not None else ({}, {})
+    fields = {"kernel": kernel, **hat_fields}
+    spec = AttentionSpec(center=center, normalize=normalize, eps=eps,
+                         has_mask=key_mask is not None, param_layout=tuple(params), **fields)
+    q, k = (as_work(xp, arrays[n], work) for n in ("q", "k"))
+    v = arrays["v"]                  # widened inside the prefix sums, after the gather
+    if v.dtype != out_dtype:
+        # values narrower than the scores: the result is in the promoted dtype, so the values are too
+        # (an engine that computes in the values' dtype would round the result to it)
+        v = xp.astype(v, out_dtype)
+    inputs = (q, k, v) + ((arrays["key_mask"],) if key_mask is not None else ()) + tuple(params.values())
+    names = ("q", "k", "v") + (("key_mask",) if key_mask is not None else ()) + tuple(params)
+    return run(xp, spec, select(spec, inputs, engine), inputs, names, out_dtype)
+
+
+def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = None, center: bool = True,
+                   normalize: str | None = "abs", eps: float = 1e-6, engine: str | None = None,
+                   xp: Namespace | None = None) -> Array:
+    """Sliced ReLU attention (paper eq. 3), ``O(n log n)``.
+
+    ``out_i = sum_j ReLU(q_i - k_j) (v_j - mean(v)) / max(sum_l |q_i - k_l|, eps)``, sums over the keys
+    that ``key_mask`` keeps.
+
+    Parameters
+    ----------
+    q : array, shape (..., Lq)
+        One projected score per query token.
+    k : array, shape (..., Lk)
+        One projected score per key token.
+    v : array, shape (..., Lk, Dv)
+        Values.
+    key_mask : bool array, shape (..., Lk), optional
+        True where the key takes part. Masked keys count nowhere: not in the sums, the mean used for
+        centring, the normaliser or the count.
+    center : bool, default True
+        Centre the values over the valid keys (the paper's "centered value parametrization").
+    normalize : {"abs", "relu", "count", None}, default "abs"
+        Denominator: ``sum_l |q_i - k_l|``, ``sum_l ReLU(q_i - k_l)``, the number of valid keys, or none.
+    eps : float, default 1e-6
+        Lower clamp of the denominator, positive (``"count"`` clamps at 1).
+    engine : {"scan", "sweep"}, optional
+        The engine of the forward and the backward (docs/architecture.rst); default: the
+        :func:`slicedkern.use_engine` setting, else the sweep for NumPy / CPU torch when numba is
+        installed, else the scan. A requested engine that cannot serve the arrays is a ``ValueError``.
+    xp : array namespace, optional
+
+    Returns
+    -------
+    array, shape (..., Lq, Dv)
+        Leading dims broadcast; same namespace, device and floating dtype as the inputs.
+
+    Notes
+    -----
+    The paper's reference code returns twice this value (a constant a following projection absorbs).
+    Half-precision inputs are computed in float32 or better and returned in their dtype.
+
+    Examples
+    --------
+    >>> import numpy as np, slicedkern
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.normal(size=(2, 5)), rng.normal(size=(2, 7)), rng.normal(size=(2, 7, 3))
+    >>> slicedkern.relu_attention(q, k, v).shape
+    (2, 5, 3)
+    """
+    return _attention(q, k, v, None, kernel=ReLU(), key_mask=key_mask, center=center,
+                      normalize=normalize, eps=eps, engine=engine, xp=xp)
+
+
+def _param_list(xp, value, name, device, work, batch, *, positive, single):
+    """Hat parameters: ``(floats, array)``: a tuple of floats, or ``None`` and a work-dtype array.
+
+    ``value`` is a number (``single`` only), a sequence of numbers, or an array: of batch shape
+    ``(...)`` when ``single``, else ``(..., K)``.
+    """
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and single:
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        out = []
+        for entry in value:
+            if not isinstance(entry, numbers.Real) or isinstance(entry, bool):
+                raise TypeError(f"argument {name!r} must hold numbers, got {type(entry).__name__}")
+            out.append(positive_param(xp, entry, name, device, work) if positive else float(entry))
+        return tuple(out), None
+    arr = positive_param(xp, value, name, device, work) if positive else floating_param(
+        xp, value, name, device, work)
+    if not single and arr.ndim == 0:
+        raise ValueError(f"argument {name!r} must have a last axis with one entry per hat, got "
+                         f"{shape_str(value)}")
+    check_param_batch(arr if single else arr[..., 0], name, batch)
+    return None, arr
+
+
+def _hat_spec(bandwidths, weights, names):
+    """Builder of the hat fields of an :class:`AttentionSpec` and its array parameters.
+
+    One hat when ``weights is None``; else a mixture. Float parameters go into the (static) spec,
+    array parameters are passed as arrays (differentiable).
+    """
+    single = weights is None
+
+    def build(xp, device, work, batch):
+        alphas, alpha_arr = _param_list(xp, bandwidths, names[0], device, work, batch, positive=True,
+                                        single=single)
+        if single:
+            betas, beta_arr = (1.0,), None
+        else:
+            betas, beta_arr = _param_list(xp, weights, names[1], device, work, batch, positive=False,
+                                          single=False)
+        n_alpha = len(alphas) if alpha_arr is None else (1 if single else alpha_arr.shape[-1])
+        n_beta = len(betas) if beta_arr is None else beta_arr.shape[-1]
+        if n_alpha != n_beta:
+            raise ValueError(f"arguments {names[0]!r} and {names[1]!r} must have one entry per hat, got "
+                             f"{n_alpha} and {n_beta}")
+        params = {}
+        if alpha_arr is not None:
+            params["bandwidth" if single else "bandwidths"] = alpha_arr
+        if beta_arr is not None:
+            params["weights"] = beta_arr
+        if not params:
+            return {"kernel": HatMixture(alphas, betas)}, {}
+        return {"alphas": alphas or (), "betas": betas or ()}, params
+
+    return build
+
+
+def hat_attention(q: Array, k: Array, v: Array, bandwidth: ArrayOrFloat = 1.0, *, key_mask: Array | None = None,
+                  normalize: str | None = "count", eps: float = 1e-6, engine: str | None = None,
+                  xp: Namespace | None = None) -> Array:
+    """Hat ("ReLU-bump") attention (paper eq. 5).
+
+    ``out_i = (1 / n_valid) sum_j max(0, 1 - |q_i - k_j| / b) v_j``.
+
+    Parameters
+    ----------
+    q : array, shape (..., Lq)
+    k : array, shape (..., Lk)
+    v : array, shape (..., Lk, Dv)
+    bandwidth : float or array, default 1.0
+        Positive half-width ``b``; an array broadcasts against the leading dims (one per head, say).
+    key_mask : bool array, shape (..., Lk), optional
+        True where the key takes part.
+    normalize : {"count", "abs", "relu", None}, default "count"
+    eps : float, default 1e-6
+        Lower clamp of the "abs" / "relu" denominators, positive.
+    engine : {"scan", "sweep"}, optional
+        As in :func:`relu_attention`. The bandwidth gradient of the sweep comes from the scan's knot
+        sums (the sweep's compiled kernels have no knot-gradient mode).
+    xp : array namespace, optional
+
+    Returns
+    -------
+    array, shape (..., Lq, Dv)
+
+    Examples
+    --------
+    >>> import numpy as np, slicedkern
+    >>> q, k, v = np.zeros((1, 1)), np.array([[0.0, 0.5, 3.0]]), np.ones((1, 3, 1))
+    >>> slicedkern.hat_attention(q, k, v, bandwidth=1.0)  # (1 + 0.5 + 0) / 3
+    array([[[0.5]]])
+    """
+    return _attention(q, k, v, _hat_spec(bandwidth, None, ("bandwidth", "weights")),
+                      key_mask=key_mask, center=False, normalize=normalize, eps=eps, engine=engine, xp=xp)
+
+
+def hat_mixture_attention(q: Array, k: Array, v: Array, bandwidths: ArrayOrFloat, weights: ArrayOrFloat, *,
+                          key_mask: Array | None = None, normalize: str | None = "count", eps: float = 1e-6,
+                          engine: str | None = None, xp: Namespace | None = None) -> Array:
+    """Attention with a mixture of hats ``sum_i weights[i] max(0, 1 - |r| / bandwidths[i])``.
+
+    Parameters
+    ----------
+    q, k, v, key_mask, normalize, eps, engine, xp
+        As in :func:`hat_attention`.
+    bandwidths : sequence of float or array, shape (..., K)
+        Positive bandwidths; an array's leading dims broadcast against the batch (per head).
+    weights : sequence of float or array, shape (..., K)
+        Mixture weights.
+
+    Returns
+    -------
+    array, shape (..., Lq, Dv)
+
+    Examples
+    --------
+    >>> import numpy as np, slicedkern
+    >>> q, k, v = np.zeros((1, 1)), np.array([[0.0, 0.5]]), np.ones((1, 2, 1))
+    >>> slicedkern.hat_mixture_attention(q, k, v, [1.0, 2.0], [1.0, 1.0])  # (2 + 1.25) / 2
+    array([[[1.625]]])
+    """
+    return _attention(q, k, v, _hat_spec(bandwidths, weights, ("bandwidths", "weights")),
+                      key_mask=key_mask, center=False, normalize=normalize, eps=eps, engine=engine, xp=xp)
+
+
+def kernel_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, key_mask: Array | None = None,
+                     center: bool = False, normalize: str | None = "count", eps: float = 1e-6,
+                     engine: str | None = None, xp: Namespace | None = None) -> Array:
+    """Attention with any piecewise-linear profile: ``out_i = sum_j f(q_i - k_j) v_j / normaliser``.
+
+    Parameters
+    ----------
+    q, k, v, key_mask, eps, engine, xp
+        As in :func:`relu_attention`.
+    kernel : slicedkern.kernels.PiecewiseLinear
+        The profile ``f``.
+    center : bool, default False
+        Centre the values over the valid keys.
+    normalize : {"count", "abs", "relu", None}, default "count"
+
+    Returns
+    -------
+    array, shape (..., Lq, Dv)
+
+    Examples
+    --------
+    >>> import numpy as np, slicedkern
+    >>> from slicedkern.kernels import Hat
+    >>> q, k, v = np.zeros((1, 1)), np.array([[0.0, 0.5, 3.0]]), np.ones((1, 3, 1))
+    >>> slicedkern.kernel_attention(q, k, v, Hat(1.0))
+    array([[[0.5]]])
+    """
+    check_kernel(kernel)
+    return _attention(q, k, v, None, kernel=kernel, key_mask=key_mask, center=center,
+                      normalize=normalize, eps=eps, engine=engine, xp=xp)

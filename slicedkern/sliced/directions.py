@@ -1,0 +1,182 @@
+"""Unit directions of R^d for slicing, and the ``directions=`` argument of the sliced ops.
+
+Directions are drawn on the host with NumPy from a seed, so one seed gives the same directions on
+every backend; they are data, not a differentiable function of anything (docs/mathematics.rst,
+"Slicing in R^d", for the three families).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import array_api_compat as compat
+import numpy as np
+
+from .._lib.namespace import has_float64, shape_str
+from .._lib.typing import Array, Namespace
+from ..backends import is_numpy_namespace
+from ..ops._validate import floating_param
+
+__all__ = ["directions", "resolve_directions", "positive_int", "same_dim", "Seed"]
+
+#: What ``numpy.random.default_rng`` accepts as a seed (a fresh one at every call when None).
+Seed = int | np.random.Generator | None
+
+_METHODS = ("random", "orthogonal", "sobol")
+
+
+def positive_int(value: object, name: str) -> int:
+    """``value`` as a positive Python integer, or ``TypeError`` / ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"argument {name!r} must be a positive integer, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"argument {name!r} must be a positive integer, got {value}")
+    return int(value)
+
+
+def same_dim(a: Array, b: Array, names: tuple[str, str]) -> int:
+    """The common dimension ``d >= 1`` of the last axes of ``a`` and ``b`` (the space sliced)."""
+    dim = a.shape[-1]
+    if b.shape[-1] != dim:
+        raise ValueError(f"arguments {names[0]!r} and {names[1]!r} must have the same dimension d on their "
+                         f"last axis, got {shape_str(a)} and {shape_str(b)}")
+    if dim < 1:
+        raise ValueError(f"argument {names[0]!r} must have a dimension d >= 1 on its last axis, got "
+                         f"{shape_str(a)}")
+    return dim
+
+
+def _gaussian_frames(rng: np.random.Generator, n_slices: int, dim: int) -> np.ndarray:
+    """``ceil(n_slices / dim)`` Haar-random orthonormal frames, stacked row-wise, truncated."""
+    frames = []
+    for _ in range(-(-n_slices // dim)):
+        q, r = np.linalg.qr(rng.standard_normal((dim, dim)))
+        signs = np.where(np.diag(r) < 0, -1.0, 1.0)     # makes the QR factor Haar-distributed
+        frames.append((q * signs).T)
+    return np.concatenate(frames, axis=0)[:n_slices]
+
+
+def _sobol_points(rng: np.random.Generator, n_slices: int, dim: int) -> np.ndarray:
+    """Scrambled Sobol' points pushed through the inverse normal CDF (Gaussian, then normalised)."""
+    try:
+        from scipy.special import ndtri
+        from scipy.stats import qmc
+    except ImportError as exc:
+        raise ImportError("method='sobol' of slicedkern.directions needs SciPy (scipy.stats.qmc); install "
+                          "scipy or use method='orthogonal'") from exc
+    bits = 30
+    try:
+        sampler = qmc.Sobol(dim, scramble=True, bits=bits, rng=rng)
+    except TypeError:                                    # SciPy < 1.15 calls it ``seed``
+        sampler = qmc.Sobol(dim, scramble=True, bits=bits, seed=rng)
+    level = max(0, math.ceil(math.log2(n_slices)))     # a power of two keeps the balance properties
+    u = sampler.random_base2(level)[:n_slices]
+    # the points are multiples of 2^-bits: move them to the cell centres, strictly inside (0, 1)
+    return ndtri(u + 2.0 ** -(bits + 1))
+
+
+def directions(n_slices: int, dim: int, *, method: str = "orthogonal", seed: Seed = None,
+               like: Array | None = None) -> Array:
+    """Unit directions ``theta_1, ..., theta_P`` of R^d for slicing.
+
+    Parameters
+    ----------
+    n_slices : int
+        Number of directions ``P >= 1``.
+    dim : int
+        Dimension ``d >= 1``.
+    method : {"orthogonal", "random", "sobol"}, default "orthogonal"
+        ``"random"``: i.i.d. uniform on the sphere (normalised Gaussians). ``"orthogonal"``: stacked
+        random orthonormal frames (QR of ``d x d`` Gaussian matrices with the sign fix that makes them
+        Haar-distributed), ``ceil(P / d)`` frames, truncated to ``P`` rows. ``"sobol"``: scrambled
+        Sobol' points (``scipy.stats.qmc.Sobol``, needs SciPy) mapped to Gaussians with the inverse
+        normal CDF, then normalised. Each family is uniform on the sphere marginally; the structured
+        ones have a markedly smaller Monte-Carlo error than i.i.d. directions.
+    seed : None, int or numpy.random.Generator, optional
+        Seed of ``numpy.random.default_rng``. The same seed gives the same directions on every backend.
+    like : array, optional
+        When given, the directions are returned in its namespace, on its device, in its floating dtype
+        (the default floating dtype of the namespace when ``like`` is not floating).
+
+    Returns
+    -------
+    array, shape (n_slices, dim)
+        Rows of unit norm; a float64 NumPy array when ``like`` is None.
+
+    Raises
+    ------
+    TypeError
+        ``n_slices`` or ``dim`` is not an integer, ``like`` is not an array.
+    ValueError
+        ``n_slices < 1``, ``dim < 1`` or an unknown ``method``.
+    ImportError
+        ``method="sobol"`` without SciPy.
+
+    Notes
+    -----
+    Directions are drawn on the host (NumPy) and then copied to ``like``'s device: they are data, not
+    a differentiable function of anything.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from slicedkern.sliced import directions
+    >>> theta = directions(6, 3, seed=0)
+    >>> theta.shape, np.allclose(theta[:3] @ theta[:3].T, np.eye(3))
+    ((6, 3), True)
+    """
+    n_slices = positive_int(n_slices, "n_slices")
+    dim = positive_int(dim, "dim")
+    if method not in _METHODS:
+        raise ValueError(f"argument 'method' must be one of {_METHODS}, got {method!r}")
+    if like is not None:
+        try:
+            space = compat.array_namespace(like)
+        except TypeError:
+            raise TypeError(f"argument 'like' must be an array, got {type(like).__name__}") from None
+    rng = np.random.default_rng(seed)
+    if method == "random":
+        g = rng.standard_normal((n_slices, dim))
+    elif method == "orthogonal":
+        g = _gaussian_frames(rng, n_slices, dim)
+    else:
+        g = _sobol_points(rng, n_slices, dim)
+    theta = g / np.linalg.norm(g, axis=1, keepdims=True)
+    if like is None:
+        return theta
+    device = compat.device(like)
+    if space.isdtype(like.dtype, "real floating"):
+        dtype = like.dtype
+    else:
+        dtype = space.float64 if has_float64(space, device) else space.float32
+    return space.asarray(theta, dtype=dtype, device=device)
+
+
+def resolve_directions(value: int | Array | None, dim: int, *, xp: Namespace, device: object, work: object,
+                       seed: Seed) -> Array:
+    """The ``directions=`` argument of the sliced ops as a (P, d) array of ``xp`` in the work dtype.
+
+    An integer ``P`` draws ``directions(P, dim, method="orthogonal", seed=seed)``; a host (NumPy)
+    array is moved to the samples' namespace and device; any other array must already live there.
+    """
+    if value is None:
+        raise ValueError(f"argument 'directions' is required for {dim}-dimensional samples: pass a number "
+                         "of slices P or a (P, d) array of unit vectors (see slicedkern.directions)")
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        theta = directions(positive_int(value, "directions"), dim, method="orthogonal", seed=seed)
+        return xp.asarray(theta, dtype=work, device=device)
+    if isinstance(value, bool) or isinstance(value, numbers.Number):
+        raise TypeError(f"argument 'directions' must be a positive integer or a (P, d) array, got "
+                        f"{type(value).__name__}")
+    if isinstance(value, np.ndarray) and not is_numpy_namespace(xp):
+        # host directions (what slicedkern.directions returns by default) are moved to the data
+        if value.dtype.kind != "f":
+            raise TypeError(f"argument 'directions' must have a real floating dtype, got {shape_str(value)}")
+        value = xp.asarray(np.asarray(value, dtype=np.float64), dtype=work, device=device)
+    value = floating_param(xp, value, "directions", device, work,
+                           expected="a positive integer or a (P, d) array")
+    if value.ndim != 2 or value.shape[1] != dim or value.shape[0] < 1:
+        raise ValueError(f"argument 'directions' must have shape (P, d) with P >= 1 and d = {dim} (the last "
+                         f"axis of the samples), got {shape_str(value)}")
+    return value

@@ -1,0 +1,144 @@
+"""The package's layers, checked on its source: every import, those inside functions included.
+
+The layers (docs/architecture.rst), bottom to top: ``_lib`` and ``kernels`` (import nothing of the
+package) -> ``_spec`` and ``reference`` -> ``backends`` -> ``engines`` -> ``adapters`` -> ``ops`` ->
+``sliced`` and the statistics -> ``nn`` / ``distributed`` -> ``bench``, ``__main__`` and ``__init__``.
+A module imports only from lower layers or from its own group; nothing imports in a circle; imports
+inside functions are only the lazy loaders of framework rows (a module that imports torch or JAX);
+framework checks (``array_api_compat.is_*``) live in ``backends/`` and ``adapters/`` only.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "slicedkern"
+
+LAYERS = {"_lib": 0, "kernels": 0, "_spec": 1, "reference": 1, "backends": 2, "engines": 3,
+          "adapters": 4, "ops": 5, "sliced": 6, "_exact1d": 6, "nn": 7, "distributed": 7,
+          "bench": 8, "__main__": 9, "": 9}
+
+#: Modules that import a framework at their top: the only package modules a function may import.
+FRAMEWORK_ROWS = {"slicedkern.backends._numpy", "slicedkern.backends._torch", "slicedkern.backends._jax",
+                  "slicedkern.adapters._torch", "slicedkern.adapters._jax"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: pathlib.Path):
+    """``(target module, inside a function?, line)`` for every import of a package module."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    tree = ast.parse(path.read_text())
+    local = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            local |= {id(n) for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            submodules = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in MODULES]
+            # ``from pkg import submodule`` depends on the submodule; on ``pkg`` only for other names
+            candidates = submodules + ([target] if len(submodules) < len(node.names) else [])
+        elif isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        else:
+            continue
+        for cand in candidates:
+            if cand in MODULES and cand != name:
+                yield cand, id(node) in local, node.lineno
+
+
+def _group(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+GRAPH = {name: {t for t, _, _ in _imports(name, path)} for name, path in MODULES.items()}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_imports_point_down(name):
+    group = _group(name)
+    bad = []
+    for target, _, line in _imports(name, MODULES[name]):
+        if name.startswith(target + "."):          # a package's own __init__ (implicit on import)
+            continue
+        other = _group(target)
+        if other != group and LAYERS[other] >= LAYERS[group]:
+            bad.append(f"line {line}: {target} (layer {LAYERS[other]}) from layer {LAYERS[group]}")
+    assert not bad, f"{name} imports upward or sideways: {bad}"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_package_import_inside_functions_but_framework_rows(name):
+    bad = [f"line {line}: {t}" for t, inside, line in _imports(name, MODULES[name])
+           if inside and t not in FRAMEWORK_ROWS]
+    assert not bad, f"{name} imports package modules inside functions: {bad}"
+
+
+def test_no_import_cycle():
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    assert cycles == []
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_framework_checks_only_in_backends_and_adapters(name):
+    if _group(name) in ("backends", "adapters"):
+        return
+    source = MODULES[name].read_text()
+    checks = re.findall(r"compat\.is_(?!array_api_obj)\w+", source)
+    assert not checks, f"{name} tests frameworks itself ({checks}); ask the backend registry"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_modules_stay_small(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= 520, f"{name} has {lines} lines: split it by concern"
+
+
+def test_layer_table_covers_every_group():
+    assert {_group(name) for name in MODULES} <= set(LAYERS)

@@ -101,7 +101,8 @@ def speed(args):
         print(f"  {name:24s} {t * 1e3:9.1f} ms")
     print("ratios")
     print(f"  torch forward, sweep / floor            {rows['fwd sweep'] / rows['floor']:6.2f}x   (target <= 0.75)")
-    print(f"  reference forward / sweep forward       {rows['reference fwd'] / rows['fwd sweep']:6.2f}x   (target >= 8)")
+    print(f"  reference forward / sweep forward       {rows['reference fwd'] / rows['fwd sweep']:6.2f}x   "
+          f"(target >= 8)")
     print(f"  reference fwd+bwd / sweep fwd+bwd       {rows['reference fwd+bwd'] / rows['fwd+bwd sweep']:6.2f}x   "
           f"(target >= 6)")
     print(f"  numpy forward, sweep / numpy floor      {rows['numpy fwd sweep'] / rows['numpy floor']:6.2f}x   "

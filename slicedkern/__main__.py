@@ -15,13 +15,15 @@ import argparse
 import sys
 import time
 
+import numpy as np
 
-def _demo(args) -> int:
-    import numpy as np
+import slicedkern
 
-    import slicedkern
-    from slicedkern import reference
+# neither imports a framework: those are imported when a command runs
+from . import bench, reference
 
+
+def _demo(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(0)
     b, n, d = args.batch, args.n, args.dim
     q = rng.standard_normal((b, n)).astype(np.float32)
@@ -42,21 +44,34 @@ def _demo(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the command; return the exit status.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The arguments after ``python -m slicedkern``.
+
+    Returns
+    -------
+    int
+        0 on success; 2 for a usage error (argparse exits with 2 itself on malformed options).
+    """
     parser = argparse.ArgumentParser(prog="python -m slicedkern", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    # __version__ is importlib.metadata.version("slicedkern"): what pip reports as installed
+    parser.add_argument("--version", action="version", version=f"%(prog)s {slicedkern.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="time sliced ReLU attention on the embedded problem")
     demo.add_argument("--batch", type=int, default=8)
     demo.add_argument("--n", type=int, default=65536)
     demo.add_argument("--dim", type=int, default=64)
     demo.set_defaults(func=_demo)
-    from . import _bench             # imports no framework: they are imported when the bench runs
-    bench = sub.add_parser(
+    bench_parser = sub.add_parser(
         "bench", help="sliced attention vs softmax attention vs the dense reference, over L",
-        description=_bench.description(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    _bench.add_arguments(bench)
-    bench.set_defaults(func=_bench.main)
+        description=bench.description(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(func=bench.main)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -18,9 +18,12 @@ import sys
 
 import numpy as np
 import pytest
+from _helpers import require_selected
 
-from slicedkern import _bench
 from slicedkern import __main__ as cli
+from slicedkern import bench
+from slicedkern.bench import backends as bench_backends
+from slicedkern.bench import run as bench_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(sizes=[64, 128], repeats=1, batch=2, dim=8, min_time=0.0, progress=False)
@@ -37,19 +40,20 @@ def _subprocess_env():
 
 
 def _expected_keys(backend):
-    be = _bench._make_backend(backend, "cpu", 1, 1)
-    engines = ["scan"] + (["sweep"] if _bench.sweep_serves(be)[0] else [])
+    be = bench_backends.make_backend(backend, "cpu", 1, 1)
+    engines = ["scan"] + (["sweep"] if bench_run.sweep_serves(be)[0] else [])
     keys = [f"relu_fwd:{e}" for e in engines] + [f"relu_fwdbwd:{e}" for e in engines] + ["hat_fwd"]
     keys += ["sdpa"] if _installed("torch") else []
     return keys + ["dense"]
 
 
 # --------------------------------------------------------------------------------- the bench
-@pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
-def test_bench_table(backend):
+@pytest.mark.parametrize("backend", bench_backends.BACKEND_NAMES)
+def test_bench_table(backend, request):
+    require_selected(request.config, backend)
     pytest.importorskip(backend)
     sizes = [64] if backend == "jax" else [64, 128]      # JAX compiles once per shape: keep it short
-    result = _bench.run_bench(backend=backend, budget=math.inf, **{**TINY, "sizes": sizes})
+    result = bench.run_bench(backend=backend, budget=math.inf, **{**TINY, "sizes": sizes})
     assert result.sizes == sizes
     assert [c.key for c in result.columns] == _expected_keys(backend)
     for n in result.sizes:
@@ -74,8 +78,8 @@ def test_bench_table(backend):
 
 def test_bench_engine_columns(monkeypatch):
     """One forward and one forward+backward column per engine, the speed-up from the fastest."""
-    monkeypatch.setattr(_bench, "sweep_serves", lambda backend: (True, ""))
-    result = _bench.run_bench(backend="numpy", budget=math.inf, **TINY)
+    monkeypatch.setattr(bench_run, "sweep_serves", lambda backend: (True, ""))
+    result = bench.run_bench(backend="numpy", budget=math.inf, **TINY)
     keys = [c.key for c in result.columns]
     assert keys[:4] == ["relu_fwd:scan", "relu_fwd:sweep", "relu_fwdbwd:scan", "relu_fwdbwd:sweep"]
     for n in result.sizes:
@@ -87,11 +91,11 @@ def test_bench_engine_columns(monkeypatch):
 
 
 def test_bench_budget_extrapolates(monkeypatch):
-    result = _bench.run_bench(backend="numpy", budget=0.0, **TINY)
+    result = bench.run_bench(backend="numpy", budget=0.0, **TINY)
     times = [result.times[n, "relu_fwd:scan"] for n in result.sizes]
     assert times[0].measured and times[1].estimated    # even the headline, beyond 30 x budget
-    monkeypatch.setattr(_bench, "_HEADLINE_FACTOR", math.inf)
-    result = _bench.run_bench(backend="numpy", budget=0.0, **TINY)
+    monkeypatch.setattr(bench_run, "HEADLINE_FACTOR", math.inf)
+    result = bench.run_bench(backend="numpy", budget=0.0, **TINY)
     assert all(result.times[n, "relu_fwd:scan"].measured for n in result.sizes)
     dense = [result.times[n, "dense"] for n in result.sizes]
     assert dense[0].measured and dense[1].estimated   # 128 extrapolated from 64, x L^2
@@ -100,8 +104,8 @@ def test_bench_budget_extrapolates(monkeypatch):
 
 
 def test_bench_skips_dense_above_limit(monkeypatch):
-    monkeypatch.setattr(_bench, "_DENSE_MAX", 64)
-    result = _bench.run_bench(backend="numpy", budget=math.inf, **TINY)
+    monkeypatch.setattr(bench_run, "DENSE_MAX", 64)
+    result = bench.run_bench(backend="numpy", budget=math.inf, **TINY)
     assert result.times[64, "dense"].measured
     assert result.times[128, "dense"].seconds is None
     assert result.times[128, "dense"].note == "skip"
@@ -109,7 +113,7 @@ def test_bench_skips_dense_above_limit(monkeypatch):
 
 def test_bench_progress_bar():
     stream = io.StringIO()
-    _bench.run_bench(backend="numpy", budget=math.inf, stream=stream,
+    bench.run_bench(backend="numpy", budget=math.inf, stream=stream,
                      **{**TINY, "sizes": [64], "progress": True})
     text = stream.getvalue()
     assert "\r[" in text and "L=64" in text
@@ -118,9 +122,9 @@ def test_bench_progress_bar():
 
 def test_bench_errors():
     with pytest.raises(ValueError, match="CPU only"):
-        _bench.run_bench(backend="numpy", device="cuda", **TINY)
+        bench.run_bench(backend="numpy", device="cuda", **TINY)
     with pytest.raises(ValueError, match="backend"):
-        _bench.run_bench(backend="cupy", **TINY)
+        bench.run_bench(backend="cupy", **TINY)
 
 
 def test_cli_bench(capsys):
@@ -158,7 +162,7 @@ def test_cli_help():
 
 
 def test_cli_imports_no_framework():
-    code = ("import sys, slicedkern, slicedkern._bench, slicedkern.__main__ as m\n"
+    code = ("import sys, slicedkern, slicedkern.bench, slicedkern.__main__ as m\n"
             "try:\n    m.main(['bench', '--help'])\nexcept SystemExit:\n    pass\n"
             "print(sorted(k for k in ('torch', 'jax', 'matplotlib', 'numba') if k in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_subprocess_env(),
@@ -220,9 +224,10 @@ def _engine_choice():
     return seen
 
 
-@pytest.mark.parametrize("backend", ["numpy", "torch", "jax"])
-def test_asv_benchmarks_run(asv_modules, backend):
+@pytest.mark.parametrize("backend", bench_backends.BACKEND_NAMES)
+def test_asv_benchmarks_run(asv_modules, backend, request):
     """Every benchmark's setup / methods / teardown on tiny sizes; skips only where it may."""
+    require_selected(request.config, backend)
     pytest.importorskip(backend)
     before = _engine_choice()
     ran = set()
@@ -255,8 +260,8 @@ def test_asv_benchmarks_run(asv_modules, backend):
     if backend != "jax":
         expected |= {"KernelSum", "HatAttention", "HatAttentionGrad"}
         expected |= {"EnergyDistance"} if hasattr(slicedkern, "energy_distance") else set()
-    engines = ["scan"] + (["sweep"] if _bench.sweep_serves(
-        _bench._make_backend(backend, "cpu", 1, 1))[0] else [])
+    engines = ["scan"] + (["sweep"] if bench_run.sweep_serves(
+        bench_backends.make_backend(backend, "cpu", 1, 1))[0] else [])
     missing = {(name, e) for name in expected for e in engines} - ran
     assert not missing, missing
 

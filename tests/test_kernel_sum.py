@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _helpers import (C, M, N, assert_close, assert_meta, assert_values_close, queries_on_knots,
-                      scaled_kernel, scan_atol, tie_scores)
+from _helpers import (
+    C,
+    M,
+    N,
+    assert_close,
+    assert_meta,
+    assert_values_close,
+    queries_on_knots,
+    scaled_kernel,
+    scan_atol,
+    tie_scores,
+)
 
 import slicedkern
 from slicedkern import reference

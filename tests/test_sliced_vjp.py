@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _helpers import to_numpy
 
 import slicedkern
 from slicedkern.kernels import Hat, HatMixture, ReLU
-
-from _helpers import to_numpy
 
 
 def _fd(loss, arrays, eps=1e-6):

@@ -9,8 +9,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import (BACKENDS, ENGINES, Benchmark, backend_module, public, random_inputs,
-                     relative_error, sync, to_backend)
+from .common import (
+    BACKENDS,
+    ENGINES,
+    Benchmark,
+    backend_module,
+    public,
+    random_inputs,
+    relative_error,
+    sync,
+    to_backend,
+)
 
 SIZES = [2 ** 12, 2 ** 16]
 HAT_BANDWIDTH = 0.1

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import (BACKENDS, BATCH, DIM, ENGINES, Benchmark, backend_module, relative_error,
-                     sync, to_backend)
+from .common import BACKENDS, BATCH, DIM, ENGINES, Benchmark, backend_module, relative_error, sync, to_backend
 
 KERNELS = ["relu", "hat", "mixture"]
 

@@ -1,8 +1,9 @@
 """Helpers shared by the benchmark modules: backends, engines, data, synchronisation.
 
-Self-contained on purpose: it uses only slicedkern's public functions and its engine switch, and
-skips (``NotImplementedError``) what a given commit or environment does not have, so that the same
-suite runs on older commits (``asv continuous``) and in environments without torch, JAX or numba.
+Self-contained on purpose: it uses only slicedkern's public functions, its engine switch and its
+lists of backends and engines, and skips (``NotImplementedError``) what a given commit or
+environment does not have, so that the same suite runs on older commits (``asv continuous``) and
+in environments without torch, JAX or numba.
 """
 
 from __future__ import annotations
@@ -13,8 +14,22 @@ import importlib.util
 
 import numpy as np
 
-BACKENDS = ["numpy", "torch", "jax"]
-ENGINES = ["scan", "sweep"]
+# The package's own lists where this version has them, so that asv, the bench command and the tests
+# agree. asv also builds older commits (``asv continuous``), from before those lists existed: there
+# the same values are spelt out. Changing either list changes the benchmarks' parameters, and asv
+# compares results only between commits whose parameters match.
+try:
+    from slicedkern.bench.backends import BACKEND_NAMES  # the bench's members of Backend
+except ImportError:
+    BACKENDS = ["numpy", "torch", "jax"]
+else:
+    BACKENDS = list(BACKEND_NAMES)
+try:
+    from slicedkern.engines import ENGINE_NAMES
+except ImportError:
+    ENGINES = ["scan", "sweep"]
+else:
+    ENGINES = list(ENGINE_NAMES)
 
 #: Batch rows and value columns of the attention and kernel-sum benchmarks.
 BATCH = 4
@@ -72,16 +87,13 @@ def engine_context(engine, like):
     Raises ``NotImplementedError`` where the engine cannot serve ``like`` here: numba missing, the
     engine not wired in yet, a JAX or GPU array for "sweep", no engine switch in this version.
     """
-    import slicedkern
-    use, engine_for = getattr(slicedkern, "use_engine", None), getattr(slicedkern, "engine_for", None)
-    if use is None or engine_for is None:
-        try:
-            from slicedkern import _engine
-        except ImportError:             # a version with one engine: the scan
-            if engine == "scan":
-                return contextlib.nullcontext()
-            raise NotImplementedError("no engine selection in this version") from None
-        use, engine_for = _engine.use_engine, _engine.engine_for
+    try:                                # public, else where this version keeps them
+        use = public("use_engine", "engines", "_engine")
+        engine_for = public("engine_for", "engines", "_engine")
+    except NotImplementedError:         # a version with one engine: the scan
+        if engine == "scan":
+            return contextlib.nullcontext()
+        raise NotImplementedError("no engine selection in this version") from None
     if engine == "scan":
         return use("scan")
     try:
@@ -90,7 +102,9 @@ def engine_context(engine, like):
                 raise NotImplementedError(f"engine {engine!r} does not serve these arrays")
     except ValueError as exc:           # numba missing, or arrays it does not serve
         raise NotImplementedError(str(exc)) from None
-    if engine == "sweep":
+    if engine == "sweep" and importlib.util.find_spec("slicedkern.engines") is None:
+        # Before the engine registry, a version could accept "sweep" before the engine was wired
+        # in, or without checking for numba; the registry's use_engine / engine_for refuse both.
         try:
             sweep = importlib.import_module("slicedkern._sweep")
         except ImportError:

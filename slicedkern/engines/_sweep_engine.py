@@ -12,7 +12,6 @@ import importlib.util
 
 import numpy as np
 
-from .. import _sweep
 from ..backends import to_host
 from ..kernels import is_fixed
 from ._base import Engine
@@ -21,6 +20,12 @@ from .scan._scan import queries, sort_keys
 from .scan._wide import arithmetic
 
 __all__ = ["SweepEngine"]
+
+
+def _kernels():
+    """The compiled sweep, imported on first use: it imports numba, which ``import slicedkern`` must not."""
+    from .. import _sweep
+    return _sweep
 
 
 def _host_profile(profile, batch) -> dict:
@@ -59,10 +64,10 @@ class SweepEngine(Engine):
         return None
 
     def kernel_sum(self, x, y, w, profile, *, xp):
-        return _sweep.kernel_sum(x, y, w, **_host_profile(profile, tuple(x.shape[:-1])))
+        return _kernels().kernel_sum(x, y, w, **_host_profile(profile, tuple(x.shape[:-1])))
 
     def attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp):
-        out = _sweep.attention(q, k, v, key_mask, center=center, normalizer=normalize, eps=eps,
+        out = _kernels().attention(q, k, v, key_mask, center=center, normalizer=normalize, eps=eps,
                                **_host_profile(profile, tuple(q.shape[:-1])))
         return out, ()
 
@@ -72,7 +77,7 @@ class SweepEngine(Engine):
         dx = dy = dw = None
         for p, g in zip(profiles, cotangents):
             cols = column_range(p, c)
-            px, py, pw = _sweep.kernel_sum_vjp(x, y, w[..., cols.start:cols.stop], g=g,
+            px, py, pw = _kernels().kernel_sum_vjp(x, y, w[..., cols.start:cols.stop], g=g,
                                                **_host_profile(p, batch))
             dx = px if dx is None else dx + px
             dy = py if dy is None else dy + py
@@ -88,4 +93,4 @@ class SweepEngine(Engine):
 
     def indicator_sums(self, q, k, ones, profiles, *, xp):
         batch = tuple(q.shape[:-1])
-        return [_sweep.kernel_sum(q, k, ones, **_host_profile(p, batch)) for p in profiles]
+        return [_kernels().kernel_sum(q, k, ones, **_host_profile(p, batch)) for p in profiles]

@@ -42,8 +42,9 @@ class SortScan(torch.autograd.Function):
             return (None, None, None) + (None,) * ctx.n_arrays
         saved = ctx.saved_tensors
         arrays, out, residuals = saved[:ctx.n_arrays], saved[ctx.n_arrays], saved[ctx.n_arrays + 1:]
-        grads = ctx.engine.backward(ctx.spec, arrays, out, tuple(residuals), grad_out.to(arrays[0].dtype),
-                                    xp=xp)
+        # the cotangent as it comes (the output's dtype): an engine casts what it reads (the sweep
+        # reads it in the values' dtype: no float64 copy of an (n, D) array)
+        grads = ctx.engine.backward(ctx.spec, arrays, out, tuple(residuals), grad_out, xp=xp)
         grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[3:])]
         return (None, None, None, *grads)
 

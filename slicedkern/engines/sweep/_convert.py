@@ -25,7 +25,7 @@ MIN_CHUNK = 16
 # Below this much work (batch rows x (queries + keys) x columns) a call runs serially on the
 # calling thread: measured on 2 cores, 8 rows of L = 256, D = 64 take ~0.2 ms serially, about what
 # waking the thread pool costs on a busy machine (see scripts/sweep_backward_speed.py --tiny).
-PARALLEL_MIN_WORK = 1 << 18
+PARALLEL_MIN_WORK = 1 << 21
 
 F64 = np.dtype(np.float64)
 

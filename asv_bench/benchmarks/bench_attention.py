@@ -151,11 +151,13 @@ class AttentionTraining(Benchmark):
     figures of scripts/sweep_backward_speed.py, where the backward should stay within 2x the forward.
     """
 
-    params = [["relu", "hat"], ENGINES, [2 ** 14, 2 ** 16]]
-    param_names = ["op", "engine", "n"]
+    params = [BACKENDS, ENGINES, [2 ** 14, 2 ** 16], ["relu", "hat"]]
+    param_names = ["backend", "engine", "n", "op"]
     timeout = 600
 
-    def setup(self, op, engine, n):
+    def setup(self, backend, engine, n, op):
+        if backend != "torch":
+            raise NotImplementedError("a torch training shape")
         backend_module("torch")
         import torch
 
@@ -172,14 +174,14 @@ class AttentionTraining(Benchmark):
             self.inputs = (self.q, self.k, self.v, self.b)
         self.enter_engine(engine, self.q)
         try:
-            self.time_forward_backward(op, engine, n)           # warm-up: numba, allocator
+            self.time_forward_backward(backend, engine, n, op)  # warm-up: numba, allocator
         except Exception as exc:
             self.teardown()
             raise NotImplementedError(f"not available here: {exc}") from exc
 
-    def time_forward(self, op, engine, n):
+    def time_forward(self, backend, engine, n, op):
         self.fn()
 
-    def time_forward_backward(self, op, engine, n):
+    def time_forward_backward(self, backend, engine, n, op):
         import torch
         torch.autograd.grad(self.fn(), self.inputs, self.g)

@@ -113,6 +113,10 @@ def per_row_knots(value, batch, bsz, name):
         arr = np.asarray(to_numpy(value, name)[0], dtype=np.float64)
     if arr.ndim == 0:
         arr = arr[None]
+    if arr.ndim == 1:  # one profile for every row (the common case): no broadcast machinery
+        rows_ = np.empty((bsz, arr.shape[0]))
+        rows_[:] = arr
+        return ro(rows_)
     try:
         arr = np.broadcast_to(arr, tuple(batch) + (arr.shape[-1],))
     except ValueError:

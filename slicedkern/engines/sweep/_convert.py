@@ -23,8 +23,9 @@ Param = float | Sequence[float] | Array
 # Column chunks are at least this wide (narrower ones lose the vectorised inner loops).
 MIN_CHUNK = 16
 # Below this much work (batch rows x (queries + keys) x columns) a call runs serially on the
-# calling thread: measured on 2 cores, 8 rows of L = 256, D = 64 take ~0.2 ms serially, about what
-# waking the thread pool costs on a busy machine (see scripts/sweep_backward_speed.py --tiny).
+# calling thread. On a busy 2-core machine a parallel launch waits for a parked worker thread: 8 rows
+# of L = 1024, D = 64 (2^20 units) took min 1.7 ms but median 56 ms in parallel, min 2.2 ms and median
+# 11 ms serially (scripts/sweep_backward_speed.py --small); a serial call stays a few milliseconds.
 PARALLEL_MIN_WORK = 1 << 21
 
 F64 = np.dtype(np.float64)

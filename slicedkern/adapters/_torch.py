@@ -40,9 +40,10 @@ class SortScan(torch.autograd.Function):
             return (None, None, None) + (None,) * ctx.n_arrays
         saved = ctx.saved_tensors
         arrays, out, residuals = saved[:ctx.n_arrays], saved[ctx.n_arrays], saved[ctx.n_arrays + 1:]
+        # the cotangent as it comes (the output's dtype): an engine casts what it reads (the sweep
+        # reads it in the values' dtype: no float64 copy of an (n, D) array)
         with torch.no_grad():
-            grads = ctx.engine.backward(ctx.spec, arrays, out, tuple(residuals),
-                                        grad_out.to(arrays[0].dtype), xp=xp)
+            grads = ctx.engine.backward(ctx.spec, arrays, out, tuple(residuals), grad_out, xp=xp)
         grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[3:])]
         if torch.is_grad_enabled():
             # a graph of the backward is being recorded (create_graph=True, torch.func): the

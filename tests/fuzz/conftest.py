@@ -1,0 +1,183 @@
+"""Fixtures of the fuzz suite: the engine under test, and a runner with the selected profile.
+
+Profiles
+--------
+* ``ci`` (default): a bounded, derandomised run (the same examples every time) sized to finish the
+  whole fuzz suite in a few minutes on two cores. JAX gets far fewer examples than the others
+  (every new shape or dtype compiles) and a few fixed shapes (``_cases.FEW_LAYOUTS``).
+* ``long``: many more examples per test, a fresh random seed each run, failures remembered in the
+  Hypothesis example database (``.hypothesis/``) and replayed first next time. Select it with
+  ``SLICEDKERN_FUZZ=long`` or with ``--fuzz-long`` (an option of the root ``tests/conftest.py``).
+* ``SLICEDKERN_FUZZ=<N>``: the long profile with ``N`` examples per test (for time-boxed runs).
+
+Engines
+-------
+Every test runs on each engine that serves the backend (today "scan" everywhere, "sweep" for
+NumPy and CPU torch). :func:`engine_call` is the one place that selects the engine; tests reach
+it through the ``engine`` fixture (``engine.call(fn, *args, **kwargs)``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+
+import slicedkern
+from _helpers import jax_x64, make_backend, require_selected
+
+with warnings.catch_warnings():
+    # Hypothesis imports this module only to report a failure, and the import warns (a deprecated
+    # TypedDict of mypy_extensions): with warnings as errors that would turn a failing example into
+    # a pytest INTERNALERROR. Import it now, quietly.
+    warnings.simplefilter("ignore", DeprecationWarning)
+    try:
+        import hypothesis.extra._patching  # noqa: F401
+    except ImportError:  # pragma: no cover
+        pass
+
+#: Every engine the suite knows; each backend runs those of them that serve it.
+ENGINES = ("scan", "sweep")
+
+ENV_VAR = "SLICEDKERN_FUZZ"
+
+_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
+           HealthCheck.large_base_example]
+
+settings.register_profile(
+    "slicedkern-fuzz-ci", max_examples=25, deadline=None, derandomize=True, database=None,
+    print_blob=True, suppress_health_check=_HEALTH,
+    # no explicit phase: generation and shrinking, as usual; "explain" costs time for nothing here
+    phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink))
+settings.register_profile(
+    "slicedkern-fuzz-long", max_examples=1000, deadline=None, derandomize=False, print_blob=True,
+    suppress_health_check=_HEALTH,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink))
+
+#: Share of a profile's examples each backend gets: JAX compiles every new shape and dtype
+#: (seconds each), array_api_strict is slow on small arrays.
+BACKEND_SHARE = {"jax": 0.2, "array_api_strict": 0.5}
+
+
+def fuzz_profile(config) -> tuple[str, int | None]:
+    """``(profile name, examples per test or None)`` from ``--fuzz-long`` or ``$SLICEDKERN_FUZZ``."""
+    if config.getoption("--fuzz-long", default=False):
+        return "slicedkern-fuzz-long", None
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value in ("", "ci", "0"):
+        return "slicedkern-fuzz-ci", None
+    if value == "long":
+        return "slicedkern-fuzz-long", None
+    if value.isdigit():
+        return "slicedkern-fuzz-long", int(value)
+    raise pytest.UsageError(f"${ENV_VAR} must be 'ci', 'long' or a number of examples, got {value!r}")
+
+
+def pytest_configure(config):
+    fuzz_profile(config)        # a bad $SLICEDKERN_FUZZ is a usage error before anything runs
+
+
+def pytest_report_header(config):
+    name, examples = fuzz_profile(config)
+    count = examples if examples is not None else settings.get_profile(name).max_examples
+    return f"slicedkern fuzz profile: {name} ({count} examples per test before backend shares)"
+
+
+# --------------------------------------------------------------------------------------- engines
+def engine_call(engine: str, fn, /, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with ``engine`` chosen for every slicedkern op it runs, forward and
+    backward (``fn`` may be an op, ``slicedkern.vjp`` or a function computing gradients).
+
+    The only place the fuzz suite chooses an engine: the engine is today a context default that
+    each op reads when it runs (the backward too), so the whole of ``fn`` runs inside the block.
+    """
+    with slicedkern.use_engine(engine):
+        return fn(*args, **kwargs)
+
+
+def engines_serving(backend) -> list[str]:
+    """The engines of :data:`ENGINES` that take arrays of ``backend`` (asked of the library)."""
+    sample = backend.asarray(np.zeros(1))
+    served = []
+    for name in ENGINES:
+        try:
+            chosen = engine_call(name, slicedkern.engine_for, sample)
+        except ValueError:          # not available here, or not for this kind of array
+            continue
+        if chosen == name:
+            served.append(name)
+    return served
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The engine under test, as the tests see it: ``engine.call(fn, *args, **kwargs)``."""
+
+    name: str
+
+    def call(self, fn, /, *args, **kwargs):
+        return engine_call(self.name, fn, *args, **kwargs)
+
+
+def _engine_for(backend, name: str) -> Engine:
+    if name not in engines_serving(backend):
+        pytest.skip(f"engine {name!r} does not serve {backend.name}")
+    return Engine(name)
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request, xp) -> Engine:
+    """The engine under test (skipped where it does not serve the backend ``xp``)."""
+    return _engine_for(xp, request.param)
+
+
+@pytest.fixture(params=ENGINES)
+def jax_without_x64(request):
+    """``(backend, engine)``: JAX with ``jax_enable_x64`` off for the test (float32 work dtype)."""
+    require_selected(request.config, "jax")
+    backend = make_backend("jax")
+    with jax_x64(False):
+        yield backend, _engine_for(backend, request.param)
+
+
+# ------------------------------------------------------------------------------------------ runner
+@dataclass(frozen=True)
+class Fuzzer:
+    """Runs a property over examples of a strategy with the selected profile.
+
+    The property is wrapped in ``@given`` at run time, so that the strategy and the number of
+    examples may depend on the backend; the node id is added to Hypothesis's key of the property
+    (its seed when derandomised, its place in the example database otherwise), so every test has
+    its own examples.
+    """
+
+    profile: settings
+    node_id: str
+
+    def run(self, strategy, check, *, backend: str, weight: float = 1.0):
+        """Check ``check(example)`` on ``max_examples * weight`` examples times the backend's share
+        (at least 2)."""
+        count = max(2, round(self.profile.max_examples * BACKEND_SHARE.get(backend, 1.0) * weight))
+
+        @settings(self.profile, max_examples=count)
+        @given(strategy)
+        def property_holds(example):
+            check(example)
+
+        # the hook Hypothesis's own pytest plugin uses to tell parametrised tests apart
+        property_holds.hypothesis.inner_test._hypothesis_internal_add_digest = self.node_id.encode()
+        property_holds()
+
+
+@pytest.fixture
+def fuzz(request) -> Fuzzer:
+    """A :class:`Fuzzer` with the selected profile."""
+    name, examples = fuzz_profile(request.config)
+    profile = settings.get_profile(name)
+    if examples is not None:
+        profile = settings(profile, max_examples=examples)
+    return Fuzzer(profile, request.node.nodeid)

@@ -15,7 +15,7 @@ import numpy as np
 from ..backends import to_host
 from ..kernels import is_fixed
 from ._base import Engine
-from .scan._backward import accumulate_columns, column_range, knot_grads
+from .scan._backward import accumulate_columns, column_range, knot_grads, no_pairs_knot_grads
 from .scan._scan import queries, sort_keys
 from .scan._wide import arithmetic
 
@@ -82,7 +82,9 @@ class SweepEngine(Engine):
             dx = px if dx is None else dx + px
             dy = py if dy is None else dy + py
             dw = accumulate_columns(xp, dw, pw, cols, c)
-        if param_grads and not all(p.is_fixed for p in profiles):
+        if param_grads and not all(p.is_fixed for p in profiles) and (x.shape[-1] == 0 or y.shape[-1] == 0):
+            params = no_pairs_knot_grads(x, profiles, xp=xp, param_grads=True)
+        elif param_grads and not all(p.is_fixed for p in profiles):
             ar = arithmetic(xp, x.dtype)
             sk = sort_keys(y, w, xp=xp, ar=ar)
             params = knot_grads(sk, queries(x, sk, ar=ar), profiles, cotangents, xp=xp, ar=ar,

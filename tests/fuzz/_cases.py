@@ -101,7 +101,7 @@ class Arr:
             assert np.array_equal(rounded, self.values), "Arr values must be rounded to their dtype first"
 
     @classmethod
-    def rounded(cls, values, dtype: str) -> "Arr":
+    def rounded(cls, values, dtype: str) -> Arr:
         """``values`` rounded (to nearest) to ``dtype``, kept as float64."""
         with np.errstate(all="ignore"):
             return cls(np.asarray(values, dtype=np.float64).astype(np_dtype(dtype)).astype(np.float64), dtype)
@@ -172,7 +172,7 @@ class Case:
         core = (first[-1],) if vector else (first[-1], weights[-1])
         return np.broadcast_shapes(*batches) + core
 
-    def replaced(self, position: int, values: np.ndarray) -> "Case":
+    def replaced(self, position: int, values: np.ndarray) -> Case:
         """The same call with positional argument ``position`` holding ``values`` instead."""
         args = list(self.args)
         args[position] = Arr.rounded(values, self.args[position].dtype)
@@ -244,7 +244,12 @@ def layouts(draw, *, few_shapes: bool, max_len: int = 12, max_batch: int = 3, ve
         v_batch = tuple(1 if draw(st.booleans()) else d for d in batch[len(batch) - len(k_batch):])
     else:
         v_batch = _sub_batch(draw, batch)
-    return Layout(q_batch=_sub_batch(draw, batch), k_batch=k_batch, v_batch=v_batch,
+    q_batch = _sub_batch(draw, batch)
+    if not vector_ok and len(v_batch) + 1 == len(q_batch) == len(k_batch):
+        # q, k and v of one rank read as scaled_dot_product_attention's (..., L, E) features, a
+        # documented error of the attention ops (they name it): keep v's batch rank apart
+        v_batch = (1,) + v_batch
+    return Layout(q_batch=q_batch, k_batch=k_batch, v_batch=v_batch,
                   mask_batch=_sub_batch(draw, batch), lq=draw(st.integers(0, max_len)),
                   lk=draw(st.integers(0, max_len)), dv=draw(st.integers(1, 3)),
                   vector=vector_ok and draw(st.booleans()))

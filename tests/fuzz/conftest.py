@@ -1,20 +1,22 @@
 """Fixtures of the fuzz suite: the engine under test, and a runner with the selected profile.
 
-Profiles
---------
-* ``ci`` (default): a bounded, derandomised run (the same examples every time) sized to finish the
-  whole fuzz suite in a few minutes on two cores. JAX gets far fewer examples than the others
-  (every new shape or dtype compiles) and a few fixed shapes (``_cases.FEW_LAYOUTS``).
-* ``long``: many more examples per test, a fresh random seed each run, failures remembered in the
-  Hypothesis example database (``.hypothesis/``) and replayed first next time. Select it with
-  ``SLICEDKERN_FUZZ=long`` or with ``--fuzz-long`` (an option of the root ``tests/conftest.py``).
+Profiles (Hypothesis settings profiles, chosen with ``$SLICEDKERN_FUZZ``)
+-----------------------------------------------------------------------
+* ``ci`` (default): a bounded, derandomised run (the same examples every time, so a CI failure
+  reproduces anywhere), sized for the whole fuzz suite to take about a minute on two shared cores
+  with NumPy, torch, JAX and array_api_strict. JAX gets fewer examples than the others (every new
+  shape or dtype compiles) and a few fixed shapes (``_cases.FEW_LAYOUTS``).
+* ``long`` (``SLICEDKERN_FUZZ=long``): many more examples per test, no deadline, a fresh random
+  seed each run, failures remembered in Hypothesis's example database (``.hypothesis/``) and
+  replayed first next time.
 * ``SLICEDKERN_FUZZ=<N>``: the long profile with ``N`` examples per test (for time-boxed runs).
 
-Engines
--------
-Every test runs on each engine that serves the backend (today "scan" everywhere, "sweep" for
-NumPy and CPU torch). :func:`engine_call` is the one place that selects the engine; tests reach
-it through the ``engine`` fixture (``engine.call(fn, *args, **kwargs)``).
+Backends and engines
+--------------------
+The ``xp`` fixture of ``tests/conftest.py`` is the axis: one test per backend and engine
+(``numpy-scan``, ``numpy-sweep``, ``torch-scan``, ``torch-sweep``, ``jax``, ``array_api_strict``;
+``--backend`` / ``$SLICEDKERN_BACKENDS`` narrow it). The ``engine`` fixture is its engine half,
+made explicit so that reports name it and gradients run their backward on it too.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from _helpers import jax_x64, make_backend, require_selected
 from hypothesis import HealthCheck, Phase, given, settings
 
 import slicedkern
-from _helpers import jax_x64, make_backend, require_selected
 
 with warnings.catch_warnings():
     # Hypothesis imports this module only to report a failure, and the import warns (a deprecated
@@ -39,9 +41,6 @@ with warnings.catch_warnings():
         import hypothesis.extra._patching  # noqa: F401
     except ImportError:  # pragma: no cover
         pass
-
-#: Every engine the suite knows; each backend runs those of them that serve it.
-ENGINES = ("scan", "sweep")
 
 ENV_VAR = "SLICEDKERN_FUZZ"
 
@@ -63,10 +62,8 @@ settings.register_profile(
 BACKEND_SHARE = {"jax": 0.2, "array_api_strict": 0.5}
 
 
-def fuzz_profile(config) -> tuple[str, int | None]:
-    """``(profile name, examples per test or None)`` from ``--fuzz-long`` or ``$SLICEDKERN_FUZZ``."""
-    if config.getoption("--fuzz-long", default=False):
-        return "slicedkern-fuzz-long", None
+def fuzz_profile() -> tuple[str, int | None]:
+    """``(profile name, examples per test or None)`` from ``$SLICEDKERN_FUZZ``."""
     value = os.environ.get(ENV_VAR, "").strip().lower()
     if value in ("", "ci", "0"):
         return "slicedkern-fuzz-ci", None
@@ -78,70 +75,49 @@ def fuzz_profile(config) -> tuple[str, int | None]:
 
 
 def pytest_configure(config):
-    fuzz_profile(config)        # a bad $SLICEDKERN_FUZZ is a usage error before anything runs
+    fuzz_profile()       # a bad $SLICEDKERN_FUZZ is a usage error before anything runs
 
 
 def pytest_report_header(config):
-    name, examples = fuzz_profile(config)
+    name, examples = fuzz_profile()
     count = examples if examples is not None else settings.get_profile(name).max_examples
     return f"slicedkern fuzz profile: {name} ({count} examples per test before backend shares)"
 
 
 # --------------------------------------------------------------------------------------- engines
-def engine_call(engine: str, fn, /, *args, **kwargs):
-    """``fn(*args, **kwargs)`` with ``engine`` chosen for every slicedkern op it runs, forward and
-    backward (``fn`` may be an op, ``slicedkern.vjp`` or a function computing gradients).
-
-    The only place the fuzz suite chooses an engine: the engine is today a context default that
-    each op reads when it runs (the backward too), so the whole of ``fn`` runs inside the block.
-    """
-    with slicedkern.use_engine(engine):
-        return fn(*args, **kwargs)
-
-
-def engines_serving(backend) -> list[str]:
-    """The engines of :data:`ENGINES` that take arrays of ``backend`` (asked of the library)."""
-    sample = backend.asarray(np.zeros(1))
-    served = []
-    for name in ENGINES:
-        try:
-            chosen = engine_call(name, slicedkern.engine_for, sample)
-        except ValueError:          # not available here, or not for this kind of array
-            continue
-        if chosen == name:
-            served.append(name)
-    return served
-
-
 @dataclass(frozen=True)
 class Engine:
-    """The engine under test, as the tests see it: ``engine.call(fn, *args, **kwargs)``."""
+    """The engine under test, as the tests see it: ``engine.call(fn, *args, **kwargs)`` runs
+    ``fn`` (an op, ``slicedkern.vjp`` or a function computing gradients) with ``name`` chosen for
+    every slicedkern op inside, forward and backward (the engine is a context default each op
+    reads when it runs, the backward too)."""
 
     name: str
 
     def call(self, fn, /, *args, **kwargs):
-        return engine_call(self.name, fn, *args, **kwargs)
+        with slicedkern.use_engine(self.name):
+            return fn(*args, **kwargs)
 
 
-def _engine_for(backend, name: str) -> Engine:
-    if name not in engines_serving(backend):
-        pytest.skip(f"engine {name!r} does not serve {backend.name}")
-    return Engine(name)
+def _engine_of(backend) -> Engine:
+    """The backend's engine of the suite's axis (``numpy-sweep``: the sweep), else the one the
+    library picks for its arrays (the scan, today)."""
+    return Engine(backend.engine or slicedkern.engine_for(backend.asarray(np.zeros(1))))
 
 
-@pytest.fixture(params=ENGINES)
-def engine(request, xp) -> Engine:
-    """The engine under test (skipped where it does not serve the backend ``xp``)."""
-    return _engine_for(xp, request.param)
+@pytest.fixture
+def engine(xp) -> Engine:
+    """The engine under test: the engine half of the ``xp`` axis (``tests/conftest.py``)."""
+    return _engine_of(xp)
 
 
-@pytest.fixture(params=ENGINES)
+@pytest.fixture
 def jax_without_x64(request):
     """``(backend, engine)``: JAX with ``jax_enable_x64`` off for the test (float32 work dtype)."""
     require_selected(request.config, "jax")
     backend = make_backend("jax")
     with jax_x64(False):
-        yield backend, _engine_for(backend, request.param)
+        yield backend, _engine_of(backend)
 
 
 # ------------------------------------------------------------------------------------------ runner
@@ -176,7 +152,7 @@ class Fuzzer:
 @pytest.fixture
 def fuzz(request) -> Fuzzer:
     """A :class:`Fuzzer` with the selected profile."""
-    name, examples = fuzz_profile(request.config)
+    name, examples = fuzz_profile()
     profile = settings.get_profile(name)
     if examples is not None:
         profile = settings(profile, max_examples=examples)

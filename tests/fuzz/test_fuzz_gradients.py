@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _helpers import assert_meta, to_numpy
 from hypothesis import note
 
 import slicedkern
-from _helpers import assert_meta, to_numpy
 
 from ._cases import OP_NAMES, Arr, assume_away_from_kinks, smooth_gradient_cases, tie_gradient_cases
 from ._oracle import assert_within, expected_output, finite_difference, forward_bound, loss_noise, magnitudes

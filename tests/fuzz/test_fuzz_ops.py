@@ -36,9 +36,8 @@ import warnings
 
 import numpy as np
 import pytest
-from hypothesis import note
-
 from _helpers import assert_meta, names_argument, to_numpy
+from hypothesis import note
 
 from ._cases import OP_NAMES, forward_cases, np_dtype
 from ._oracle import TINY, UNIT, assert_within, expected_output, forward_bound

@@ -333,3 +333,16 @@ def test_numpy_gradient_of_a_zero_dim_parameter_is_an_array():
     out, pullback = slicedkern.vjp(slicedkern.hat_attention, q, k, v, np.array(1.0))
     grad = pullback(np.ones_like(out))[3]
     assert type(grad) is np.ndarray and grad.shape == ()
+
+
+@pytest.mark.parametrize("shapes", [((0,), (0,)), ((2, 3), (2, 0)), ((2, 0), (2, 3))], ids=["both0", "Lk0", "Lq0"])
+def test_torch_masked_attention_without_queries_or_keys_is_differentiable(shapes):
+    # the scan's forward handed the key mask back as its own residual: "An input that has been
+    # returned as-is as output is being saved for backward"
+    torch = pytest.importorskip("torch")
+    q = torch.zeros(shapes[0], dtype=torch.float64, requires_grad=True)
+    k = torch.zeros(shapes[1], dtype=torch.float64, requires_grad=True)
+    v = torch.ones(shapes[1] + (2,), dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(shapes[1], dtype=torch.bool)
+    slicedkern.relu_attention(q, k, v, key_mask=mask, normalize="abs", engine="scan").sum().backward()
+    assert q.grad.shape == q.shape and not torch.any(q.grad)

@@ -20,8 +20,9 @@ Three families of cases:
 * :func:`tie_gradient_cases` -- everything ON a dyadic grid (quarters times a power of two), so
   that ``q_i - k_j - t_m = 0`` holds exactly and often: for the tie rule of the gradients.
 
-Under JAX every new input shape costs a compilation of seconds, so ``few_shapes=True`` draws the
-shapes from :data:`FEW_LAYOUTS` only (the values, dtypes and options stay free).
+Under JAX every new input shape costs a compilation of seconds, so ``few_shapes`` (a tuple of
+:class:`Layout`, usually :data:`FEW_LAYOUTS` or part of it) draws the shapes from those only (the
+values, dtypes and options stay free); an empty tuple draws any shape.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import slicedkern
 from slicedkern import reference
 from slicedkern.kernels import Abs, Hat, HatMixture, PiecewiseLinear, ReLU
 
-__all__ = ["Arr", "Case", "OPS", "OP_NAMES", "Layout", "FEW_LAYOUTS", "forward_cases",
+__all__ = ["Arr", "Case", "OPS", "OP_NAMES", "FLOAT_DTYPES", "Layout", "FEW_LAYOUTS", "forward_cases",
            "smooth_gradient_cases", "tie_gradient_cases", "np_dtype"]
 
 #: op name -> (the public function, its dense float64 oracle)
@@ -229,13 +230,13 @@ def _sub_batch(draw, batch: tuple) -> tuple:
 
 
 @st.composite
-def layouts(draw, *, few_shapes: bool, max_len: int = 12, max_batch: int = 3, vector_ok: bool = False):
+def layouts(draw, *, few_shapes: tuple = (), max_len: int = 12, max_batch: int = 3, vector_ok: bool = False):
     """A :class:`Layout`: batch dims 0-2 of size 1-3, each array with its own broadcastable batch.
 
     ``vector_ok`` (kernel sums): ``w`` may be (..., m), and its batch has the rank of ``y``'s.
     """
     if few_shapes:
-        layout = draw(st.sampled_from(FEW_LAYOUTS))
+        layout = draw(st.sampled_from(few_shapes))
         return layout if vector_ok or not layout.vector else Layout(**{**layout.__dict__, "vector": False})
     batch = tuple(draw(st.lists(st.integers(1, max_batch), max_size=2)))
     k_batch = _sub_batch(draw, batch)
@@ -392,7 +393,7 @@ def _hat_params(draw, op: str, batch: tuple, dtype: str, draw_width, draw_weight
 
 # ---------------------------------------------------------------------------------- forward
 @st.composite
-def forward_cases(draw, op: str, *, has_float16: bool, few_shapes: bool, dtypes=FLOAT_DTYPES,
+def forward_cases(draw, op: str, *, has_float16: bool, few_shapes: tuple = (), dtypes=FLOAT_DTYPES,
                   log_scale_range=(-30.0, 30.0)):
     """Hostile but finite inputs for ``op``: see the module docstring.
 
@@ -457,7 +458,7 @@ def _jitter(draw, shape: tuple, amount: float) -> np.ndarray:
 
 
 @st.composite
-def smooth_gradient_cases(draw, op: str, *, few_shapes: bool, dtypes=("float64", "float32")):
+def smooth_gradient_cases(draw, op: str, *, few_shapes: tuple = (), dtypes=("float64", "float32")):
     """Inputs at least 5/16 of a lattice unit away from every kink (see the module docstring).
 
     Returns ``(case, cotangent, unit)``: the cotangent (float64, rounded to the output dtype) and
@@ -528,7 +529,7 @@ def _cotangent(draw, case: Case) -> np.ndarray:
 
 
 @st.composite
-def tie_gradient_cases(draw, op: str, *, few_shapes: bool):
+def tie_gradient_cases(draw, op: str, *, few_shapes: tuple = ()):
     """Scores, knots and bandwidths on one dyadic grid: exact ties ``q_i - k_j - t_m = 0``.
 
     Returns ``(case, cotangent, unit)`` as :func:`smooth_gradient_cases`; float64 throughout and

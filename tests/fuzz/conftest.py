@@ -32,6 +32,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 import slicedkern
 
+from ._cases import FEW_LAYOUTS
+
 with warnings.catch_warnings():
     # Hypothesis imports this module only to report a failure, and the import warns (a deprecated
     # TypedDict of mypy_extensions): with warnings as errors that would turn a failing example into
@@ -48,7 +50,7 @@ _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_
            HealthCheck.large_base_example]
 
 settings.register_profile(
-    "slicedkern-fuzz-ci", max_examples=25, deadline=None, derandomize=True, database=None,
+    "slicedkern-fuzz-ci", max_examples=8, deadline=None, derandomize=True, database=None,
     print_blob=True, suppress_health_check=_HEALTH,
     # no explicit phase: generation and shrinking, as usual; "explain" costs time for nothing here
     phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink))
@@ -133,6 +135,21 @@ class Fuzzer:
 
     profile: settings
     node_id: str
+    bounded: bool = True
+
+    def layouts_for(self, backend) -> tuple:
+        """The shapes ``backend`` is given (``_cases.layouts``' ``few_shapes``): any (an empty tuple)
+        but on JAX, which compiles every new shape: :data:`_cases.FEW_LAYOUTS`, and in the bounded
+        profile the first of them only (batched, broadcast, masked: compiled once for the suite)."""
+        if not backend.is_jax:
+            return ()
+        return FEW_LAYOUTS[:1] if self.bounded else FEW_LAYOUTS
+
+    def one_dtype_on(self, backend) -> bool:
+        """Whether ``backend`` gets one dtype combination only: JAX in the bounded (CI) profile,
+        where every new dtype combination compiles the op anew (seconds each); the long profile
+        mixes dtypes on JAX too."""
+        return self.bounded and backend.is_jax
 
     def run(self, strategy, check, *, backend: str, weight: float = 1.0):
         """Check ``check(example)`` on ``max_examples * weight`` examples times the backend's share
@@ -156,4 +173,4 @@ def fuzz(request) -> Fuzzer:
     profile = settings.get_profile(name)
     if examples is not None:
         profile = settings(profile, max_examples=examples)
-    return Fuzzer(profile, request.node.nodeid)
+    return Fuzzer(profile, request.node.nodeid, bounded=name == "slicedkern-fuzz-ci")

@@ -200,11 +200,12 @@ def _elementwise_within(got: np.ndarray, fd: np.ndarray, bound: np.ndarray) -> n
 # ---------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("op", OP_NAMES)
 def test_gradients_match_finite_differences(xp, engine, fuzz, op):
-    strategy = smooth_gradient_cases(op, few_shapes=xp.is_jax)
+    dtypes = ("float64",) if fuzz.one_dtype_on(xp) else ("float64", "float32")
+    strategy = smooth_gradient_cases(op, few_shapes=fuzz.layouts_for(xp), dtypes=dtypes)
     fuzz.run(strategy, lambda example: check_smooth(xp, engine, example), backend=xp.name, weight=0.6)
 
 
 @pytest.mark.parametrize("op", OP_NAMES)
 def test_gradients_at_exact_ties_follow_the_tie_rule(xp, engine, fuzz, op):
-    strategy = tie_gradient_cases(op, few_shapes=xp.is_jax)
+    strategy = tie_gradient_cases(op, few_shapes=fuzz.layouts_for(xp))
     fuzz.run(strategy, lambda example: check_ties(xp, engine, example), backend=xp.name, weight=0.6)

@@ -39,7 +39,7 @@ import pytest
 from _helpers import assert_meta, names_argument, to_numpy
 from hypothesis import note
 
-from ._cases import OP_NAMES, forward_cases, np_dtype
+from ._cases import FLOAT_DTYPES, OP_NAMES, forward_cases, np_dtype
 from ._oracle import TINY, UNIT, assert_within, expected_output, forward_bound
 
 #: Smallest normal float32: the underflow floor of JAX's float32 work arithmetic.
@@ -93,7 +93,8 @@ def _has_float16(backend) -> bool:
 
 @pytest.mark.parametrize("op", OP_NAMES)
 def test_op_matches_dense_reference(xp, engine, fuzz, op):
-    strategy = forward_cases(op, has_float16=_has_float16(xp), few_shapes=xp.is_jax)
+    dtypes = ("float64",) if fuzz.one_dtype_on(xp) else FLOAT_DTYPES
+    strategy = forward_cases(op, has_float16=_has_float16(xp), few_shapes=fuzz.layouts_for(xp), dtypes=dtypes)
     fuzz.run(strategy, lambda case: check_forward(xp, engine, case), backend=xp.name)
 
 
@@ -101,7 +102,8 @@ def test_op_matches_dense_reference(xp, engine, fuzz, op):
 def test_jax_without_x64(jax_without_x64, fuzz, op):
     """JAX with x64 off: float32 (and float16) inputs through the double-float accumulation."""
     backend, engine = jax_without_x64
-    strategy = forward_cases(op, has_float16=True, few_shapes=True, dtypes=("float32", "float16"),
+    dtypes = ("float32",) if fuzz.one_dtype_on(backend) else ("float32", "float16")
+    strategy = forward_cases(op, has_float16=True, few_shapes=fuzz.layouts_for(backend), dtypes=dtypes,
                              log_scale_range=(-6.0, 6.0))
     fuzz.run(strategy, lambda case: check_forward(backend, engine, case, unit=2.0 ** -40, tiny=TINY32),
              backend="jax",

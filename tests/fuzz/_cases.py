@@ -5,7 +5,7 @@ float64 (or bool) NumPy values already rounded to the dtype each one is sent wit
 backend under test and the float64 oracle see exactly the same numbers. ``repr(case)`` is a
 runnable NumPy reproducer.
 
-Three families of cases:
+Forward cases (gradient cases: ``_grad_cases``):
 
 * :func:`forward_cases` -- hostile inputs for value checks: batch dims 0-2 that broadcast
   (``Lq != Lk``, empty axes), mixed float64 / float32 / float16 dtypes, key masks with fully masked
@@ -13,12 +13,6 @@ Three families of cases:
   continuum, scales from 1e-30 to 1e30 (within what each dtype holds), common offsets, per-head
   bandwidths and mixture weights (floats, 0-d arrays or batch-shaped arrays), every normaliser,
   ``center`` on and off, and ``eps`` from 0 to 1e30 (the defaults too).
-* :func:`smooth_gradient_cases` -- inputs AWAY from every kink, for central finite differences:
-  queries on the half-integer lattice, keys and knots (hat bandwidths included) on the integer
-  lattice, each jittered by at most 1/16, so that every ``q_i - k_j - t_m`` is at least 5/16 of a
-  lattice unit away from zero; ``eps`` far from every normaliser value.
-* :func:`tie_gradient_cases` -- everything ON a dyadic grid (quarters times a power of two), so
-  that ``q_i - k_j - t_m = 0`` holds exactly and often: for the tie rule of the gradients.
 
 Under JAX every new input shape costs a compilation of seconds, so ``few_shapes`` (a tuple of
 :class:`Layout`, usually :data:`FEW_LAYOUTS` or part of it) draws the shapes from those only (the
@@ -27,11 +21,9 @@ values, dtypes and options stay free); an empty tuple draws any shape.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from hypothesis import assume
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -40,7 +32,7 @@ from slicedkern import reference
 from slicedkern.kernels import Abs, Hat, HatMixture, PiecewiseLinear, ReLU
 
 __all__ = ["Arr", "Case", "OPS", "OP_NAMES", "FLOAT_DTYPES", "Layout", "FEW_LAYOUTS", "forward_cases",
-           "smooth_gradient_cases", "tie_gradient_cases", "np_dtype"]
+           "layouts", "kernels", "np_dtype", "promote", "log_uniform", "hat_params", "mask"]
 
 #: op name -> (the public function, its dense float64 oracle)
 OPS = {
@@ -82,7 +74,7 @@ def np_dtype(name: str):
     return np.dtype(name)
 
 
-def _promote(*names: str) -> str:
+def promote(*names: str) -> str:
     """The promoted floating dtype name (the same rule in NumPy, torch, JAX and the standard)."""
     return np.result_type(*(np_dtype(n) for n in names)).name
 
@@ -161,7 +153,7 @@ class Case:
 
     def out_dtype(self) -> str:
         """Promoted dtype of the data arrays (x, y, w or q, k, v): the output's dtype."""
-        return _promote(*(a.dtype for a in self.args[:3]))
+        return promote(*(a.dtype for a in self.args[:3]))
 
     def out_shape(self) -> tuple:
         """Shape of the output: the broadcast batch of every array (the key mask too) and the core."""
@@ -262,7 +254,7 @@ def _param_shape(draw, batch: tuple) -> tuple:
 
 
 # -------------------------------------------------------------------------------- value pieces
-def _log_uniform(draw, lo: float, hi: float) -> float:
+def log_uniform(draw, lo: float, hi: float) -> float:
     """``10**e``, ``e`` uniform in [lo, hi] (shrinks towards 1.0)."""
     if lo > 0 or hi < 0:
         return 10.0 ** draw(st.floats(lo, hi))
@@ -273,7 +265,7 @@ def _scale_for(draw, dtypes, log_range=(-30.0, 30.0)) -> float:
     """A scale that every dtype in ``dtypes`` holds (see :data:`LOG_SCALE_RANGE`), within ``log_range``."""
     lo = max([LOG_SCALE_RANGE[d][0] for d in dtypes] + [log_range[0]])
     hi = min([LOG_SCALE_RANGE[d][1] for d in dtypes] + [log_range[1]])
-    return _log_uniform(draw, lo, hi)
+    return log_uniform(draw, lo, hi)
 
 
 def _unit_array(draw, shape: tuple, mode: str) -> np.ndarray:
@@ -341,7 +333,7 @@ def kernels(draw, scale: float, lattice=None):
                            intercept=scale * draw(coeff))
 
 
-def _mask(draw, layout: Layout):
+def mask(draw, layout: Layout):
     """A key mask (..., Lk), or ``None``; some batch rows fully masked."""
     if not draw(st.booleans()):
         return None
@@ -370,7 +362,7 @@ def _attention_options(draw, op: str) -> dict:
     return options
 
 
-def _hat_params(draw, op: str, batch: tuple, dtype: str, draw_width, draw_weight):
+def hat_params(draw, op: str, batch: tuple, dtype: str, draw_width, draw_weight):
     """Positional hat parameters of ``hat_attention`` / ``hat_mixture_attention``.
 
     ``draw_width(shape)`` / ``draw_weight(shape)`` give float64 values; arrays come back as
@@ -404,7 +396,7 @@ def forward_cases(draw, op: str, *, has_float16: bool, few_shapes: tuple = (), d
     layout = draw(layouts(few_shapes=few_shapes, vector_ok=op == "kernel_sum"))
     dtypes = tuple(d for d in dtypes if has_float16 or d != "float16")
     q_dt, k_dt, v_dt = (draw(st.sampled_from(dtypes)) for _ in range(3))
-    param_dt = _promote(q_dt, k_dt, v_dt)
+    param_dt = promote(q_dt, k_dt, v_dt)
     scale = _scale_for(draw, {q_dt, k_dt, param_dt}, log_scale_range)
 
     mode = draw(st.sampled_from(("grid", "uniform", "zero")))
@@ -436,165 +428,12 @@ def forward_cases(draw, op: str, *, has_float16: bool, few_shapes: tuple = (), d
     if op == "kernel_sum":
         return Case(op, (q_arr, k_arr, v_arr, draw(kernels(scale))))
     options = _attention_options(draw, op)
-    mask = _mask(draw, layout)
-    if mask is not None:
-        options["key_mask"] = mask
+    key_mask = mask(draw, layout)
+    if key_mask is not None:
+        options["key_mask"] = key_mask
     args = (q_arr, k_arr, v_arr)
     if op == "kernel_attention":
         args += (draw(kernels(scale)),)
     elif op in ("hat_attention", "hat_mixture_attention"):
-        args += _hat_params(draw, op, batch, param_dt, widths, weights)
+        args += hat_params(draw, op, batch, param_dt, widths, weights)
     return Case(op, args, options)
-
-
-# ------------------------------------------------------------------------------------ gradients
-#: Values of gradient cases: normal floats in [-1, 1] (subnormals only blur the comparison there;
-#: the forward cases keep them).
-_UNIT_FLOATS = st.floats(-1.0, 1.0, allow_subnormal=False)
-
-
-def _jitter(draw, shape: tuple, amount: float) -> np.ndarray:
-    return np.asarray(draw(hnp.arrays(np.float64, shape, elements=st.floats(-amount, amount))))
-
-
-@st.composite
-def smooth_gradient_cases(draw, op: str, *, few_shapes: tuple = (), dtypes=("float64", "float32")):
-    """Inputs at least 5/16 of a lattice unit away from every kink (see the module docstring).
-
-    Returns ``(case, cotangent, unit)``: the cotangent (float64, rounded to the output dtype) and
-    the lattice unit in score units (the distance scale of the kinks).
-    """
-    layout = draw(layouts(few_shapes=few_shapes, max_len=6, max_batch=2, vector_ok=op == "kernel_sum"))
-    q_dt, k_dt, v_dt = (draw(st.sampled_from(dtypes)) for _ in range(3))
-    param_dt = _promote(q_dt, k_dt, v_dt)
-    narrow = "float32" in (q_dt, k_dt, v_dt, param_dt)
-    unit = _log_uniform(draw, -10.0 if narrow else -20.0, 10.0 if narrow else 20.0)
-    offset = draw(st.sampled_from((0, 0, 8, 64)))
-
-    def lattice(n, *, half=False, shape=None):
-        # n: integer lattice points (scalar or array); half: on the half-integer lattice instead
-        n = np.asarray(n, dtype=np.float64) + (0.5 if half else 0.0)
-        jitter = _jitter(draw, np.shape(n), 1.0 / 16.0)
-        return (n + jitter) * unit
-
-    def integers(shape, lo, hi):
-        return np.asarray(draw(hnp.arrays(np.int64, shape, elements=st.integers(lo, hi))), dtype=np.float64)
-
-    q = lattice(integers(layout.q_batch + (layout.lq,), -4, 3) + offset, half=True)
-    k = lattice(integers(layout.k_batch + (layout.lk,), -4, 4) + offset)
-    v_shape = layout.v_batch + ((layout.lk,) if layout.vector else (layout.lk, layout.dv))
-    v_scale = _log_uniform(draw, -5.0, 5.0)
-    v = np.asarray(draw(hnp.arrays(np.float64, v_shape, elements=_UNIT_FLOATS))) * v_scale
-    args = (Arr.rounded(q, q_dt), Arr.rounded(k, k_dt), Arr.rounded(v, v_dt))
-
-    def knot(n):
-        return float(lattice(n))
-
-    def widths(shape):
-        return lattice(integers(shape, 1, 3))
-
-    def weights(shape):
-        return 2.0 * np.asarray(draw(hnp.arrays(np.float64, shape, elements=_UNIT_FLOATS)))
-
-    if op in ("kernel_sum", "kernel_attention"):
-        args += (draw(kernels(unit, lattice=knot)),)
-    elif op in ("hat_attention", "hat_mixture_attention"):
-        args += _hat_params(draw, op, layout.batch, param_dt, widths, weights)
-    options = {}
-    if op != "kernel_sum":
-        options = _gradient_options(draw, op, layout, eps_below=1e-3 * unit,
-                                    eps_above=1e4 * unit * (abs(offset) + 16) * max(layout.lk, 1))
-    case = Case(op, args, options)
-    return case, _cotangent(draw, case), unit
-
-
-def _gradient_options(draw, op: str, layout: Layout, *, eps_below: float, eps_above: float) -> dict:
-    """Normaliser, centring, mask, and an ``eps`` far below every non-zero normaliser (or above all).
-
-    The clamp ``max(D, eps)`` has a kink at ``D = eps``; finite differences must not straddle it.
-    """
-    options = {"normalize": draw(st.sampled_from(("abs", "relu", "count", None)))}
-    if op in ("relu_attention", "kernel_attention"):
-        options["center"] = draw(st.booleans())
-    options["eps"] = draw(st.sampled_from((eps_below, eps_above)))
-    mask = _mask(draw, layout)
-    if mask is not None:
-        options["key_mask"] = mask
-    return options
-
-
-def _cotangent(draw, case: Case) -> np.ndarray:
-    g = np.asarray(draw(hnp.arrays(np.float64, case.out_shape(), elements=_UNIT_FLOATS)))
-    return Arr.rounded(g, case.out_dtype()).values
-
-
-@st.composite
-def tie_gradient_cases(draw, op: str, *, few_shapes: tuple = ()):
-    """Scores, knots and bandwidths on one dyadic grid: exact ties ``q_i - k_j - t_m = 0``.
-
-    Returns ``(case, cotangent, unit)`` as :func:`smooth_gradient_cases`; float64 throughout and
-    ``unit`` a power of two (every difference of grid points is exact).
-    """
-    layout = draw(layouts(few_shapes=few_shapes, max_len=6, max_batch=2, vector_ok=op == "kernel_sum"))
-    unit = 2.0 ** draw(st.integers(-40, 40))
-    quarter = unit / 4.0
-
-    def grid(shape, lo=-6, hi=6):
-        return np.asarray(draw(hnp.arrays(np.int64, shape, elements=st.integers(lo, hi))),
-                          dtype=np.float64) * quarter
-
-    k = grid(layout.k_batch + (layout.lk,))
-    q_shape = layout.q_batch + (layout.lq,)
-    if k.size and draw(st.booleans()):          # queries equal to keys
-        q = k.ravel()[draw(hnp.arrays(np.intp, q_shape, elements=st.integers(0, k.size - 1)))]
-    else:
-        q = grid(q_shape)
-    v_shape = layout.v_batch + ((layout.lk,) if layout.vector else (layout.lk, layout.dv))
-    v = np.asarray(draw(hnp.arrays(np.float64, v_shape, elements=_UNIT_FLOATS)))
-    args = (Arr(q, "float64"), Arr(k, "float64"), Arr(v, "float64"))
-
-    def knot(n):
-        return float(n) * quarter
-
-    def widths(shape):
-        return grid(shape, 1, 4)
-
-    def weights(shape):
-        return 2.0 * np.asarray(draw(hnp.arrays(np.float64, shape, elements=_UNIT_FLOATS)))
-
-    if op in ("kernel_sum", "kernel_attention"):
-        args += (draw(kernels(unit, lattice=knot)),)
-    elif op in ("hat_attention", "hat_mixture_attention"):
-        args += _hat_params(draw, op, layout.batch, "float64", widths, weights)
-    options = {}
-    if op != "kernel_sum":
-        # 2**-10 units: below every non-zero normaliser (>= 1/4 unit), above the finite-difference
-        # excursions of a zero one (a few 2**-20 units).
-        options = _gradient_options(draw, op, layout, eps_below=unit * 2.0 ** -10, eps_above=unit * 2.0 ** 20)
-    case = Case(op, args, options)
-    return case, _cotangent(draw, case), unit
-
-
-def kink_gap(case: Case) -> float:
-    """Smallest ``|q_i - k_j - t_m|`` over all queries, keys and knots (bandwidths included), in
-    float64; ``inf`` without queries or keys. Masked keys count too (harmless: a bound)."""
-    q, k = case.args[0].values, case.args[1].values
-    if q.size == 0 or k.size == 0:
-        return math.inf
-    knots = [0.0]
-    for a in case.args[3:]:
-        if isinstance(a, PiecewiseLinear):
-            knots += list(a.knots)
-    for a, position in ((a, i) for i, a in enumerate(case.args) if i >= 3):
-        if case.arg_name(position) in ("bandwidth", "bandwidths"):
-            widths = a.values.ravel() if isinstance(a, Arr) else np.atleast_1d(np.asarray(a, dtype=np.float64))
-            knots += list(widths) + list(-widths)
-    diffs = (q[..., :, None] - k[..., None, :]).ravel()
-    return float(min(np.min(np.abs(diffs - t)) for t in set(knots)))
-
-
-def assume_away_from_kinks(case: Case, unit: float) -> float:
-    """The case's kink gap, after checking the lattice construction kept it (rounding included)."""
-    gap = kink_gap(case)
-    assume(gap >= unit / 4.0)
-    return gap

@@ -7,7 +7,7 @@ per-head bandwidths and mixture weights (0-d arrays included; a Python float get
 compared with finite differences of the dense float64 oracle on the same rounded inputs.
 
 * ``test_gradients_match_finite_differences``: inputs drawn AWAY from every kink
-  (``_cases.smooth_gradient_cases``: every ``q_i - k_j - t_m`` at least 5/16 of a lattice unit
+  (``_grad_cases.smooth_gradient_cases``: every ``q_i - k_j - t_m`` at least 5/16 of a lattice unit
   from zero, ``eps`` far from every normaliser), float64 and float32 mixed; fourth-order central
   differences with a step of 1/64 of the distance to the nearest kink.
 * ``test_gradients_at_exact_ties_follow_the_tie_rule``: scores, knots and bandwidths on one
@@ -33,7 +33,8 @@ from hypothesis import note
 
 import slicedkern
 
-from ._cases import OP_NAMES, Arr, assume_away_from_kinks, smooth_gradient_cases, tie_gradient_cases
+from ._cases import OP_NAMES, Arr
+from ._grad_cases import assume_away_from_kinks, smooth_gradient_cases, tie_gradient_cases
 from ._oracle import assert_within, expected_output, finite_difference, forward_bound, loss_noise, magnitudes
 
 RTOL = 1e-6

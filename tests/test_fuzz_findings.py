@@ -297,3 +297,52 @@ def test_mixture_weight_gradient_matches_a_fixed_kernel(engine):
     out_a = slicedkern.hat_mixture_attention(q, k, v, [0.5, 1.5], [1.0, 2.0], engine=engine)
     out_b = slicedkern.kernel_attention(q, k, v, HatMixture([0.5, 1.5], [1.0, 2.0]), engine=engine)
     np.testing.assert_allclose(out_a, out_b, rtol=1e-13)
+
+
+# ------------------------------------------------ fuzz suite (tests/fuzz): gradients, empty axes
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("shapes", [((2, 0), (2, 3)), ((2, 3), (2, 0)), ((0,), (0,))], ids=["Lq0", "Lk0", "both0"])
+def test_gradients_without_queries_or_keys_are_zeros(engine, shapes):
+    # the scan's backward (and the sweep's bandwidth gradient, which borrows it) sorted and searched
+    # empty axes: "cannot reshape array of size 0", "operands could not be broadcast"
+    q_shape, k_shape = shapes
+    q, k, v = np.ones(q_shape), np.ones(k_shape), np.ones(k_shape + (2,))
+    b = np.full(q_shape[:-1], 0.5)
+    out, pullback = slicedkern.vjp(slicedkern.hat_attention, q, k, v, b, engine=engine)
+    grads = pullback(np.ones_like(out))
+    for grad, arg in zip(grads, (q, k, v, b)):
+        assert grad.shape == arg.shape and not np.any(grad)
+    out, pullback = slicedkern.vjp(slicedkern.kernel_sum, q, k, v, ReLU(), engine=engine)
+    assert [g.shape for g in pullback(np.ones_like(out))[:3]] == [q.shape, k.shape, v.shape]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_torch_gradients_without_keys(engine):
+    torch = pytest.importorskip("torch")
+    q = torch.ones(2, 3, dtype=torch.float64, requires_grad=True)
+    k = torch.ones(2, 0, dtype=torch.float64, requires_grad=True)
+    v = torch.ones(2, 0, 1, dtype=torch.float64, requires_grad=True)
+    b = torch.full((2,), 0.5, dtype=torch.float64, requires_grad=True)
+    slicedkern.hat_attention(q, k, v, b, engine=engine).sum().backward()
+    assert all(t.grad is not None and not torch.any(t.grad) for t in (q, b))
+
+
+def test_numpy_gradient_of_a_zero_dim_parameter_is_an_array():
+    # a reduction over every axis gives a NumPy scalar (np.float64), not the 0-d array passed in
+    q, k, v = np.array([[0.0, 0.5]]), np.array([[0.2, 0.9, -0.3]]), np.array([[[1.0], [2.0], [-1.0]]])
+    out, pullback = slicedkern.vjp(slicedkern.hat_attention, q, k, v, np.array(1.0))
+    grad = pullback(np.ones_like(out))[3]
+    assert type(grad) is np.ndarray and grad.shape == ()
+
+
+@pytest.mark.parametrize("shapes", [((0,), (0,)), ((2, 3), (2, 0)), ((2, 0), (2, 3))], ids=["both0", "Lk0", "Lq0"])
+def test_torch_masked_attention_without_queries_or_keys_is_differentiable(shapes):
+    # the scan's forward handed the key mask back as its own residual: "An input that has been
+    # returned as-is as output is being saved for backward"
+    torch = pytest.importorskip("torch")
+    q = torch.zeros(shapes[0], dtype=torch.float64, requires_grad=True)
+    k = torch.zeros(shapes[1], dtype=torch.float64, requires_grad=True)
+    v = torch.ones(shapes[1] + (2,), dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(shapes[1], dtype=torch.bool)
+    slicedkern.relu_attention(q, k, v, key_mask=mask, normalize="abs", engine="scan").sum().backward()
+    assert q.grad.shape == q.shape and not torch.any(q.grad)

@@ -48,6 +48,12 @@ def _positions(fn, args, kwargs, rec) -> dict:
     return dict(zip(wanted, array_positions))
 
 
+def _gradient_like(xp, grad, arg):
+    """``grad`` in ``arg``'s dtype, an array as ``arg`` is: a NumPy reduction over every axis (the
+    gradient of a 0-d parameter) gives a NumPy scalar, which ``asarray`` makes a 0-d array again."""
+    return xp.asarray(xp.astype(grad, arg.dtype))
+
+
 def _composite_vjp(fn, planner, args, kwargs):
     """vjp of a composite op: its plan's forward, and the plan's pullback mapped to the arguments."""
     plan = planner(*args, **kwargs)
@@ -67,7 +73,7 @@ def _composite_vjp(fn, planner, args, kwargs):
             if grad is None or not compat.is_array_api_obj(arg) or not xp.isdtype(arg.dtype, "real floating"):
                 result.append(None)
                 continue
-            result.append(xp.astype(sum_to(xp, grad, arg.shape), arg.dtype))
+            result.append(_gradient_like(xp, sum_to(xp, grad, arg.shape), arg))
         return tuple(result)
 
     return out, pullback
@@ -141,8 +147,7 @@ def vjp(fn, *args, **kwargs):
             original = args[index]
             if rec.squeeze and name == "w":
                 grad = grad[..., 0]
-            grad = sum_to(xp, grad, original.shape)
-            result[index] = xp.astype(grad, original.dtype)
+            result[index] = _gradient_like(xp, sum_to(xp, grad, original.shape), original)
         return tuple(result)
 
     return out, pullback

@@ -25,7 +25,7 @@ from ...kernels import Profile, is_fixed
 from ._scan import knot_sums, profile_sums, queries, sort_keys
 from ._wide import arithmetic
 
-__all__ = ["profiles_vjp", "knot_grads", "indicator_sums", "column_range", "accumulate_columns"]
+__all__ = ["profiles_vjp", "knot_grads", "no_pairs_knot_grads", "indicator_sums", "column_range", "accumulate_columns"]
 
 
 def column_range(profile: Profile, c: int) -> range:
@@ -65,8 +65,10 @@ def profiles_vjp(x, y, w, profiles: Sequence[Profile], cotangents, *, xp, param_
     float parameters), each of the batch shape.
     """
     work = x.dtype
-    ar = arithmetic(xp, work)
     c = w.shape[-1]
+    if x.shape[-1] == 0 or y.shape[-1] == 0:
+        return _no_pairs_vjp(x, y, w, profiles, xp=xp, param_grads=param_grads)
+    ar = arithmetic(xp, work)
 
     # dx: derivative sums over the forward sort of the keys.
     sk = sort_keys(y, w, xp=xp, ar=ar)
@@ -98,6 +100,30 @@ def profiles_vjp(x, y, w, profiles: Sequence[Profile], cotangents, *, xp, param_
         term = xp.sum(w[..., cols.start:cols.stop] * ar.value(slope), axis=-1)
         dy = term if dy is None else dy + term
     return dx, dy, dw, knot_grads(sk, xs, profiles, cotangents, xp=xp, ar=ar, param_grads=param_grads)
+
+
+def _no_pairs_vjp(x, y, w, profiles, *, xp, param_grads):
+    """:func:`profiles_vjp` without queries or without keys: every sum is empty, every gradient 0.
+
+    The forward returns zeros there without sorting (``_compose``); the sort-scan itself needs at
+    least one query and one key (its searches and gathers have nothing to index).
+    """
+    dev = compat.device(x)
+    return (xp.zeros(x.shape, dtype=x.dtype, device=dev), xp.zeros(y.shape, dtype=y.dtype, device=dev),
+            xp.zeros(w.shape, dtype=w.dtype, device=dev), no_pairs_knot_grads(x, profiles, xp=xp,
+                                                                            param_grads=param_grads))
+
+
+def no_pairs_knot_grads(x, profiles, *, xp, param_grads):
+    """:func:`knot_grads` where there are no queries or no keys: zeros of the batch shape."""
+    zero = xp.zeros(x.shape[:-1], dtype=x.dtype, device=compat.device(x))
+    params = []
+    for p in profiles:
+        none = not param_grads or all(is_fixed(a) for a in p.knots + p.coeffs)
+        # ``zero * coeff``: the shape the sort-scan's ``-coeff * sum(...)`` has (per-head coefficients)
+        params.append((tuple(None if none or is_fixed(t) else zero * a for t, a in zip(p.knots, p.coeffs)),
+                       tuple(None if none or is_fixed(a) else zero for a in p.coeffs)))
+    return params
 
 
 def knot_grads(sk, xs, profiles, cotangents, *, xp, ar, param_grads):

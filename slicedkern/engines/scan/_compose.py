@@ -121,7 +121,9 @@ def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, 
     lq, lk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
     dt, dev = q.dtype, compat.device(q)
     if lq == 0 or lk == 0:
-        take = xp.ones(k.shape, dtype=xp.bool, device=dev) if key_mask is None else key_mask
+        # a copy of the mask: torch's autograd refuses to save an input returned as it is
+        take = xp.ones(k.shape, dtype=xp.bool, device=dev) if key_mask is None else xp.astype(key_mask, xp.bool,
+                                                                                               copy=True)
         zeros = xp.zeros(q.shape + (1,), dtype=dt, device=dev)
         return xp.zeros(q.shape + (dv,), dtype=dt, device=dev), {"take": take, "relu_count": zeros,
                                                                   "den": zeros}

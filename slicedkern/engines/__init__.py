@@ -64,11 +64,21 @@ def use_engine(name: str):
         _default.reset(token)
 
 
+def _decline(engine: Engine, spec, arrays, backend) -> str | None:
+    """Why ``engine`` cannot run ``spec`` on ``arrays``: a mode it lacks, or its own reason."""
+    if getattr(spec, "causal", False) and not engine.supports_causal:
+        return (f"the {engine.name!r} engine has no causal mode (causal=True); use engine='scan', or leave "
+                "engine unset to let the automatic rule pick an engine that has one")
+    return engine.decline(spec, arrays, backend)
+
+
 def select(spec, arrays, requested: str | None = None) -> Engine:
     """The engine for one call: ``requested``, else the context's default, else the automatic rule.
 
     Raises ``ValueError`` naming the ``engine`` argument when the requested engine cannot serve the
-    arrays, with its reason (a CUDA tensor for the sweep, say): never a silent copy or fallback.
+    arrays or the spec, with its reason (a CUDA tensor for the sweep, say, or ``causal=True`` for an
+    engine without a causal mode): never a silent copy or fallback. The automatic rule skips the
+    engines that decline.
     """
     backend = backend_of(arrays[0])
     if requested is None:
@@ -78,12 +88,12 @@ def select(spec, arrays, requested: str | None = None) -> Engine:
     _check_name(requested, "engine")
     if requested != "auto":
         engine = _REGISTRY[requested]
-        reason = engine.decline(spec, arrays, backend)
+        reason = _decline(engine, spec, arrays, backend)
         if reason is not None:
             raise ValueError(f"argument 'engine': {reason}")
         return engine
     for engine in _REGISTRY.values():
-        if engine.decline(spec, arrays, backend) is None:
+        if _decline(engine, spec, arrays, backend) is None:
             return engine
     raise ValueError("no engine serves these arrays")    # the scan serves every namespace
 

@@ -10,6 +10,13 @@ scores in the work dtype:
 * ``profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True)``;
 * ``indicator_sums(q, k, ones, profiles, *, xp)``;
 
+an engine with a causal mode (``supports_causal = True``) also provides
+
+* ``causal_attention(q, k, v, profile, *, key_mask, center, normalize, eps, xp)`` -> ``(out,
+  residuals)`` with the residuals ``(take, relu_count[, den])`` per query over the keys it sees;
+* ``causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True)``: ``profiles_vjp``
+  over the keys ``j <= i + m - n`` of each query ``i`` (docs/mathematics.rst, "Causal attention");
+
 and :class:`Engine` turns them into ``forward(spec, arrays)`` / ``backward(spec, arrays, out,
 residuals, g)``, the two calls the adapters make.
 """
@@ -30,6 +37,9 @@ class Engine:
 
     #: the name users pass as ``engine=``
     name = ""
+    #: whether the engine computes causal attention (``AttentionSpec.causal``); the registry
+    #: declines causal specs for the others, with that reason
+    supports_causal = False
 
     def decline(self, spec, arrays, backend) -> str | None:
         """Why this engine cannot run ``spec`` on ``arrays`` (of registry row ``backend``), or None."""
@@ -42,8 +52,9 @@ class Engine:
             x, y, w = arrays
             return self.kernel_sum(x, y, w, Profile.of(spec.kernel), xp=xp), ()
         q, k, v, mask, params = unpack(spec, arrays)
-        out, residuals = self.attention(q, k, v, profile_of(spec, params), key_mask=mask, center=spec.center,
-                                        normalize=spec.normalize, eps=spec.eps, xp=xp)
+        op = self.causal_attention if spec.causal else self.attention
+        out, residuals = op(q, k, v, profile_of(spec, params), key_mask=mask, center=spec.center,
+                            normalize=spec.normalize, eps=spec.eps, xp=xp)
         ok = bandwidth_ok(xp, spec, params)
         if ok is not None:
             nan = xp.asarray(float("nan"), dtype=out.dtype, device=compat.device(out))
@@ -58,7 +69,8 @@ class Engine:
             dx, dy, dw, _ = _vjp.kernel_sum_vjp(self, x, y, w, Profile.of(spec.kernel), g, xp=xp)
             return dx, dy, xp.astype(dw, w.dtype)
         q, k, v, mask, params = unpack(spec, arrays)
-        dq, dk, dv, (dknots, dcoeffs) = _vjp.attention_vjp(
+        vjp = _vjp.causal_attention_vjp if spec.causal else _vjp.attention_vjp
+        dq, dk, dv, (dknots, dcoeffs) = vjp(
             self, q, k, v, profile_of(spec, params), g, out, self.aux_of(residuals), key_mask=mask,
             center=spec.center, normalizer=normalizer_profile(spec.normalize), eps=spec.eps, xp=xp)
         grads = [dq, dk, xp.astype(dv, v.dtype)]

@@ -3,9 +3,10 @@
 Two engines compute the same forward and backward (docs/architecture.rst): the array-API **scan**
 (every backend, GPUs, JAX) and the fused numba **sweep** (NumPy arrays and CPU torch tensors).
 :func:`select` resolves an op's ``engine=`` argument, else the :func:`use_engine` default of the
-calling context, else the automatic rule (the sweep wherever it can run, the scan elsewhere), and
-returns the engine object the adapters then keep for the backward. To add an engine: a subpackage
-with an :class:`~slicedkern.engines._base.Engine` subclass, and one entry in :data:`_REGISTRY`.
+calling context, else the automatic rule (the sweep wherever it can run, the scan elsewhere and for
+causal attention, which the sweep declines), and returns the engine object the adapters then keep for
+the backward. To add an engine: a subpackage with an :class:`~slicedkern.engines._base.Engine`
+subclass, and one entry in :data:`_REGISTRY`.
 """
 
 from __future__ import annotations
@@ -64,14 +65,6 @@ def use_engine(name: str):
         _default.reset(token)
 
 
-def _decline(engine: Engine, spec, arrays, backend) -> str | None:
-    """Why ``engine`` cannot run ``spec`` on ``arrays``: a mode it lacks, or its own reason."""
-    if getattr(spec, "causal", False) and not engine.supports_causal:
-        return (f"the {engine.name!r} engine has no causal mode (causal=True); use engine='scan', or leave "
-                "engine unset to let the automatic rule pick an engine that has one")
-    return engine.decline(spec, arrays, backend)
-
-
 def select(spec, arrays, requested: str | None = None) -> Engine:
     """The engine for one call: ``requested``, else the context's default, else the automatic rule.
 
@@ -88,12 +81,12 @@ def select(spec, arrays, requested: str | None = None) -> Engine:
     _check_name(requested, "engine")
     if requested != "auto":
         engine = _REGISTRY[requested]
-        reason = _decline(engine, spec, arrays, backend)
+        reason = engine.decline(spec, arrays, backend)
         if reason is not None:
             raise ValueError(f"argument 'engine': {reason}")
         return engine
     for engine in _REGISTRY.values():
-        if _decline(engine, spec, arrays, backend) is None:
+        if engine.decline(spec, arrays, backend) is None:
             return engine
     raise ValueError("no engine serves these arrays")    # the scan serves every namespace
 

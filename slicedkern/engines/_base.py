@@ -29,7 +29,13 @@ from .._spec import KernelSumSpec, bandwidth_ok, normalizer_profile, param_grads
 from ..kernels import Profile
 from . import _vjp
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "no_causal_mode"]
+
+
+def no_causal_mode(name: str) -> str:
+    """The reason an engine without a causal mode gives for declining a ``causal=True`` spec."""
+    return (f"the {name!r} engine has no causal mode (causal=True); use engine='scan', or leave engine "
+            "unset to let the automatic rule pick an engine that has one")
 
 
 class Engine:
@@ -37,12 +43,17 @@ class Engine:
 
     #: the name users pass as ``engine=``
     name = ""
-    #: whether the engine computes causal attention (``AttentionSpec.causal``); the registry
-    #: declines causal specs for the others, with that reason
+    #: whether the engine computes causal attention (``AttentionSpec.causal``); the others decline
+    #: causal specs in :meth:`decline`, with :func:`no_causal_mode` as the reason
     supports_causal = False
 
     def decline(self, spec, arrays, backend) -> str | None:
-        """Why this engine cannot run ``spec`` on ``arrays`` (of registry row ``backend``), or None."""
+        """Why this engine cannot run ``spec`` on ``arrays`` (of registry row ``backend``), or None.
+
+        An override that keeps ``supports_causal = False`` must decline causal specs itself.
+        """
+        if getattr(spec, "causal", False) and not self.supports_causal:
+            return no_causal_mode(self.name)
         return None
 
     # -- what the adapters call ---------------------------------------------------------------
@@ -69,10 +80,10 @@ class Engine:
             dx, dy, dw, _ = _vjp.kernel_sum_vjp(self, x, y, w, Profile.of(spec.kernel), g, xp=xp)
             return dx, dy, xp.astype(dw, w.dtype)
         q, k, v, mask, params = unpack(spec, arrays)
-        vjp = _vjp.causal_attention_vjp if spec.causal else _vjp.attention_vjp
-        dq, dk, dv, (dknots, dcoeffs) = vjp(
+        dq, dk, dv, (dknots, dcoeffs) = _vjp.attention_vjp(
             self, q, k, v, profile_of(spec, params), g, out, self.aux_of(residuals), key_mask=mask,
-            center=spec.center, normalizer=normalizer_profile(spec.normalize), eps=spec.eps, xp=xp)
+            center=spec.center, normalizer=normalizer_profile(spec.normalize), eps=spec.eps,
+            causal=spec.causal, xp=xp)
         grads = [dq, dk, xp.astype(dv, v.dtype)]
         if spec.has_mask:
             grads.append(None)

@@ -4,6 +4,10 @@ The compiled kernels (:mod:`slicedkern._sweep`) read NumPy arrays and CPU torch 
 this class converts profiles to their per-row host arrays and says when the engine cannot serve.
 Parameter gradients (bandwidths, mixture weights) come from the scan's knot sums: the sweep's
 kernels have no knot-gradient mode (stated in the docstrings of the hat ops).
+
+The sweep has no causal mode: it declines ``causal=True`` specs (:meth:`SweepEngine.decline`), so
+that the automatic rule picks the scan's divide and conquer for them and ``engine="sweep"`` is a
+``ValueError`` saying why.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import numpy as np
 
 from ..backends import to_host
 from ..kernels import is_fixed
-from ._base import Engine
+from ._base import Engine, no_causal_mode
 from .scan._backward import accumulate_columns, column_range, knot_grads
 from .scan._scan import queries, sort_keys
 from .scan._wide import arithmetic
@@ -54,6 +58,8 @@ class SweepEngine(Engine):
         return importlib.util.find_spec("numba") is not None
 
     def decline(self, spec, arrays, backend):
+        if getattr(spec, "causal", False):
+            return no_causal_mode(self.name)
         if not self.installed():
             return "the 'sweep' engine needs numba (pip install numba)"
         if not backend.host_readable(arrays[0]):

@@ -117,6 +117,8 @@ def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = Non
         The engine of the forward and the backward (docs/architecture.rst); default: the
         :func:`slicedkern.use_engine` setting, else the sweep for NumPy / CPU torch when numba is
         installed, else the scan. A requested engine that cannot serve the arrays is a ``ValueError``.
+        The sweep has no causal mode: with ``causal=True`` the default is the scan, and
+        ``engine="sweep"`` is a ``ValueError``.
     xp : array namespace, optional
 
     Returns

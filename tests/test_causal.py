@@ -244,6 +244,9 @@ def test_engine_without_causal_mode_declines(rng):
         np.testing.assert_allclose(slicedkern.relu_attention(q, k, v, causal=True), expected, rtol=1e-12)
     if "sweep" not in slicedkern.engines.available("numpy"):
         pytest.skip("the sweep engine needs numba")
+    # the automatic rule picks the scan (the sweep declines): the same bits as asking for it
+    np.testing.assert_array_equal(slicedkern.relu_attention(q, k, v, causal=True),
+                                  slicedkern.relu_attention(q, k, v, causal=True, engine="scan"))
     with pytest.raises(ValueError) as info:
         slicedkern.relu_attention(q, k, v, causal=True, engine="sweep")
     assert names_argument(str(info.value), "engine") and "no causal mode" in str(info.value)
@@ -384,3 +387,28 @@ def test_jax_grad_jit_vmap(rng):
         batched = jax.vmap(lambda a, b, c: slicedkern.hat_attention(a, b, c, 0.8, causal=True))(Q, K, V)
         np.testing.assert_allclose(np.asarray(batched), reference.hat_attention(q, k, v, 0.8, causal=True),
                                    rtol=1e-10, atol=1e-12)
+        # vmap of grad: one row at a time, the batched rows' gradients
+        row_grads = jax.vmap(jax.grad(lambda a, b, c, g_: jnp.sum(
+            slicedkern.relu_attention(a, b, c, causal=True) * g_), argnums=(0, 1, 2)))(Q, K, V, G)
+        _, pullback = slicedkern.vjp(lambda a, b, c: slicedkern.relu_attention(a, b, c, causal=True), q, k, v)
+        for got, want in zip(row_grads, pullback(g)):
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.new_shapes
+def test_double_float_gradients(rng):
+    """JAX without float64: the causal backward in double-float work, against the float64 pull-back."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    q, k, v, mask, g = _grad_data(rng, 9, 14)
+    _, pullback = slicedkern.vjp(lambda a, b, c: slicedkern.hat_attention(a, b, c, 0.9, key_mask=mask,
+                                                                          normalize="abs", causal=True), q, k, v)
+    expected = pullback(g)
+    with jax_x64(False):
+        def loss(a, b, c):
+            out = slicedkern.hat_attention(a, b, c, 0.9, key_mask=jnp.asarray(mask), normalize="abs", causal=True)
+            return jnp.sum(out * jnp.asarray(g, dtype=jnp.float32))
+
+        got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*(jnp.asarray(a, dtype=jnp.float32) for a in (q, k, v)))
+    for name, a, b in zip("qkv", got, expected):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=f"d{name}")

@@ -8,9 +8,12 @@ run would take longer than ``--sdpa-budget`` seconds it is measured at the large
 length that fits and scaled by ``(L / L0)^2`` (printed as *extrapolated*).
 
 The methods are timed round-robin (one repeat of each in turn), and the minimum of ``--repeats`` is
-reported, so that a shared, loaded machine biases every method alike.
+reported, so that a shared, loaded machine biases every method alike. ``--clock process`` (with
+``--threads 1``) reports CPU seconds of the process instead of wall seconds: on a machine shared with
+other jobs, wall time mostly measures the waiting.
 
-Usage: ``python scripts/causal_bench.py [--rows 8] [--length 65536] [--dim 64] [--repeats 3]``
+Usage (from the repository root): ``PYTHONPATH=. python scripts/causal_bench.py [--rows 8]
+[--length 65536] [--dim 64] [--repeats 3] [--threads 1 --clock process]``
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ import torch
 
 import slicedkern
 
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+_clock = time.perf_counter
+
 
 def _timed(fn):
-    start = time.perf_counter()
+    start = _clock()
     fn()
-    return time.perf_counter() - start
+    return _clock() - start
 
 
 def _sliced(q, k, v, *, causal, backward):
@@ -74,7 +80,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--sdpa-budget", type=float, default=60.0)
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall")
     args = parser.parse_args()
+    global _clock
+    _clock = CLOCKS[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -98,7 +107,7 @@ def main():
         for name, (fn, _) in methods.items():
             best[name] = min(best[name], _timed(fn))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rows} x {args.length} float32, "
-          f"D = {args.dim}, min of {args.repeats} round-robin repeats")
+          f"D = {args.dim}, min of {args.repeats} round-robin repeats, {args.clock} clock")
     for name, (_, factor) in methods.items():
         extra = f"  -> {best[name] * factor:9.2f} s extrapolated" if factor != 1.0 else ""
         print(f"  {name:60s} {best[name]:9.3f} s{extra}")

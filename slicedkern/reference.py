@@ -22,7 +22,7 @@ from ._lib.namespace import compute_dtypes
 from .kernels import Abs, HatMixture, ReLU, hat_profile
 
 __all__ = ["kernel_sum", "relu_attention", "hat_attention", "hat_mixture_attention",
-           "kernel_attention", "kernel_matrix"]
+           "kernel_attention", "sliced_attention", "kernel_matrix"]
 
 
 def _prep(*arrays):
@@ -127,3 +127,14 @@ def hat_mixture_attention(q, k, v, bandwidths, weights, *, key_mask=None, normal
         return _attention(q, k, v, kernel, key_mask, False, normalize, eps, causal)
     return _attention(q, k, v, _hats(split(bandwidths), split(weights)), key_mask, False, normalize, eps,
                       causal)
+
+
+def sliced_attention(q, k, v, kernel, *, directions, key_mask=None, center=False, normalize="count", eps=1e-6,
+                     causal=False):
+    """Dense multi-slice attention: the mean over the rows ``theta_p`` of ``directions`` (an array
+    (P, d)) of :func:`kernel_attention` on the projections ``q @ theta_p``, ``k @ theta_p``; q (..., Lq, d),
+    k (..., Lk, d). ``causal`` as in :func:`kernel_attention`, in every slice."""
+    outs = [kernel_attention(q @ directions[p, :], k @ directions[p, :], v, kernel, key_mask=key_mask,
+                             center=center, normalize=normalize, eps=eps, causal=causal)
+            for p in range(directions.shape[0])]
+    return sum(outs[1:], outs[0]) / len(outs)

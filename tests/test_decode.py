@@ -100,6 +100,8 @@ def test_bad_arguments_name_themselves():
         slicedkern.DecodeCache("relu", bandwidth=1.0)
     with pytest.raises(TypeError, match="'bandwidth'"):
         slicedkern.DecodeCache("hat", bandwidth=-1.0)
+    with pytest.raises(TypeError, match="'bandwidth'"):
+        slicedkern.DecodeCache("hat", bandwidth=[1.0, 2.0])
     with pytest.raises(TypeError, match="'weights'"):
         slicedkern.DecodeCache("hat_mixture", bandwidths=[1.0, 2.0], weights=[1.0])
     with pytest.raises(ValueError, match="'normalize'"):

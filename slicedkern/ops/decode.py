@@ -37,6 +37,8 @@ def _kernel(op, options):
     if op == "relu":
         return ReLU()
     if op == "hat":
+        if not isinstance(options["bandwidth"], numbers.Real):
+            raise TypeError(f"argument 'bandwidth' must be a positive finite number, got {options['bandwidth']!r}")
         return Hat(_positive_floats(options["bandwidth"], "bandwidth")[0])
     bandwidths = _positive_floats(options["bandwidths"], "bandwidths")
     weights = options["weights"]

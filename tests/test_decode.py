@@ -98,8 +98,10 @@ def test_bad_arguments_name_themselves():
         slicedkern.DecodeCache("softmax")
     with pytest.raises(TypeError, match="bandwidth"):
         slicedkern.DecodeCache("relu", bandwidth=1.0)
-    with pytest.raises(TypeError, match="'bandwidth'"):
+    with pytest.raises(ValueError, match="'bandwidth'"):
         slicedkern.DecodeCache("hat", bandwidth=-1.0)
+    with pytest.raises(ValueError, match="'bandwidths'"):
+        slicedkern.DecodeCache("hat_mixture", bandwidths=[1.0, float("inf")], weights=[1.0, 1.0])
     with pytest.raises(TypeError, match="'bandwidth'"):
         slicedkern.DecodeCache("hat", bandwidth=[1.0, 2.0])
     with pytest.raises(TypeError, match="'weights'"):

@@ -24,10 +24,13 @@ _OPTIONS = {
 
 
 def _positive_floats(value, name):
+    """Fixed bandwidths: a number or a sequence of numbers (TypeError), positive and finite (ValueError)."""
     values = [value] if isinstance(value, numbers.Real) else list(value) if isinstance(value, (list, tuple)) else None
-    if values is None or not values or not all(isinstance(b, numbers.Real) and not isinstance(b, bool)
-                                               and 0 < b < float("inf") for b in values):
-        raise TypeError(f"argument {name!r} must be a positive finite number or a sequence of them, got {value!r}")
+    if not values or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) for b in values):
+        raise TypeError(f"argument {name!r} must be a number or a sequence of numbers (DecodeCache takes fixed "
+                        f"bandwidths), got {value!r}")
+    if not all(0 < b < float("inf") for b in values):
+        raise ValueError(f"argument {name!r} must be positive and finite, got {value!r}")
     return [float(b) for b in values]
 
 
@@ -38,7 +41,8 @@ def _kernel(op, options):
         return ReLU()
     if op == "hat":
         if not isinstance(options["bandwidth"], numbers.Real):
-            raise TypeError(f"argument 'bandwidth' must be a positive finite number, got {options['bandwidth']!r}")
+            raise TypeError(f"argument 'bandwidth' must be a number (DecodeCache takes a fixed bandwidth), "
+                            f"got {options['bandwidth']!r}")
         return Hat(_positive_floats(options["bandwidth"], "bandwidth")[0])
     bandwidths = _positive_floats(options["bandwidths"], "bandwidths")
     weights = options["weights"]

@@ -12,7 +12,7 @@ from importlib.metadata import version as _version
 from . import kernels, reference
 from .adapters.vjp import vjp
 from .engines import engine_for, use_engine
-from .ops import hat_attention, hat_mixture_attention, kernel_attention, kernel_sum, relu_attention
+from .ops import DecodeCache, hat_attention, hat_mixture_attention, kernel_attention, kernel_sum, relu_attention
 from .sliced import directions, energy_distance, mmd, radial_profile, sliced_attention, sliced_kernel_sum
 
 try:                                   # one source of truth: the version in pyproject.toml
@@ -20,7 +20,7 @@ try:                                   # one source of truth: the version in pyp
 except PackageNotFoundError:           # running from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["kernels", "reference", "kernel_sum", "relu_attention", "hat_attention",
+__all__ = ["DecodeCache", "kernels", "reference", "kernel_sum", "relu_attention", "hat_attention",
            "hat_mixture_attention", "kernel_attention", "vjp", "use_engine", "engine_for",
            "directions", "sliced_kernel_sum", "sliced_attention", "energy_distance", "mmd",
            "radial_profile",

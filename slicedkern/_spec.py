@@ -34,6 +34,8 @@ class AttentionSpec:
     Either ``kernel`` is a fixed profile, or ``alphas`` / ``betas`` describe a (mixture of) hat(s):
     one float per hat, where the values are fixed. ``param_layout`` names the array parameters in
     order: "bandwidth" (one hat, batch shape), "bandwidths" / "weights" (mixtures, batch + (K,)).
+    ``causal``: query ``i`` of ``Lq`` sees only the keys ``j <= i + Lk - Lq`` (docs/mathematics.rst,
+    "Causal attention"); an engine without a causal mode declines such a spec.
     """
 
     kernel: PiecewiseLinear | None
@@ -44,6 +46,7 @@ class AttentionSpec:
     normalize: str | None = "count"
     eps: float = 1e-6
     has_mask: bool = False
+    causal: bool = False
 
 
 def normalizer_profile(normalize):

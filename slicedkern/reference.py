@@ -22,7 +22,7 @@ from ._lib.namespace import compute_dtypes
 from .kernels import Abs, HatMixture, ReLU, hat_profile
 
 __all__ = ["kernel_sum", "relu_attention", "hat_attention", "hat_mixture_attention",
-           "kernel_attention", "kernel_matrix"]
+           "kernel_attention", "sliced_attention", "kernel_matrix"]
 
 
 def _prep(*arrays):
@@ -50,22 +50,40 @@ def kernel_sum(x, y, w, kernel):
     return xp.astype(s[..., 0] if vector else s, out_dtype)
 
 
-def _attention(q, k, v, weights_of, key_mask, center, normalize, eps):
-    """``weights_of(r)`` gives the kernel matrix from the differences ``r = q_i - k_j``."""
+def _visible(xp, q, k, valid, causal):
+    """(..., Lq, Lk) True where query ``i`` sees key ``j``: the key is valid and, when ``causal``,
+    ``j <= i + Lk - Lq`` (bottom-right aligned; docs/mathematics.rst, "Causal attention")."""
+    keep = valid[..., None, :] != 0
+    if causal:
+        lq, lk = q.shape[-1], k.shape[-1]
+        i = xp.arange(lq, device=compat.device(q))[:, None]
+        j = xp.arange(lk, device=compat.device(q))[None, :]
+        keep = keep & (j <= i + (lk - lq))
+    return keep
+
+
+def _attention(q, k, v, weights_of, key_mask, center, normalize, eps, causal=False):
+    """``weights_of(r)`` gives the kernel matrix from the differences ``r = q_i - k_j``.
+
+    Every sum runs over the keys each query sees (all valid keys, or with ``causal`` the valid keys
+    at or before its position); the centring mean and the count too. A query that sees no key gets 0.
+    """
     xp, out_dtype, (q, k, v) = _prep(q, k, v)
     r = q[..., :, None] - k[..., None, :]
     valid = (xp.ones(k.shape, dtype=q.dtype, device=compat.device(q)) if key_mask is None
              else xp.astype(key_mask, q.dtype))
     valid = xp.broadcast_to(valid, k.shape) if valid.ndim < k.ndim else valid
-    keep = valid[..., None, :] != 0
+    keep = _visible(xp, q, k, valid, causal)
     zero = xp.zeros((), dtype=q.dtype, device=compat.device(q))
+    seen = xp.astype(keep, q.dtype)                              # (..., Lq, Lk)
     kmat = xp.where(keep, weights_of(r), zero)
     v = xp.where(valid[..., :, None] != 0, v, zero)
-    count = xp.sum(valid, axis=-1)[..., None, None]
-    if center:
-        v = v - xp.sum(v, axis=-2, keepdims=True) / xp.maximum(count, xp.ones_like(count))
-        v = xp.where(valid[..., :, None] != 0, v, zero)
+    count = xp.sum(seen, axis=-1)[..., None]                     # (..., Lq, 1)
     num = kmat @ v
+    if center:
+        # sum_j K_ij (v_j - mean_i) with mean_i over the keys query i sees
+        mean = (seen @ v) / xp.maximum(count, xp.ones_like(count))
+        num = num - mean * xp.sum(kmat, axis=-1)[..., None]
     if normalize is None:
         out = num
     elif normalize == "count":
@@ -77,14 +95,14 @@ def _attention(q, k, v, weights_of, key_mask, center, normalize, eps):
     return xp.astype(out, out_dtype)
 
 
-def relu_attention(q, k, v, *, key_mask=None, center=True, normalize="abs", eps=1e-6):
-    """Dense sliced ReLU attention (paper eq. 3)."""
-    return _attention(q, k, v, ReLU(), key_mask, center, normalize, eps)
+def relu_attention(q, k, v, *, key_mask=None, center=True, normalize="abs", eps=1e-6, causal=False):
+    """Dense sliced ReLU attention (paper eq. 3); ``causal``: query ``i`` sees keys ``j <= i + Lk - Lq``."""
+    return _attention(q, k, v, ReLU(), key_mask, center, normalize, eps, causal)
 
 
-def kernel_attention(q, k, v, kernel, *, key_mask=None, center=False, normalize="count", eps=1e-6):
+def kernel_attention(q, k, v, kernel, *, key_mask=None, center=False, normalize="count", eps=1e-6, causal=False):
     """Dense attention with any piecewise-linear profile."""
-    return _attention(q, k, v, kernel, key_mask, center, normalize, eps)
+    return _attention(q, k, v, kernel, key_mask, center, normalize, eps, causal)
 
 
 def _hats(alphas, betas):
@@ -94,16 +112,29 @@ def _hats(alphas, betas):
     return weights_of
 
 
-def hat_attention(q, k, v, bandwidth=1.0, *, key_mask=None, normalize="count", eps=1e-6):
+def hat_attention(q, k, v, bandwidth=1.0, *, key_mask=None, normalize="count", eps=1e-6, causal=False):
     """Dense hat attention (paper eq. 5); ``bandwidth`` a float or a batch-shaped array."""
-    return _attention(q, k, v, _hats([bandwidth], [1.0]), key_mask, False, normalize, eps)
+    return _attention(q, k, v, _hats([bandwidth], [1.0]), key_mask, False, normalize, eps, causal)
 
 
-def hat_mixture_attention(q, k, v, bandwidths, weights, *, key_mask=None, normalize="count", eps=1e-6):
+def hat_mixture_attention(q, k, v, bandwidths, weights, *, key_mask=None, normalize="count", eps=1e-6,
+                          causal=False):
     """Dense hat-mixture attention; ``bandwidths`` / ``weights`` sequences or arrays (..., K)."""
     def split(p):
         return [float(e) for e in p] if isinstance(p, (list, tuple)) else [p[..., i] for i in range(p.shape[-1])]
     if isinstance(bandwidths, (list, tuple)) and isinstance(weights, (list, tuple)):
         kernel = HatMixture(bandwidths, weights)
-        return _attention(q, k, v, kernel, key_mask, False, normalize, eps)
-    return _attention(q, k, v, _hats(split(bandwidths), split(weights)), key_mask, False, normalize, eps)
+        return _attention(q, k, v, kernel, key_mask, False, normalize, eps, causal)
+    return _attention(q, k, v, _hats(split(bandwidths), split(weights)), key_mask, False, normalize, eps,
+                      causal)
+
+
+def sliced_attention(q, k, v, kernel, *, directions, key_mask=None, center=False, normalize="count", eps=1e-6,
+                     causal=False):
+    """Dense multi-slice attention: the mean over the rows ``theta_p`` of ``directions`` (an array
+    (P, d)) of :func:`kernel_attention` on the projections ``q @ theta_p``, ``k @ theta_p``; q (..., Lq, d),
+    k (..., Lk, d). ``causal`` as in :func:`kernel_attention`, in every slice."""
+    outs = [kernel_attention(q @ directions[p, :], k @ directions[p, :], v, kernel, key_mask=key_mask,
+                             center=center, normalize=normalize, eps=eps, causal=causal)
+            for p in range(directions.shape[0])]
+    return sum(outs[1:], outs[0]) / len(outs)

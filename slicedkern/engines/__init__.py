@@ -3,9 +3,10 @@
 Two engines compute the same forward and backward (docs/architecture.rst): the array-API **scan**
 (every backend, GPUs, JAX) and the fused numba **sweep** (NumPy arrays and CPU torch tensors).
 :func:`select` resolves an op's ``engine=`` argument, else the :func:`use_engine` default of the
-calling context, else the automatic rule (the sweep wherever it can run, the scan elsewhere), and
-returns the engine object the adapters then keep for the backward. To add an engine: a subpackage
-with an :class:`~slicedkern.engines._base.Engine` subclass, and one entry in :data:`_REGISTRY`.
+calling context, else the automatic rule (the sweep wherever it can run, the scan elsewhere and for
+causal attention, which the sweep declines), and returns the engine object the adapters then keep for
+the backward. To add an engine: a subpackage with an :class:`~slicedkern.engines._base.Engine`
+subclass, and one entry in :data:`_REGISTRY`.
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ def select(spec, arrays, requested: str | None = None) -> Engine:
     """The engine for one call: ``requested``, else the context's default, else the automatic rule.
 
     Raises ``ValueError`` naming the ``engine`` argument when the requested engine cannot serve the
-    arrays, with its reason (a CUDA tensor for the sweep, say): never a silent copy or fallback.
+    arrays or the spec, with its reason (a CUDA tensor for the sweep, say, or ``causal=True`` for an
+    engine without a causal mode): never a silent copy or fallback. The automatic rule skips the
+    engines that decline.
     """
     backend = backend_of(arrays[0])
     if requested is None:

@@ -10,6 +10,13 @@ scores in the work dtype:
 * ``profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True)``;
 * ``indicator_sums(q, k, ones, profiles, *, xp)``;
 
+an engine with a causal mode (``supports_causal = True``) also provides
+
+* ``causal_attention(q, k, v, profile, *, key_mask, center, normalize, eps, xp)`` -> ``(out,
+  residuals)`` with the residuals ``(take, relu_count[, den])`` per query over the keys it sees;
+* ``causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True)``: ``profiles_vjp``
+  over the keys ``j <= i + m - n`` of each query ``i`` (docs/mathematics.rst, "Causal attention");
+
 and :class:`Engine` turns them into ``forward(spec, arrays)`` / ``backward(spec, arrays, out,
 residuals, g)``, the two calls the adapters make.
 
@@ -27,7 +34,13 @@ from .._spec import KernelSumSpec, bandwidth_ok, normalizer_profile, param_grads
 from ..kernels import Profile
 from . import _vjp
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "no_causal_mode"]
+
+
+def no_causal_mode(name: str) -> str:
+    """The reason an engine without a causal mode gives for declining a ``causal=True`` spec."""
+    return (f"the {name!r} engine has no causal mode (causal=True); use engine='scan', or leave engine "
+            "unset to let the automatic rule pick an engine that has one")
 
 
 class Engine:
@@ -35,9 +48,17 @@ class Engine:
 
     #: the name users pass as ``engine=``
     name = ""
+    #: whether the engine computes causal attention (``AttentionSpec.causal``); the others decline
+    #: causal specs in :meth:`decline`, with :func:`no_causal_mode` as the reason
+    supports_causal = False
 
     def decline(self, spec, arrays, backend) -> str | None:
-        """Why this engine cannot run ``spec`` on ``arrays`` (of registry row ``backend``), or None."""
+        """Why this engine cannot run ``spec`` on ``arrays`` (of registry row ``backend``), or None.
+
+        An override that keeps ``supports_causal = False`` must decline causal specs itself.
+        """
+        if getattr(spec, "causal", False) and not self.supports_causal:
+            return no_causal_mode(self.name)
         return None
 
     # -- what the adapters call ---------------------------------------------------------------
@@ -47,8 +68,9 @@ class Engine:
             x, y, w = arrays
             return self.kernel_sum(x, y, w, Profile.of(spec.kernel), xp=xp), ()
         q, k, v, mask, params = unpack(spec, arrays)
-        out, residuals = self.attention(q, k, v, profile_of(spec, params), key_mask=mask, center=spec.center,
-                                        normalize=spec.normalize, eps=spec.eps, xp=xp)
+        op = self.causal_attention if spec.causal else self.attention
+        out, residuals = op(q, k, v, profile_of(spec, params), key_mask=mask, center=spec.center,
+                            normalize=spec.normalize, eps=spec.eps, xp=xp)
         ok = bandwidth_ok(xp, spec, params)
         if ok is not None:
             nan = xp.asarray(float("nan"), dtype=out.dtype, device=compat.device(out))
@@ -63,7 +85,8 @@ class Engine:
             dx, dy, dw, _ = self.kernel_sum_vjp(x, y, w, Profile.of(spec.kernel), g, xp=xp)
             return as_work(xp, dx, x.dtype), as_work(xp, dy, y.dtype), as_work(xp, dw, w.dtype)
         q, k, v, mask, params = unpack(spec, arrays)
-        dq, dk, dv, (dknots, dcoeffs) = self.attention_vjp(
+        vjp = self.causal_attention_vjp if spec.causal else self.attention_vjp
+        dq, dk, dv, (dknots, dcoeffs) = vjp(
             q, k, v, profile_of(spec, params), g, out, residuals, key_mask=mask, center=spec.center,
             normalize=spec.normalize, eps=spec.eps, xp=xp)
         grads = [as_work(xp, dq, q.dtype), as_work(xp, dk, k.dtype), as_work(xp, dv, v.dtype)]
@@ -84,7 +107,14 @@ class Engine:
         ``profile.knots`` / ``profile.coeffs`` (``None`` for float parameters)."""
         return _vjp.attention_vjp(self, q, k, v, profile, as_work(xp, g, q.dtype), out, self.aux_of(residuals),
                                   key_mask=key_mask, center=center, normalizer=normalizer_profile(normalize),
-                                  eps=eps, xp=xp)
+                                  eps=eps, causal=False, xp=xp)
+
+    def causal_attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalize, eps,
+                             xp):
+        """:meth:`attention_vjp` of :meth:`causal_attention` (engines with ``supports_causal``)."""
+        return _vjp.attention_vjp(self, q, k, v, profile, as_work(xp, g, q.dtype), out, self.aux_of(residuals),
+                                  key_mask=key_mask, center=center, normalizer=normalizer_profile(normalize),
+                                  eps=eps, causal=True, xp=xp)
 
     def aux_of(self, residuals):
         """The per-query residuals of :meth:`attention` as the backward reads them (``None``: recompute)."""

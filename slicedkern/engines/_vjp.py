@@ -1,9 +1,11 @@
 """The backward of ``kernel_sum`` and attention, written once over an engine's profile-sum VJPs.
 
 An engine provides ``profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads)`` (the pullback of
-several profile sums of one ``(x, y, w)``) and ``indicator_sums(q, k, ones, profiles, *, xp)``; this
-module adds what every engine shares: the NaN policy, the quotient rule of the normaliser, the
-centering, and masks (docs/mathematics.rst, "The backward pass").
+several profile sums of one ``(x, y, w)``) and ``indicator_sums(q, k, ones, profiles, *, xp)``, and an
+engine with a causal mode ``causal_profiles_vjp`` (the same over the keys each query sees); this
+module adds what every engine shares, written once for causal and non-causal attention: the NaN
+policy, the quotient rule of the normaliser, the centering, and masks (docs/mathematics.rst, "The
+backward pass" and "Causal attention").
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import array_api_compat as compat
 
 from .._lib.namespace import clamp_min
 from ..kernels import Profile
+from ._causal_grid import CausalGrid, running_sum, screen_causal
 from ._nanpolicy import sanitize_keys
 
 __all__ = ["kernel_sum_vjp", "attention_vjp", "attention_aux"]
@@ -34,9 +37,58 @@ def _nan_rows(xp, dx, dy, dw, q_ok, row_ok):
             xp.where(row_ok[..., None, None], dw, nan))
 
 
+class _AllKeys:
+    """Every query sees every valid key of its batch row (the non-causal ops).
+
+    The NaN policy's screening (:func:`sanitize_keys`), the sums over the keys a query sees (one per
+    batch row, (..., 1, c)), their adjoint, and the engine's profile-sum VJP. :class:`_SeenKeys` is
+    the same interface for causal attention.
+    """
+
+    def __init__(self, engine, q, k, v, key_mask, xp):
+        self.q, self.k, self.v, q_ok, row_ok = sanitize_keys(xp, q, k, v, key_mask)
+        take = xp.broadcast_to(row_ok[..., None], k.shape)
+        self.take = take if key_mask is None else take & key_mask
+        self.good = q_ok & row_ok[..., None]          # (..., lq): the forward's row is not NaN
+        self.row_bad = ~row_ok                        # (...): every key's gradient is NaN
+        self.profiles_vjp = engine.profiles_vjp
+
+    def seen(self, xp, a):
+        """``a`` (..., lk, c) summed over the keys each query sees: (..., 1, c) in the work dtype."""
+        return xp.sum(a, axis=-2, keepdims=True, dtype=self.q.dtype)
+
+    def to_keys(self, xp, weights, g):
+        """The adjoint of :meth:`seen` applied to ``weights * g`` ((..., lq, 1) and (..., lq, c)), with
+        no (lq, c) temporary: (..., 1, c)."""
+        return xp.matrix_transpose(weights) @ g
+
+
+class _SeenKeys:
+    """Query ``i`` sees the valid keys ``j <= i + lk - lq`` (causal attention; docs/mathematics.rst,
+    "Causal attention"): the interface of :class:`_AllKeys` with running sums over the positions, the
+    causal NaN rule, and the engine's causal profile-sum VJP."""
+
+    def __init__(self, engine, q, k, v, key_mask, xp):
+        self.grid = CausalGrid(q.shape[-1], k.shape[-1])
+        sc = screen_causal(xp, self.grid, q, k, v, key_mask)
+        self.q, self.k, self.v, self.take, self.good = sc.q, sc.k, sc.v, sc.take, sc.good
+        self.row_bad = sc.row_bad
+        self.profiles_vjp = engine.causal_profiles_vjp
+
+    def seen(self, xp, a):
+        """Running sums of ``a`` (..., lk, c) read at each query's position: (..., lq, c), work dtype."""
+        return self.grid.at_queries(xp, running_sum(xp, xp.astype(a, self.q.dtype), axis=-2), axis=-2)
+
+    def to_keys(self, xp, weights, g):
+        """The adjoint of :meth:`seen` applied to ``weights * g``: a key receives the rows of every
+        query at or after its position (a reverse running sum), (..., lk, c)."""
+        return running_sum(xp, self.grid.queries_to_keys(xp, weights * g), axis=-2, reverse=True)
+
+
 def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask, center, normalizer,
-                  eps, xp):
-    """VJP of attention on ``engine``.
+                  eps, causal=False, xp):
+    """VJP of attention on ``engine``; with ``causal``, of causal attention (docs/mathematics.rst,
+    "Causal attention"), on an engine that has ``causal_profiles_vjp``.
 
     ``out`` is the forward output and ``aux`` the per-query residuals it returned (``relu_count``:
     the profile summed over the valid-key indicator; ``den``: the unclamped normaliser sum), or
@@ -45,51 +97,59 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
 
     The values and the valid-key indicator are pulled back separately: the (..., n, Dv) work is one
     kernel-sum VJP of ``v`` with the cotangent ``g / den`` (per-query factors, no copy of ``v``), and
-    the centring and normaliser terms ride on a one-column VJP of the indicator.
+    the centring and normaliser terms ride on a one-column VJP of the indicator. The count and the
+    centring mean are sums over the keys each query sees (per batch row, or running sums when
+    causal), and the mean's cotangent goes back to the keys through their adjoint. NaN where the
+    forward's output was: on bad queries, and on every key of a batch row with a bad key (causal:
+    of a batch row in which some query saw a bad key).
     """
     work = q.dtype
-    q, k, v, q_ok, row_ok = sanitize_keys(xp, q, k, v, key_mask)
+    keys = (_SeenKeys if causal else _AllKeys)(engine, q, k, v, key_mask, xp)
     if aux is None:
-        aux = attention_aux(engine, q, k, profile, key_mask, row_ok, normalizer, xp=xp)
-    takef = xp.astype(aux["take"], work)
-    valid = xp.sum(takef, axis=-1)[..., None, None]
-    count = clamp_min(xp, valid, 1.0)
-    good = (q_ok & row_ok[..., None])[..., None]                      # (..., n, 1)
+        if causal:
+            raise ValueError("causal attention's backward needs the forward's residuals")
+        aux = attention_aux(engine, keys.q, keys.k, profile, keys.take, normalizer, xp=xp)
+    takef = xp.astype(keys.take, work)
+    count = keys.seen(xp, takef[..., None])                             # (..., lq or 1, 1)
+    count_c = clamp_min(xp, count, 1.0)
+    good = keys.good[..., None]                                         # (..., lq, 1)
     zero = xp.zeros((), dtype=work, device=compat.device(q))
     scale = xp.astype(good, work)
     if normalizer is not None:
-        den = aux["den"] if isinstance(normalizer, Profile) else count
-        den_c = clamp_min(xp, den, eps if isinstance(normalizer, Profile) else 1.0)
-        den_c = xp.where(valid > 0, den_c, xp.ones_like(den_c))     # no valid key: as the forward
+        if isinstance(normalizer, Profile):
+            # no key seen: the forward divided by 1 (its numerator is an empty sum)
+            den_c = xp.where(count > 0, clamp_min(xp, aux["den"], eps), xp.ones_like(aux["den"]))
+        else:
+            den_c = count_c
         scale = scale / den_c
-    gnum = gout * scale                                               # (..., n, Dv), work dtype
-    dq, dk, dv, params = engine.profiles_vjp(q, k, v, [profile], [gnum], xp=xp)
+    gnum = gout * scale                                                 # (..., lq, Dv), work dtype
+    dq, dk, dv, params = keys.profiles_vjp(keys.q, keys.k, keys.v, [profile], [gnum], xp=xp)
 
     indicator_profiles, indicator_cots = [], []
     if center:
-        mean = xp.sum(v, axis=-2, keepdims=True, dtype=work) / count   # v is zero on masked keys
+        mean = keys.seen(xp, keys.v) / count_c                          # v is zero on keys not taken
         indicator_profiles.append(profile)
-        indicator_cots.append(-(gnum @ xp.matrix_transpose(mean)))       # (..., n, 1), no (n, Dv) temporary
+        indicator_cots.append(-xp.vecdot(gnum, mean)[..., None])        # (..., lq, 1)
     if isinstance(normalizer, Profile):
         dot = xp.astype(xp.vecdot(gout, xp.astype(out, gout.dtype))[..., None], work)
         gden = xp.where(good & (aux["den"] >= eps), -dot / den_c, zero)
         indicator_profiles.append(normalizer)
         indicator_cots.append(gden)
     if indicator_profiles:
-        dq2, dk2, _, params2 = engine.profiles_vjp(q, k, takef[..., None], indicator_profiles,
-                                                   indicator_cots, xp=xp)
+        dq2, dk2, _, params2 = keys.profiles_vjp(keys.q, keys.k, takef[..., None], indicator_profiles,
+                                                 indicator_cots, xp=xp)
         dq, dk = dq + dq2, dk + dk2
         params = _add_params(params, params2[:1]) if center else params
-
-    # masked keys get no gradient; bad rows get NaN (the forward's NaN policy)
-    nan = xp.asarray(float("nan"), dtype=work, device=compat.device(q))
-    key_factor = xp.where(row_ok[..., None], takef, nan)[..., None]
     if center:
-        g_mean = -(xp.matrix_transpose(aux["relu_count"]) @ gnum)             # (..., 1, Dv)
-        dv = dv + g_mean / count
+        # mean_i = (sum of the values query i sees) / count_i, and R_i = relu_count_i multiplies it
+        dv = dv - keys.to_keys(xp, aux["relu_count"] / count_c, gnum)
+
+    # keys not taken get no gradient; bad rows get NaN (the forward's NaN policy)
+    nan = xp.asarray(float("nan"), dtype=work, device=compat.device(q))
+    key_factor = xp.where(keys.row_bad[..., None], nan, takef)[..., None]
     dv = dv * key_factor
-    dq = xp.where(q_ok & row_ok[..., None], dq, nan)
-    dk = xp.where(row_ok[..., None], dk, nan)
+    dq = xp.where(keys.good, dq, nan)
+    dk = xp.where(keys.row_bad[..., None], nan, dk)
     return dq, dk, dv, params[0]
 
 
@@ -102,12 +162,9 @@ def _add_params(a, b):
     return out
 
 
-def attention_aux(engine, q, k, profile, key_mask, row_ok, normalizer, *, xp):
+def attention_aux(engine, q, k, profile, take, normalizer, *, xp):
     """The per-query residuals of attention (``take``, ``relu_count``, ``den``), recomputed from the
-    inputs, for engines that keep none."""
-    take = xp.broadcast_to(row_ok[..., None], k.shape)
-    if key_mask is not None:
-        take = take & key_mask
+    screened inputs and the keys that take part, for engines that keep none."""
     ones = xp.astype(take, q.dtype)[..., None]
     profiles = [profile] + ([normalizer] if isinstance(normalizer, Profile) else [])
     sums = engine.indicator_sums(q, k, ones, profiles, xp=xp)

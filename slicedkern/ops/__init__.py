@@ -2,6 +2,7 @@
 calls the framework's adapter."""
 
 from .attention import hat_attention, hat_mixture_attention, kernel_attention, relu_attention
+from .decode import DecodeCache
 from .kernel_sum import kernel_sum
 
-__all__ = ["kernel_sum", "relu_attention", "hat_attention", "hat_mixture_attention", "kernel_attention"]
+__all__ = ["DecodeCache", "kernel_sum", "relu_attention", "hat_attention", "hat_mixture_attention", "kernel_attention"]

@@ -32,7 +32,7 @@ from ._validate import (
 __all__ = ["relu_attention", "hat_attention", "hat_mixture_attention", "kernel_attention"]
 
 
-def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, engine, xp):
+def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, causal, engine, xp):
     """Shared validation and dispatch of every attention op.
 
     ``kernel`` is a fixed profile; otherwise ``hats`` is a builder (see :func:`_hat_spec`) that
@@ -64,11 +64,12 @@ def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, 
     check_normalize(normalize)
     eps = check_eps(eps)
     center = check_bool(center, "center")
+    causal = check_bool(causal, "causal")
     batch, arrays = broadcast_all(xp, arrays, cores, tuple(arrays))
     hat_fields, params = hats(xp, device, work, batch) if hats is not None else ({}, {})
     fields = {"kernel": kernel, **hat_fields}
-    spec = AttentionSpec(center=center, normalize=normalize, eps=eps,
-                         has_mask=key_mask is not None, param_layout=tuple(params), **fields)
+    spec = AttentionSpec(center=center, normalize=normalize, eps=eps, has_mask=key_mask is not None,
+                         causal=causal, param_layout=tuple(params), **fields)
     q, k = (as_work(xp, arrays[n], work) for n in ("q", "k"))
     v = arrays["v"]                  # widened inside the prefix sums, after the gather
     if v.dtype != out_dtype:
@@ -81,12 +82,12 @@ def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, 
 
 
 def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = None, center: bool = True,
-                   normalize: str | None = "abs", eps: float = 1e-6, engine: str | None = None,
-                   xp: Namespace | None = None) -> Array:
+                   normalize: str | None = "abs", eps: float = 1e-6, causal: bool = False,
+                   engine: str | None = None, xp: Namespace | None = None) -> Array:
     """Sliced ReLU attention (paper eq. 3), ``O(n log n)``.
 
     ``out_i = sum_j ReLU(q_i - k_j) (v_j - mean(v)) / max(sum_l |q_i - k_l|, eps)``, sums over the keys
-    that ``key_mask`` keeps.
+    that ``key_mask`` keeps (and, with ``causal=True``, that query ``i`` sees).
 
     Parameters
     ----------
@@ -105,10 +106,19 @@ def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = Non
         Denominator: ``sum_l |q_i - k_l|``, ``sum_l ReLU(q_i - k_l)``, the number of valid keys, or none.
     eps : float, default 1e-6
         Lower clamp of the denominator, positive (``"count"`` clamps at 1).
+    causal : bool, default False
+        Query ``i`` sees only the keys ``j <= i + Lk - Lq`` (bottom-right aligned, as FlashAttention
+        2.1+; the lower triangle when ``Lq == Lk``), intersected with ``key_mask``. The sums, the
+        normaliser, the count and the centring mean (a running mean) are all over the keys the query
+        sees; a query that sees none (the first ``Lq - Lk`` ones when ``Lq > Lk``) gets 0. A non-finite
+        key or value makes NaN only the queries that see it. ``O(n log^2 n)`` on the scan engine
+        (docs/mathematics.rst, "Causal attention"); the sweep engine has no causal mode.
     engine : {"scan", "sweep"}, optional
         The engine of the forward and the backward (docs/architecture.rst); default: the
         :func:`slicedkern.use_engine` setting, else the sweep for NumPy / CPU torch when numba is
         installed, else the scan. A requested engine that cannot serve the arrays is a ``ValueError``.
+        The sweep has no causal mode: with ``causal=True`` the default is the scan, and
+        ``engine="sweep"`` is a ``ValueError``.
     xp : array namespace, optional
 
     Returns
@@ -128,9 +138,11 @@ def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = Non
     >>> q, k, v = rng.normal(size=(2, 5)), rng.normal(size=(2, 7)), rng.normal(size=(2, 7, 3))
     >>> slicedkern.relu_attention(q, k, v).shape
     (2, 5, 3)
+    >>> slicedkern.relu_attention(q, k, v, causal=True).shape    # query i sees keys j <= i + 2
+    (2, 5, 3)
     """
     return _attention(q, k, v, None, kernel=ReLU(), key_mask=key_mask, center=center,
-                      normalize=normalize, eps=eps, engine=engine, xp=xp)
+                      normalize=normalize, eps=eps, causal=causal, engine=engine, xp=xp)
 
 
 def _param_list(xp, value, name, device, work, batch, *, positive, single):
@@ -191,8 +203,8 @@ def _hat_spec(bandwidths, weights, names):
 
 
 def hat_attention(q: Array, k: Array, v: Array, bandwidth: ArrayOrFloat = 1.0, *, key_mask: Array | None = None,
-                  normalize: str | None = "count", eps: float = 1e-6, engine: str | None = None,
-                  xp: Namespace | None = None) -> Array:
+                  normalize: str | None = "count", eps: float = 1e-6, causal: bool = False,
+                  engine: str | None = None, xp: Namespace | None = None) -> Array:
     """Hat ("ReLU-bump") attention (paper eq. 5).
 
     ``out_i = (1 / n_valid) sum_j max(0, 1 - |q_i - k_j| / b) v_j``.
@@ -209,6 +221,9 @@ def hat_attention(q: Array, k: Array, v: Array, bandwidth: ArrayOrFloat = 1.0, *
     normalize : {"count", "abs", "relu", None}, default "count"
     eps : float, default 1e-6
         Lower clamp of the "abs" / "relu" denominators, positive.
+    causal : bool, default False
+        Query ``i`` sees only the keys ``j <= i + Lk - Lq``; the count is then the number of keys it
+        sees. As in :func:`relu_attention`.
     engine : {"scan", "sweep"}, optional
         As in :func:`relu_attention`. The bandwidth gradient of the sweep comes from the scan's knot
         sums (the sweep's compiled kernels have no knot-gradient mode).
@@ -224,19 +239,23 @@ def hat_attention(q: Array, k: Array, v: Array, bandwidth: ArrayOrFloat = 1.0, *
     >>> q, k, v = np.zeros((1, 1)), np.array([[0.0, 0.5, 3.0]]), np.ones((1, 3, 1))
     >>> slicedkern.hat_attention(q, k, v, bandwidth=1.0)  # (1 + 0.5 + 0) / 3
     array([[[0.5]]])
+    >>> q3 = np.array([[0.0, 0.0, 0.0]])
+    >>> slicedkern.hat_attention(q3, k, v, causal=True)[..., 0]  # 1 / 1, (1 + 0.5) / 2, 1.5 / 3
+    array([[1.  , 0.75, 0.5 ]])
     """
     return _attention(q, k, v, _hat_spec(bandwidth, None, ("bandwidth", "weights")),
-                      key_mask=key_mask, center=False, normalize=normalize, eps=eps, engine=engine, xp=xp)
+                      key_mask=key_mask, center=False, normalize=normalize, eps=eps, causal=causal,
+                      engine=engine, xp=xp)
 
 
 def hat_mixture_attention(q: Array, k: Array, v: Array, bandwidths: ArrayOrFloat, weights: ArrayOrFloat, *,
                           key_mask: Array | None = None, normalize: str | None = "count", eps: float = 1e-6,
-                          engine: str | None = None, xp: Namespace | None = None) -> Array:
+                          causal: bool = False, engine: str | None = None, xp: Namespace | None = None) -> Array:
     """Attention with a mixture of hats ``sum_i weights[i] max(0, 1 - |r| / bandwidths[i])``.
 
     Parameters
     ----------
-    q, k, v, key_mask, normalize, eps, engine, xp
+    q, k, v, key_mask, normalize, eps, causal, engine, xp
         As in :func:`hat_attention`.
     bandwidths : sequence of float or array, shape (..., K)
         Positive bandwidths; an array's leading dims broadcast against the batch (per head).
@@ -255,22 +274,23 @@ def hat_mixture_attention(q: Array, k: Array, v: Array, bandwidths: ArrayOrFloat
     array([[[1.625]]])
     """
     return _attention(q, k, v, _hat_spec(bandwidths, weights, ("bandwidths", "weights")),
-                      key_mask=key_mask, center=False, normalize=normalize, eps=eps, engine=engine, xp=xp)
+                      key_mask=key_mask, center=False, normalize=normalize, eps=eps, causal=causal,
+                      engine=engine, xp=xp)
 
 
 def kernel_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, key_mask: Array | None = None,
                      center: bool = False, normalize: str | None = "count", eps: float = 1e-6,
-                     engine: str | None = None, xp: Namespace | None = None) -> Array:
+                     causal: bool = False, engine: str | None = None, xp: Namespace | None = None) -> Array:
     """Attention with any piecewise-linear profile: ``out_i = sum_j f(q_i - k_j) v_j / normaliser``.
 
     Parameters
     ----------
-    q, k, v, key_mask, eps, engine, xp
+    q, k, v, key_mask, eps, causal, engine, xp
         As in :func:`relu_attention`.
     kernel : slicedkern.kernels.PiecewiseLinear
         The profile ``f``.
     center : bool, default False
-        Centre the values over the valid keys.
+        Centre the values over the valid keys (with ``causal=True``: over the keys each query sees).
     normalize : {"count", "abs", "relu", None}, default "count"
 
     Returns
@@ -287,4 +307,4 @@ def kernel_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, k
     """
     check_kernel(kernel)
     return _attention(q, k, v, None, kernel=kernel, key_mask=key_mask, center=center,
-                      normalize=normalize, eps=eps, engine=engine, xp=xp)
+                      normalize=normalize, eps=eps, causal=causal, engine=engine, xp=xp)

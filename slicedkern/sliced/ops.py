@@ -15,7 +15,7 @@ from .._lib.typing import Array, Namespace
 from ..adapters.vjp import composite
 from ..kernels import PiecewiseLinear
 from ..ops import kernel_attention, kernel_sum
-from ..ops._validate import check_eps, check_kernel, check_normalize, need_ndim, setup
+from ..ops._validate import check_bool, check_eps, check_kernel, check_normalize, need_ndim, setup
 from .directions import Seed, resolve_directions, same_dim
 from .plan import SlicePlan, check_chunk, chunk_for, lift, project, unproject
 
@@ -180,7 +180,7 @@ def sliced_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, 
 # ------------------------------------------------------------------------------------------ attention
 def _plan_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, directions: int | Array,
                     key_mask: Array | None = None, center: bool = False, normalize: str | None = "count",
-                    eps: float = 1e-6, chunk_size: int | None = None, seed: Seed = None,
+                    eps: float = 1e-6, causal: bool = False, chunk_size: int | None = None, seed: Seed = None,
                     xp: Namespace | None = None) -> _AttentionPlan:
     """The plan of :func:`sliced_attention` (same arguments), after validating them."""
     xp, device, out_dtype, work = setup({"q": q, "k": k, "v": v, "key_mask": key_mask}, xp)
@@ -205,6 +205,7 @@ def _plan_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, di
     batch = broadcast_shapes(*shapes, names=tuple(names))
     check_normalize(normalize)
     eps = check_eps(eps)
+    causal = check_bool(causal, "causal")
     chunk_size = check_chunk(chunk_size)
     theta = resolve_directions(directions, dim, xp=xp, device=device, work=work, seed=seed)
 
@@ -214,7 +215,7 @@ def _plan_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, di
     lq, dv = q.shape[-2], v.shape[-1]
     per_slice = math.prod(batch) * (lq * (dv + 2) + lk * (2 * dv + 4))
     options: dict[str, Any] = {"kernel": kernel, "key_mask": mask, "center": center, "normalize": normalize,
-                               "eps": eps}
+                               "eps": eps, "causal": causal}
     return _AttentionPlan(xp, theta, chunk_for(chunk_size, theta.shape[0], per_slice), out_dtype,
                           q=lift(xp, as_work(xp, q, work), 2, rank), k=lift(xp, as_work(xp, k, work), 2, rank),
                           v=v, options=options)
@@ -223,7 +224,7 @@ def _plan_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, di
 @composite(_plan_attention)
 def sliced_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, directions: int | Array,
                      key_mask: Array | None = None, center: bool = False, normalize: str | None = "count",
-                     eps: float = 1e-6, chunk_size: int | None = None, seed: Seed = None,
+                     eps: float = 1e-6, causal: bool = False, chunk_size: int | None = None, seed: Seed = None,
                      xp: Namespace | None = None) -> Array:
     """Multi-slice kernel attention on d-dimensional queries and keys.
 
@@ -254,6 +255,9 @@ def sliced_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, d
         Per-slice denominator, as in :func:`slicedkern.kernel_attention`.
     eps : float, default 1e-6
         Lower clamp of the "abs" / "relu" denominators (positive and finite).
+    causal : bool, default False
+        Query ``i`` sees only the keys ``j <= i + Lk - Lq`` in every slice, as in
+        :func:`slicedkern.kernel_attention` (docs/mathematics.rst, "Causal attention").
     chunk_size : int, optional
         Slices per call (default: bounded memory, as in :func:`sliced_kernel_sum`).
     seed : None, int or numpy.random.Generator, optional
@@ -285,4 +289,5 @@ def sliced_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, d
     (2, 5, 3)
     """
     return _plan_attention(q, k, v, kernel, directions=directions, key_mask=key_mask, center=center,
-                           normalize=normalize, eps=eps, chunk_size=chunk_size, seed=seed, xp=xp).forward()
+                           normalize=normalize, eps=eps, causal=causal, chunk_size=chunk_size, seed=seed,
+                           xp=xp).forward()

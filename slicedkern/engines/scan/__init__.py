@@ -3,6 +3,8 @@
 It serves every backend (GPUs, JAX under ``jit``/``vmap``, any namespace): one stable sort of the
 keys, prefix sums in the work dtype (float64, or double-float where the backend has none), batched
 rank searches and one weighted gather per profile (docs/mathematics.rst, "The kernel sum by sort-scan").
+Its causal mode is a divide and conquer over positions, each level one batched call of the same
+machinery (:mod:`._causal`, docs/mathematics.rst, "Causal attention").
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from ..._spec import normalizer_profile
 from .._base import Engine
 from ._backward import indicator_sums, profiles_vjp
+from ._causal import causal_attention, causal_profiles_vjp
 from ._compose import attention, kernel_sum
 
 __all__ = ["ScanEngine"]
@@ -17,6 +20,7 @@ __all__ = ["ScanEngine"]
 
 class ScanEngine(Engine):
     name = "scan"
+    supports_causal = True
 
     def kernel_sum(self, x, y, w, profile, *, xp):
         return kernel_sum(x, y, w, profile, xp=xp)
@@ -26,6 +30,15 @@ class ScanEngine(Engine):
                              normalizer=normalizer_profile(normalize), eps=eps, xp=xp)
         residuals = (aux["take"], aux["relu_count"]) + ((aux["den"],) if "den" in aux else ())
         return out, residuals
+
+    def causal_attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp):
+        out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center,
+                                    normalizer=normalizer_profile(normalize), eps=eps, xp=xp)
+        residuals = (aux["take"], aux["relu_count"]) + ((aux["den"],) if "den" in aux else ())
+        return out, residuals
+
+    def causal_profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
+        return causal_profiles_vjp(x, y, w, profiles, cotangents, xp=xp, param_grads=param_grads)
 
     def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
         return profiles_vjp(x, y, w, profiles, cotangents, xp=xp, param_grads=param_grads)

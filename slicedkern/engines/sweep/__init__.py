@@ -69,6 +69,10 @@ class SweepEngine(Engine):
         return importlib.util.find_spec("numba") is not None
 
     def decline(self, spec, arrays, backend):
+        # no causal mode: the base class declines causal specs, so the automatic rule picks the scan
+        reason = super().decline(spec, arrays, backend)
+        if reason is not None:
+            return reason
         if not self.installed():
             return "the 'sweep' engine needs numba (pip install numba)"
         if not backend.host_readable(arrays[0]):

@@ -1,0 +1,291 @@
+"""Causal attention on the scan: a divide and conquer over positions, every level one batched call.
+
+docs/mathematics.rst, "Causal attention" has the derivation. Queries and keys sit on the positions
+``0 .. n - 1`` (:class:`~slicedkern.engines._causal_grid.CausalGrid`, ``n`` a power of two). The set of
+keys a query at position ``p`` sees, ``{j <= p}``, splits into dyadic blocks: at level ``l`` the
+positions pair into blocks ``(2c, 2c + 1)`` of ``2**l`` positions, and the queries of every right
+block see all the keys of its left block. So
+
+* at each level, the keys of all left blocks are sorted and scanned and the queries of the right
+  blocks search them: **one** call of the non-causal machinery (:mod:`._scan`) with the blocks as an
+  extra batch axis, ``O(n log n)`` work;
+* the pairs inside the blocks of the lowest levels (``leaf`` positions, the key at or before the
+  query) are summed densely (:mod:`._leaf`), cheaper there than sorting a few keys;
+* per query, the sums of every level add up (in the wide arithmetic of :mod:`._wide`) to the sums
+  over the keys it sees; the running totals of the values and of the valid-key indicator (for the
+  running mean and the count) are one cumulative sum.
+
+``O(n log^2 n)`` work in all, static shapes and ``log2 n`` Python steps (no loop over tokens), so it
+traces under ``jax.jit``. The backward is the same decomposition over the levels' VJPs.
+"""
+
+from __future__ import annotations
+
+import array_api_compat as compat
+
+from ..._lib.namespace import clamp_min
+from ...kernels import Profile, is_fixed
+from .._causal_grid import CausalGrid, running_sum, screen_causal
+from ._backward import profiles_vjp
+from ._compose import _power_of_two_scaled, _unscaled
+from ._compose import attention as noncausal_attention
+from ._leaf import leaf_sums, leaf_vjp
+from ._scan import profile_sums, queries, sort_keys
+from ._wide import Pair, Plain, arithmetic
+
+__all__ = ["causal_attention", "causal_profiles_vjp", "compose", "each"]
+
+#: Positions per dense leaf block in float64 work (a (16, 16) block product costs less than sorting
+#: four levels of blocks of 1 to 8 keys). Double-float work keeps every sum in wide arithmetic: its
+#: leaves are the single positions (a query and the key at its own position).
+LEAF = 16
+
+
+def each(ar, fn, value):
+    """``fn`` applied to a wide value: to both parts of a double-float pair."""
+    if isinstance(value, Pair):
+        return Pair(fn(value.hi), fn(value.lo))
+    return fn(value)
+
+
+def _leaf_size(ar, n: int) -> int:
+    return 1 if ar.wide else min(LEAF, n)
+
+
+def _levels(n: int, leaf: int):
+    """Block sizes ``2**l`` of the levels above the leaves, smallest first."""
+    size = leaf
+    while size < n:
+        yield size
+        size *= 2
+
+
+def _halves(xp, a, size: int, core: int):
+    """(..., n, *core) -> the left and right blocks of ``size`` positions: (..., n / 2size, size, *core)."""
+    lead = tuple(a.shape[:a.ndim - 1 - core])
+    n = a.shape[a.ndim - 1 - core]
+    tail = tuple(a.shape[a.ndim - core:])
+    paired = xp.reshape(a, lead + (n // (2 * size), 2, size) + tail)
+    index = (slice(None),) * (1 + core)
+    return paired[(..., 0) + index], paired[(..., 1) + index]
+
+
+def _blocks(xp, a, size: int, core: int):
+    """(..., n, *core) -> (..., n / size, size, *core): the positions in blocks."""
+    lead = tuple(a.shape[:a.ndim - 1 - core])
+    n = a.shape[a.ndim - 1 - core]
+    return xp.reshape(a, lead + (n // size, size) + tuple(a.shape[a.ndim - core:]))
+
+
+def _unblocked(xp, a, core: int):
+    """(..., blocks, size, *core) -> (..., blocks * size, *core)."""
+    lead = tuple(a.shape[:a.ndim - 2 - core])
+    rows = a.shape[a.ndim - 2 - core] * a.shape[a.ndim - 1 - core]
+    return xp.reshape(a, lead + (rows,) + tuple(a.shape[a.ndim - core:]))
+
+
+def _add_level(xp, ar, acc, part, core: int, right: bool):
+    """Add a level's sums to the running sums of its blocks, and join the blocks in pairs.
+
+    ``acc`` (..., 2P, s, *core) holds the sums of the blocks of ``s`` positions; ``part`` (..., P, s,
+    *core) the level's sums for the right (``right``) or the left block of every pair; both wide
+    values of ``ar`` (plain arrays for the backward). Returns (..., P, 2s, *core). Only the receiving
+    half is added to, and the pairs are joined by one concatenation: no zero-filled half is written.
+    """
+    shape = (acc.hi if isinstance(acc, Pair) else acc).shape
+    ndim = len(shape)
+    lead, tail = tuple(shape[:ndim - 2 - core]), tuple(shape[ndim - core:])
+    blocks, size = shape[ndim - 2 - core], shape[ndim - 1 - core]
+    axis = len(lead) + 1
+    rest = (slice(None),) * (1 + core)
+    paired = each(ar, lambda a: xp.reshape(a, lead + (blocks // 2, 2, size) + tail), acc)
+    first = each(ar, lambda a: a[(..., slice(0, 1)) + rest], paired)
+    second = each(ar, lambda a: a[(..., slice(1, 2)) + rest], paired)
+    part = each(ar, lambda a: xp.expand_dims(a, axis=axis), part)
+    if right:
+        second = ar.add(second, part)
+    else:
+        first = ar.add(first, part)
+
+    def join(a, b):
+        return xp.reshape(xp.concat([a, b], axis=axis), lead + (blocks // 2, 2 * size) + tail)
+
+    if isinstance(first, Pair) or isinstance(second, Pair):
+        first, second = (v if isinstance(v, Pair) else ar.lift(v) for v in (first, second))
+        return Pair(join(first.hi, second.hi), join(first.lo, second.lo))
+    return join(first, second)
+
+
+def _per_block(cache: dict):
+    """Profiles with their array parameters given a trailing axis (the blocks are a batch axis);
+    the same array gets the same expansion, so that knots shared by two profiles are searched once."""
+    def expand(value):
+        if is_fixed(value):
+            return value
+        if id(value) not in cache:
+            cache[id(value)] = (value, value[..., None])
+        return cache[id(value)][1]
+
+    def profile(p: Profile) -> Profile:
+        return Profile([expand(t) for t in p.knots], [expand(c) for c in p.coeffs], expand(p.slope),
+                       expand(p.intercept), p.columns, p.derivative, p.strict_knots)
+
+    return profile
+
+
+def causal_sums(xp, ar, x, y, w, take, profiles):
+    """Per position ``p``, ``sum_{j <= p, take_j} f(x_p - y_j) [w_j, 1]`` for each profile (its columns).
+
+    x, y (..., n) finite on the positions; w (..., n, c) zero where ``take`` (..., n) is False.
+    Returns one wide (..., n, c_p) value per profile, the column of ones being column ``c``.
+    """
+    n = x.shape[-1]
+    leaf = _leaf_size(ar, n)
+    work = x.dtype
+    ones = xp.astype(take, work)[..., None]
+    weights = xp.concat([xp.astype(w, work), ones], axis=-1)
+    sums = [ar.lift(_blocks(xp, s, leaf, 1)) for s in leaf_sums(xp, x, y, weights, profiles, leaf)]
+    expand = _per_block({})
+    blocked = [expand(p) for p in profiles]
+    for size in _levels(n, leaf):
+        keys, _ = _halves(xp, y, size, 0)
+        _, qs = _halves(xp, x, size, 0)
+        vals, _ = _halves(xp, w, size, 1)
+        kept, _ = _halves(xp, take, size, 0)
+        sk = sort_keys(keys, vals, xp=xp, ar=ar, take=kept, ones=True)
+        level = profile_sums(queries(qs, sk, ar=ar), sk, blocked, xp=xp, ar=ar, strict=True)
+        sums = [_add_level(xp, ar, acc, part, 1, right=True) for acc, part in zip(sums, level)]
+    return [each(ar, lambda a: _unblocked(xp, a, 1), acc) for acc in sums]
+
+
+def _running_totals(xp, ar, w, take):
+    """Inclusive running sums of ``[w * take, take]`` over the positions: a wide (..., n, c + 1)."""
+    work = w.dtype
+    rows = xp.concat([w, xp.astype(take, work)[..., None]], axis=-1)
+    if not ar.wide:
+        return running_sum(xp, rows, axis=-2)
+    # double-float: the scan's prefix table of a zero key gives the wide running sums of the weights
+    zero = xp.zeros(take.shape, dtype=work, device=compat.device(w))
+    perm = xp.broadcast_to(xp.arange(take.shape[-1], device=compat.device(w)), take.shape)
+    table = ar.table(ar.lift(zero), rows, perm)
+    return table[..., 1:, :rows.shape[-1]]
+
+
+def compose(xp, ar, num_r, den_sum, totals, good, *, center, normalizer, eps, dv):
+    """The attention of every query from its sums, as the non-causal op combines its totals.
+
+    ``num_r`` wide (..., n, dv + 1): ``[N, R]``, the value sums and the indicator's; ``den_sum`` wide
+    (..., n, 1), the normaliser profile over the indicator (or ``None``); ``totals`` wide (..., n,
+    dv + 1): the value sums and the count of the keys seen; ``good`` (..., n): False where the NaN rule
+    makes the row NaN. Returns ``(out plain (..., n, dv), relu_count (..., n, 1), den (..., n, 1) or
+    None)``: ``out = (N - mean R) / den`` with ``mean = totals / count`` when centring.
+    """
+    count = ar.value(totals[..., dv:dv + 1])[..., 0]                        # (..., n), exact integers
+    raw_den = None
+    if normalizer is None:
+        den = xp.ones_like(count)
+    elif isinstance(normalizer, Profile):
+        raw_den = ar.value(den_sum)
+        # no key seen: the numerator is an empty sum and the row 0; dividing by 1 keeps it finite
+        den = xp.where(count > 0, clamp_min(xp, raw_den[..., 0], eps), xp.ones_like(count))
+    else:
+        den = clamp_min(xp, count, 1.0)
+    num = num_r[..., :dv]
+    relu_count = num_r[..., dv:dv + 1]
+    if center:
+        # N - mean R in the wide arithmetic, with no centred copy of the values (docs/mathematics.rst,
+        # "Attention"); mean is the running mean over the keys the query sees
+        mean = ar.div(totals[..., :dv], clamp_min(xp, count, 1.0)[..., None])
+        num = ar.sub(num, ar.mul(mean, relu_count))
+    nan = xp.asarray(float("nan"), dtype=count.dtype, device=compat.device(count))
+    divisor = xp.where(good, den, nan)
+    return ar.value(ar.div(num, divisor[..., None])), ar.value(relu_count), raw_den
+
+
+def causal_attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, eps: float, xp):
+    """Causal normalised kernel attention: the scan engine's causal forward; ``(out, aux)`` as
+    :func:`slicedkern.engines.scan._compose.attention` returns them, per query over the keys it sees."""
+    lq, lk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
+    if lq == 0 or lk == 0:
+        return noncausal_attention(q, k, v, profile, key_mask=key_mask, center=center,
+                                   normalizer=normalizer, eps=eps, xp=xp)
+    ar = arithmetic(xp, q.dtype)
+    v, unscale = _power_of_two_scaled(xp, ar, v)
+    grid = CausalGrid(lq, lk)
+    sc = screen_causal(xp, grid, q, k, v, key_mask)
+    fill = sc.k[..., -1:]
+    x, y = grid.queries(xp, sc.q, fill), grid.keys(xp, sc.k, fill)
+    w = grid.keys(xp, xp.astype(sc.v, q.dtype), 0.0, axis=-2)
+    take = grid.keys(xp, sc.take, False)
+    profiles = [profile.with_(columns=slice(0, dv + 1))]
+    if isinstance(normalizer, Profile):
+        profiles.append(normalizer.with_(columns=slice(dv, dv + 1)))
+    sums = causal_sums(xp, ar, x, y, w, take, profiles)
+    totals = _running_totals(xp, ar, w, take)
+    on_queries = [each(ar, lambda a: grid.at_queries(xp, a, axis=-2), s) for s in sums + [totals]]
+    num_r, den_sum, totals = on_queries[0], on_queries[1] if len(sums) > 1 else None, on_queries[-1]
+    out, relu_count, raw_den = compose(xp, ar, num_r, den_sum, totals, sc.good, center=center,
+                                       normalizer=normalizer, eps=eps, dv=dv)
+    aux = {"take": sc.take, "relu_count": relu_count}
+    if raw_den is not None:
+        aux["den"] = raw_den
+    return _unscaled(out, unscale), aux
+
+
+def _add_params(total, part, reduce):
+    """Sum per-profile ``(dknots, dcoeffs)`` lists; ``reduce`` maps a part's entries first."""
+    def plus(a, b):
+        if b is None:
+            return a
+        b = reduce(b)
+        return b if a is None else a + b
+    if total is None:
+        return [(tuple(plus(None, d) for d in dk), tuple(plus(None, d) for d in dc)) for dk, dc in part]
+    return [(tuple(plus(a, b) for a, b in zip(tk, pk)), tuple(plus(a, b) for a, b in zip(tc, pc)))
+            for (tk, tc), (pk, pc) in zip(total, part)]
+
+
+def causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True):
+    """The pull-back of causal profile sums ``S_i = sum_{j <= p_i} f(x_i - y_j) w_j``.
+
+    Parameters
+    ----------
+    x : array, shape (..., lq); y : array, shape (..., lk); w : array, shape (..., lk, c)
+        Finite, in the work dtype, ``w`` zero on the keys that take no part; query ``i`` sits at
+        position ``i + lk - lq``.
+    profiles : sequence of Profile
+    cotangents : sequence of arrays, shapes (..., lq, c_p)
+
+    Returns
+    -------
+    ``(dx (..., lq), dy (..., lk), dw (..., lk, c), [(dknots, dcoeffs)] per profile)`` as
+    :func:`slicedkern.engines.scan._backward.profiles_vjp` returns them: the levels' pull-backs
+    (each one call with the blocks as a batch axis) and the leaves' dense one, added on the positions.
+    """
+    lq, lk = x.shape[-1], y.shape[-1]
+    grid = CausalGrid(lq, lk)
+    ar = arithmetic(xp, x.dtype)
+    n = grid.n
+    fill = y[..., -1:]
+    xq, yk = grid.queries(xp, x, fill), grid.keys(xp, y, fill)
+    wk = grid.keys(xp, xp.astype(w, x.dtype), 0.0, axis=-2)
+    gq = [grid.queries(xp, g, 0.0, axis=-2) for g in cotangents]
+    leaf = _leaf_size(ar, n)
+    dx, dy, dw, params = leaf_vjp(xp, xq, yk, wk, profiles, gq, leaf, param_grads=param_grads)
+    dx, dy, dw = _blocks(xp, dx, leaf, 0), _blocks(xp, dy, leaf, 0), _blocks(xp, dw, leaf, 1)
+    params = _add_params(None, params, lambda a: a)
+    expand = _per_block({})
+    blocked = [expand(p) for p in profiles]
+    plain = Plain(xp)          # the pull-backs come back as plain arrays, whatever the work arithmetic
+    for size in _levels(n, leaf):
+        keys, _ = _halves(xp, yk, size, 0)
+        _, qs = _halves(xp, xq, size, 0)
+        vals, _ = _halves(xp, wk, size, 1)
+        gs = [_halves(xp, g, size, 1)[1] for g in gq]
+        pdx, pdy, pdw, pparams = profiles_vjp(qs, keys, vals, blocked, gs, xp=xp, param_grads=param_grads)
+        dx = _add_level(xp, plain, dx, pdx, 0, right=True)
+        dy = _add_level(xp, plain, dy, pdy, 0, right=False)
+        dw = _add_level(xp, plain, dw, pdw, 1, right=False)
+        params = _add_params(params, pparams, lambda a: xp.sum(a, axis=-1))
+    dx, dy, dw = _unblocked(xp, dx, 0), _unblocked(xp, dy, 0), _unblocked(xp, dw, 1)
+    return (grid.at_queries(xp, dx), dy[..., :lk], dw[..., :lk, :], params)

@@ -1,0 +1,147 @@
+"""``DecodeCache``: causal attention one generated token (or chunk) at a time, polylog cost per token."""
+
+from __future__ import annotations
+
+import numbers
+
+import array_api_compat as compat
+
+from .._lib.namespace import shape_str
+from .._spec import normalizer_profile
+from ..engines.scan._decode import Runs
+from ..kernels import Hat, HatMixture, PiecewiseLinear, Profile, ReLU
+from ._validate import check_bool, check_eps, check_normalize, setup
+
+__all__ = ["DecodeCache"]
+
+#: op name -> (its keywords with their defaults, as in the attention ops)
+_OPTIONS = {
+    "relu": {"center": True, "normalize": "abs", "eps": 1e-6},
+    "hat": {"bandwidth": 1.0, "normalize": "count", "eps": 1e-6},
+    "hat_mixture": {"bandwidths": None, "weights": None, "normalize": "count", "eps": 1e-6},
+    "kernel": {"center": False, "normalize": "count", "eps": 1e-6},
+}
+
+
+def _positive_floats(value, name):
+    """Fixed bandwidths: a number or a sequence of numbers (TypeError), positive and finite (ValueError)."""
+    values = [value] if isinstance(value, numbers.Real) else list(value) if isinstance(value, (list, tuple)) else None
+    if not values or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) for b in values):
+        raise TypeError(f"argument {name!r} must be a number or a sequence of numbers (DecodeCache takes fixed "
+                        f"bandwidths), got {value!r}")
+    if not all(0 < b < float("inf") for b in values):
+        raise ValueError(f"argument {name!r} must be positive and finite, got {value!r}")
+    return [float(b) for b in values]
+
+
+def _kernel(op, options):
+    if isinstance(op, PiecewiseLinear):
+        return op
+    if op == "relu":
+        return ReLU()
+    if op == "hat":
+        if not isinstance(options["bandwidth"], numbers.Real):
+            raise TypeError(f"argument 'bandwidth' must be a number (DecodeCache takes a fixed bandwidth), "
+                            f"got {options['bandwidth']!r}")
+        return Hat(_positive_floats(options["bandwidth"], "bandwidth")[0])
+    bandwidths = _positive_floats(options["bandwidths"], "bandwidths")
+    weights = options["weights"]
+    if not isinstance(weights, (list, tuple)) or len(weights) != len(bandwidths) or not all(
+            isinstance(w, numbers.Real) and not isinstance(w, bool) for w in weights):
+        raise TypeError(f"argument 'weights' must be a sequence of {len(bandwidths)} numbers, got {weights!r}")
+    return HatMixture(bandwidths, [float(w) for w in weights])
+
+
+class DecodeCache:
+    """Incremental causal attention for autoregressive generation (docs/mathematics.rst, "Decoding").
+
+    Holds the keys and values appended so far for a batch of rows and answers queries that see all
+    of them, exactly as the causal op does for those positions: after ``append(k[..., :t + 1], ...)``
+    (in one or several calls), ``attend(q[..., t:t + 1])`` is row ``t`` of the op with ``causal=True``.
+    The keys are kept as sorted runs of decreasing sizes merged like the carries of a binary counter:
+    ``O(log n)`` runs, each key re-sorted ``O(log n)`` times, so an append costs amortised
+    ``O(D log^2 n)`` and an attend of ``M`` queries ``O(M (log^2 n + D log n))``, with no ``O(n)``
+    work per token; memory ``O(n D)`` like a softmax KV cache. Inference only (no gradients), fixed
+    (float) bandwidths and weights, no key mask; any array-API backend.
+
+    Parameters
+    ----------
+    op : {"relu", "hat", "hat_mixture"} or slicedkern.kernels.PiecewiseLinear
+        The attention op: :func:`~slicedkern.relu_attention`, :func:`~slicedkern.hat_attention`,
+        :func:`~slicedkern.hat_mixture_attention`, or :func:`~slicedkern.kernel_attention` with this
+        kernel.
+    **options
+        The op's own keywords, with its defaults: ``center`` (relu, kernel), ``normalize``, ``eps``,
+        ``bandwidth`` (hat), ``bandwidths`` and ``weights`` (hat_mixture).
+
+    Examples
+    --------
+    >>> import numpy as np, slicedkern
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.normal(size=(2, 5)), rng.normal(size=(2, 5)), rng.normal(size=(2, 5, 3))
+    >>> cache = slicedkern.DecodeCache("relu")
+    >>> rows = []
+    >>> for t in range(5):
+    ...     cache.append(k[:, t:t + 1], v[:, t:t + 1])
+    ...     rows.append(cache.attend(q[:, t:t + 1]))
+    >>> np.allclose(np.concatenate(rows, axis=1), slicedkern.relu_attention(q, k, v, causal=True))
+    True
+    """
+
+    def __init__(self, op, **options):
+        name = "kernel" if isinstance(op, PiecewiseLinear) else op
+        if name not in _OPTIONS:
+            raise ValueError(f"argument 'op' must be 'relu', 'hat', 'hat_mixture' or a "
+                             f"slicedkern.kernels.PiecewiseLinear, got {op!r}")
+        unknown = sorted(set(options) - set(_OPTIONS[name]))
+        if unknown:
+            raise TypeError(f"argument(s) {unknown} are not options of the {name!r} op; "
+                            f"it takes {sorted(_OPTIONS[name])}")
+        opts = {**_OPTIONS[name], **options}
+        self._profile = Profile.of(_kernel(op, opts))
+        check_normalize(opts["normalize"])
+        self._normalizer = normalizer_profile(opts["normalize"])
+        self._eps = check_eps(opts["eps"])
+        self._center = check_bool(opts.get("center", False), "center")
+        self._runs = None
+        self._shape = None          # (batch shape, dv, namespace, work dtype, output dtype)
+
+    def __len__(self) -> int:
+        """The number of keys appended so far."""
+        return 0 if self._runs is None else self._runs.length
+
+    def append(self, k, v) -> None:
+        """Append keys ``k`` (..., t) and values ``v`` (..., t, Dv), in position order, to every row."""
+        xp, _, out_dtype, work = setup({"k": k, "v": v}, None, required=("k", "v"))
+        if k.ndim < 1 or v.ndim != k.ndim + 1 or tuple(v.shape[:-1]) != tuple(k.shape):
+            raise ValueError(f"arguments 'k' and 'v' must have shapes (..., t) and (..., t, Dv), got "
+                             f"{shape_str(k)} and {shape_str(v)}")
+        if self._shape is None:
+            self._shape = (tuple(k.shape[:-1]), v.shape[-1], xp, work, out_dtype)
+            self._runs = Runs(xp, work)
+        batch, dv, xp0, work0, _ = self._shape
+        if xp is not xp0 or tuple(k.shape[:-1]) != batch or v.shape[-1] != dv:
+            raise ValueError(f"arguments 'k' and 'v' must continue the cache's rows: batch shape {batch}, "
+                             f"Dv = {dv}, the same library; got {shape_str(k)} and {shape_str(v)}")
+        if k.shape[-1] == 0:
+            return
+        self._runs.append(xp.astype(k, work0), v)
+
+    def attend(self, q):
+        """Attention of queries ``q`` (..., M) over every key appended so far: (..., M, Dv).
+
+        Zero where no key has been appended; NaN for a non-finite query, and for every query once a
+        non-finite key or value has been appended (it sees that key).
+        """
+        if self._shape is None:
+            raise ValueError("argument 'q': append keys and values before attending (the cache is empty)")
+        batch, dv, xp, work, out_dtype = self._shape
+        xp_q, _, q_dtype, _ = setup({"q": q}, None, required=("q",))
+        if xp_q is not xp or tuple(q.shape[:-1]) != batch:
+            raise ValueError(f"argument 'q' must have shape {batch} + (M,) from the cache's library, "
+                             f"got {shape_str(q)}")
+        if self._runs.length == 0 or q.shape[-1] == 0:
+            return xp.zeros(q.shape + (dv,), dtype=xp.result_type(out_dtype, q_dtype), device=compat.device(q))
+        out = self._runs.attend(xp.astype(q, work), self._profile, center=self._center,
+                                normalizer=self._normalizer, eps=self._eps)
+        return xp.astype(out, xp.result_type(out_dtype, q_dtype))

@@ -1,0 +1,120 @@
+"""``slicedkern.DecodeCache`` against the dense causal reference, on every backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _helpers import assert_close, assert_meta, to_numpy
+
+import slicedkern
+from slicedkern import reference
+from slicedkern.kernels import PiecewiseLinear
+
+GENERAL = PiecewiseLinear((-0.75, 0.0, 0.5), (1.5, -2.0, 0.75), slope=-0.5, intercept=0.25)
+
+#: (op, options, dense reference (q, k, v, causal) -> out)
+CASES = {
+    "relu": ("relu", {}, lambda q, k, v, c: reference.relu_attention(q, k, v, causal=c)),
+    "relu-relu-uncentred": ("relu", {"normalize": "relu", "center": False},
+                            lambda q, k, v, c: reference.relu_attention(q, k, v, normalize="relu", center=False,
+                                                                        causal=c)),
+    "hat": ("hat", {"bandwidth": 0.7}, lambda q, k, v, c: reference.hat_attention(q, k, v, 0.7, causal=c)),
+    "mixture-abs": ("hat_mixture", {"bandwidths": [0.5, 1.5], "weights": [1.0, -0.3], "normalize": "abs"},
+                    lambda q, k, v, c: reference.hat_mixture_attention(q, k, v, [0.5, 1.5], [1.0, -0.3],
+                                                                       normalize="abs", causal=c)),
+    "kernel-centred-none": (GENERAL, {"center": True, "normalize": None},
+                            lambda q, k, v, c: reference.kernel_attention(q, k, v, GENERAL, center=True,
+                                                                          normalize=None, causal=c)),
+}
+
+
+def _data(rng, n, ties=False):
+    q, k = rng.normal(size=(2, 3, n)), rng.normal(size=(2, 3, n))
+    if ties:
+        q, k = np.round(q * 2) / 2, np.round(k * 2) / 2
+    return q, k, rng.normal(size=(2, 3, n, 4)) + 0.5
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["plain", "ties"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_token_by_token_matches_the_causal_op(xp, rng, case, ties):
+    op, options, dense = CASES[case]
+    n = 37
+    q, k, v = _data(rng, n, ties)
+    cache = slicedkern.DecodeCache(op, **options)
+    rows = []
+    for t in range(n):
+        cache.append(xp.asarray(k[..., t:t + 1]), xp.asarray(v[..., t:t + 1, :]))
+        query = xp.asarray(q[..., t:t + 1])
+        out = cache.attend(query)
+        assert_meta(out, like=query, shape=(2, 3, 1, 4))
+        rows.append(to_numpy(out))
+    assert len(cache) == n
+    expected = to_numpy(dense(q, k, v, True))
+    assert_close(np.concatenate(rows, axis=-2), expected, rtol=1e-10, atol=1e-10 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("case", ["relu", "mixture-abs"])
+def test_chunks_and_blocks_of_queries(xp, rng, case):
+    """Appends of several keys; a block of queries sees every key appended so far."""
+    op, options, dense = CASES[case]
+    q, k, v = _data(rng, 40)
+    cache = slicedkern.DecodeCache(op, **options)
+    start = 0
+    for step in [1, 3, 0, 1, 8, 2, 13, 1, 11]:
+        cache.append(xp.asarray(k[..., start:start + step]), xp.asarray(v[..., start:start + step, :]))
+        start += step
+        block = q[..., :5]
+        got = to_numpy(cache.attend(xp.asarray(block)))
+        expected = to_numpy(dense(block, k[..., :start], v[..., :start, :], False))
+        assert_close(got, expected, rtol=1e-10, atol=1e-10 * max(np.abs(expected).max(), 1.0))
+
+
+def test_empty_cache_and_no_key_yet(rng):
+    cache = slicedkern.DecodeCache("hat", bandwidth=1.0)
+    with pytest.raises(ValueError, match="'q'"):
+        cache.attend(np.zeros((2, 1)))
+    cache.append(np.zeros((2, 0)), np.zeros((2, 0, 3)))
+    np.testing.assert_array_equal(cache.attend(np.zeros((2, 4))), np.zeros((2, 4, 3)))
+
+
+def test_non_finite_key_poisons_later_queries_only(rng):
+    q, k, v = _data(rng, 9)
+    k[0, 1, 4] = np.nan
+    cache = slicedkern.DecodeCache("relu")
+    rows = []
+    for t in range(9):
+        cache.append(k[..., t:t + 1], v[..., t:t + 1, :])
+        rows.append(cache.attend(q[..., t:t + 1]))
+    out = np.concatenate(rows, axis=-2)
+    expected = slicedkern.relu_attention(q, k, v, causal=True)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
+    assert np.isnan(out[0, 1, 4:]).all() and np.isfinite(out[0, 1, :4]).all()
+    np.testing.assert_allclose(out[~np.isnan(out)], expected[~np.isnan(expected)], rtol=1e-10, atol=1e-12)
+
+
+def test_bad_arguments_name_themselves():
+    with pytest.raises(ValueError, match="'op'"):
+        slicedkern.DecodeCache("softmax")
+    with pytest.raises(TypeError, match="bandwidth"):
+        slicedkern.DecodeCache("relu", bandwidth=1.0)
+    with pytest.raises(ValueError, match="'bandwidth'"):
+        slicedkern.DecodeCache("hat", bandwidth=-1.0)
+    with pytest.raises(ValueError, match="'bandwidths'"):
+        slicedkern.DecodeCache("hat_mixture", bandwidths=[1.0, float("inf")], weights=[1.0, 1.0])
+    with pytest.raises(TypeError, match="'bandwidth'"):
+        slicedkern.DecodeCache("hat", bandwidth=[1.0, 2.0])
+    with pytest.raises(TypeError, match="'weights'"):
+        slicedkern.DecodeCache("hat_mixture", bandwidths=[1.0, 2.0], weights=[1.0])
+    with pytest.raises(ValueError, match="'normalize'"):
+        slicedkern.DecodeCache("relu", normalize="max")
+    with pytest.raises(TypeError, match="'center'"):
+        slicedkern.DecodeCache("relu", center="yes")
+    cache = slicedkern.DecodeCache("relu")
+    cache.append(np.zeros((2, 1)), np.zeros((2, 1, 3)))
+    with pytest.raises(ValueError, match="'k' and 'v'"):
+        cache.append(np.zeros((3, 1)), np.zeros((3, 1, 3)))
+    with pytest.raises(ValueError, match="'k' and 'v'"):
+        cache.append(np.zeros((2, 2)), np.zeros((2, 1, 3)))
+    with pytest.raises(ValueError, match="'q'"):
+        cache.attend(np.zeros((3, 1)))

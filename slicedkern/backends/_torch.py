@@ -221,3 +221,6 @@ class TorchBackend(ArrayBackend):
         if out is None:
             return super().combine_rows(xp, table, indices, parts, weights, columns, cache=cache)
         return out
+
+    def accurate_sum(self, xp, v):
+        return torch.sum(v, dim=-1)                         # cascade summation

@@ -14,11 +14,11 @@ from .._lib.namespace import as_work, broadcast_shapes, shape_str
 from .._lib.typing import Array, Namespace
 from ..adapters.vjp import composite
 from ..backends import holds_everywhere
-from ..kernels import Abs, PiecewiseLinear
-from ..ops import kernel_sum
+from ..kernels import PiecewiseLinear
 from ..ops._validate import check_kernel, setup
+from ._stat_plans import EnergyPlan, MMDPlan
 from .directions import Seed, resolve_directions, same_dim
-from .plan import SlicePlan, broadcast, check_chunk, chunk_for, lift, project, unproject
+from .plan import check_chunk
 
 __all__ = ["energy_distance", "mmd"]
 
@@ -52,18 +52,17 @@ def _sizes(x: Array, y: Array) -> tuple[int, int]:
     return (x.shape[-1], y.shape[-1]) if x.ndim == 1 else (x.shape[-2], y.shape[-2])
 
 
-def _pooled(xp: Namespace, x: Array, y: Array, exact: bool, work, *shapes: tuple,
-            names: tuple[str, ...] = ("x", "y")) -> tuple[Array, tuple[int, ...]]:
-    """The pooled sample ``z = [x, y]`` in the work dtype, (..., N) scalars when ``exact`` and
-    (..., N, d) points otherwise, and the batch shape (with the extra batch ``shapes``)."""
+def _samples(xp: Namespace, x: Array, y: Array, exact: bool, work, *shapes: tuple,
+             names: tuple[str, ...] = ("x", "y")) -> tuple[Array, Array, tuple[int, ...]]:
+    """The samples in the work dtype, (..., n) scalars when ``exact`` and (..., n, d) points
+    otherwise (not broadcast), and the batch shape (with the extra batch ``shapes``)."""
     core = 1 if exact else 2
     xs, ys = as_work(xp, x, work), as_work(xp, y, work)
     if exact and x.ndim >= 2:                               # (..., n, 1) scalars
         xs, ys = xs[..., 0], ys[..., 0]
     batch = broadcast_shapes(tuple(xs.shape[:xs.ndim - core]), tuple(ys.shape[:ys.ndim - core]), *shapes,
                              names=names)
-    z = xp.concat([broadcast(xp, xs, batch, core), broadcast(xp, ys, batch, core)], axis=-core)
-    return z, batch
+    return xs, ys, batch
 
 
 def _probability_weights(xp: Namespace, weights: Array | None, n: int, name: str, *, device, work) -> Array:
@@ -93,127 +92,11 @@ def _symmetric(kernel: PiecewiseLinear) -> PiecewiseLinear:
     return kernel if kernel.is_even else 0.5 * (kernel + kernel.reflect())
 
 
-# ------------------------------------------------------------------------------------------ plans
-class _PooledPlan(SlicePlan):
-    """A statistic of the pooled sample ``z``: ``z`` itself when exact, else its projections.
-
-    ``theta`` None means exact (one "slice" of the samples themselves, scale 1); otherwise the sum
-    over slices is scaled by ``weight / P``. ``per_point`` bounds the elements a slice works on, per
-    pooled point and batch element, for the default chunk.
-    """
-
-    def __init__(self, xp, z, theta, *, n, squeeze, batch, per_point, weight, chunk_size, out_dtype,
-                 device, work):
-        self.exact = theta is None
-        if self.exact:
-            theta, chunk, scale = xp.ones((1, 1), dtype=work, device=device), 1, 1.0
-        else:
-            chunk = chunk_for(chunk_size, theta.shape[0], math.prod(batch) * z.shape[-2] * per_point)
-            scale = weight / theta.shape[0]
-        super().__init__(xp, theta, chunk, scale, out_dtype)
-        self.z, self.n, self.squeeze = z, n, squeeze
-
-    def points(self, theta):
-        """The pooled sample as the chunk's 1-D points: (..., [P_chunk,] N)."""
-        return self.z if self.exact else project(self.xp, self.z, theta)
-
-    def back(self, theta, grads):
-        dzp = grads[0] + grads[1]                            # z is both the queries and the keys
-        return {"z": dzp if self.exact else unproject(self.xp, dzp, theta)}
-
-    def over_slices(self, total):
-        """Sum a (..., [P_chunk]) contribution over the chunk's slices."""
-        return total if self.exact else self.xp.sum(total, axis=-1)
-
-    def arguments(self, grads):
-        dz, n = grads["z"], self.n
-        out = {"x": dz[..., :n] if self.exact else dz[..., :n, :],
-               "y": dz[..., n:] if self.exact else dz[..., n:, :]}
-        return {k: v[..., None] for k, v in out.items()} if self.squeeze else out
-
-
-class _EnergyPlan(_PooledPlan):
-    """``-sum_ij u_i u_j |z_i - z_j|`` with the signed weights ``u = [a, -b]`` (shared by the slices)."""
-
-    def __init__(self, xp, z, theta, u, *, x_weights, y_weights, **kw):
-        super().__init__(xp, z, theta, **kw)
-        self.u = u if self.exact else u[..., None, :]       # (..., [1,] N)
-        self.raw = {"x_weights": x_weights, "y_weights": y_weights}
-
-    def inner(self, theta):
-        zp = self.points(theta)
-        return kernel_sum, (zp, zp, self.u), {"kernel": Abs()}
-
-    def back(self, theta, grads):
-        du = grads[2] if self.exact else self.xp.sum(grads[2], axis=-2)
-        return {**super().back(theta, grads), "u": du}
-
-    def reduce(self, theta, s):
-        return self.over_slices(-self.xp.sum(self.u * s, axis=-1))
-
-    def reduce_vjp(self, theta, s, g):
-        gg = g[..., None] if self.exact else g[..., None, None]
-        direct = -s * gg
-        du = direct if self.exact else self.xp.sum(direct, axis=-2)
-        return self.xp.broadcast_to(-self.u * gg, s.shape), {"u": du}
-
-    def arguments(self, grads):
-        xp, n, work = self.xp, self.n, self.work_dtype
-        out = super().arguments(grads)
-        du = grads["u"]
-        for name, part in (("x_weights", du[..., :n]), ("y_weights", -du[..., n:])):
-            raw = self.raw[name]
-            if raw is not None:      # through the normalisation p = raw / sum(raw)
-                raw = as_work(xp, raw, work)
-                total = xp.sum(raw, axis=-1, keepdims=True)
-                out[name] = (part - xp.sum(part * (raw / total), axis=-1, keepdims=True)) / total
-        return out
-
-
-class _MMDPlan(_PooledPlan):
-    """``coef . [sum_xx, sum_xy, sum_yy] + shift`` from the pooled sums with membership columns."""
-
-    def __init__(self, xp, z, theta, *, kernel, m, coef, shift, batch, device, work, **kw):
-        super().__init__(xp, z, theta, batch=batch, device=device, work=work, **kw)
-        n = self.n
-        ones = xp.ones((n,), dtype=work, device=device), xp.ones((m,), dtype=work, device=device)
-        zeros = xp.zeros((n,), dtype=work, device=device), xp.zeros((m,), dtype=work, device=device)
-        member = xp.stack([xp.concat([ones[0], zeros[1]]), xp.concat([zeros[0], ones[1]])], axis=-1)
-        member = lift(xp, member, 2, len(batch))            # (1.., N, 2): [in x, in y]
-        self.member = member if self.exact else member[..., None, :, :]
-        self.kernel, self.m, self.coef, self.shift = kernel, m, coef, shift
-        self.device = device
-
-    def inner(self, theta):
-        zp = self.points(theta)
-        return kernel_sum, (zp, zp, self.member), {"kernel": self.kernel}
-
-    def reduce(self, theta, s):
-        xp, n, coef = self.xp, self.n, self.coef
-        total = (coef[0] * xp.sum(s[..., :n, 0], axis=-1) + coef[1] * xp.sum(s[..., :n, 1], axis=-1)
-                 + coef[2] * xp.sum(s[..., n:, 1], axis=-1))
-        return self.over_slices(total)
-
-    def reduce_vjp(self, theta, s, g):
-        xp, n, m, coef = self.xp, self.n, self.m, self.coef
-        work, device = self.work_dtype, self.device
-        gg = g[..., None, None] if self.exact else g[..., None, None, None]
-        weights = xp.concat([xp.stack([xp.full((n,), coef[0], dtype=work, device=device),
-                                       xp.full((n,), coef[1], dtype=work, device=device)], axis=-1),
-                             xp.stack([xp.zeros((m,), dtype=work, device=device),
-                                       xp.full((m,), coef[2], dtype=work, device=device)], axis=-1)],
-                            axis=0)
-        return xp.broadcast_to(weights * gg, s.shape), {}
-
-    def finish(self, total):
-        return total + self.shift
-
-
 # ------------------------------------------------------------------------------- energy distance
 def _plan_energy_distance(x: Array, y: Array, *, directions: int | Array | None = None,
                           x_weights: Array | None = None, y_weights: Array | None = None,
                           chunk_size: int | None = None, seed: Seed = None, xp: Namespace | None = None
-                          ) -> _EnergyPlan:
+                          ) -> EnergyPlan:
     """The plan of :func:`energy_distance` (same arguments), after validating them."""
     named = {"x": x, "y": y, "x_weights": x_weights, "y_weights": y_weights}
     xp, device, out_dtype, work = setup(named, xp)
@@ -226,13 +109,12 @@ def _plan_energy_distance(x: Array, y: Array, *, directions: int | Array | None 
     a = _probability_weights(xp, x_weights, n, "x_weights", device=device, work=work)
     b = _probability_weights(xp, y_weights, m, "y_weights", device=device, work=work)
     theta = None if exact else resolve_directions(directions, dim, xp=xp, device=device, work=work, seed=seed)
-    z, batch = _pooled(xp, x, y, exact, work, tuple(a.shape[:-1]), tuple(b.shape[:-1]),
-                       names=("x", "y", "x_weights", "y_weights"))
-    u = xp.concat([broadcast(xp, a, batch, 1), -broadcast(xp, b, batch, 1)], axis=-1)
+    xs, ys, batch = _samples(xp, x, y, exact, work, tuple(a.shape[:-1]), tuple(b.shape[:-1]),
+                             names=("x", "y", "x_weights", "y_weights"))
     # E_theta |<theta, z>| = kappa_d |z|: dividing by kappa_d makes the sliced estimate unbiased
-    return _EnergyPlan(xp, z, theta, u, x_weights=x_weights, y_weights=y_weights, n=n,
-                       squeeze=exact and x.ndim >= 2, batch=batch, per_point=4, weight=1.0 / _kappa(dim),
-                       chunk_size=chunk_size, out_dtype=out_dtype, device=device, work=work)
+    return EnergyPlan(xp, xs, ys, theta, a, b, x_weights=x_weights, y_weights=y_weights,
+                      squeeze=exact and x.ndim >= 2, batch=batch, per_point=4, weight=1.0 / _kappa(dim),
+                      chunk_size=chunk_size, out_dtype=out_dtype, device=device, work=work)
 
 
 @composite(_plan_energy_distance)
@@ -305,7 +187,7 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
 # ------------------------------------------------------------------------------------------- MMD
 def _plan_mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | Array | None = None,
               estimator: str = "v", chunk_size: int | None = None, seed: Seed = None,
-              xp: Namespace | None = None) -> _MMDPlan:
+              xp: Namespace | None = None) -> MMDPlan:
     """The plan of :func:`mmd` (same arguments), after validating them."""
     xp, device, out_dtype, work = setup({"x": x, "y": y}, xp)
     check_kernel(kernel)
@@ -320,15 +202,15 @@ def _plan_mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | 
     chunk_size = check_chunk(chunk_size)
     kernel = _symmetric(kernel)
     theta = None if exact else resolve_directions(directions, dim, xp=xp, device=device, work=work, seed=seed)
-    z, batch = _pooled(xp, x, y, exact, work)
+    xs, ys, batch = _samples(xp, x, y, exact, work)
     if estimator == "v":
         coef, shift = (1.0 / (n * n), -2.0 / (n * m), 1.0 / (m * m)), 0.0
     else:
         coef = (1.0 / (n * (n - 1)), -2.0 / (n * m), 1.0 / (m * (m - 1)))
         shift = -kernel(0.0) * (1.0 / (n - 1) + 1.0 / (m - 1))      # the i = j terms, f(0) each
-    return _MMDPlan(xp, z, theta, kernel=kernel, m=m, coef=coef, shift=shift, n=n,
-                    squeeze=exact and x.ndim >= 2, batch=batch, per_point=8, weight=1.0,
-                    chunk_size=chunk_size, out_dtype=out_dtype, device=device, work=work)
+    return MMDPlan(xp, xs, ys, theta, kernel=kernel, estimator=estimator, coef=coef, shift=shift,
+                   squeeze=exact and x.ndim >= 2, batch=batch, per_point=8, weight=1.0,
+                   chunk_size=chunk_size, out_dtype=out_dtype, device=device, work=work)
 
 
 @composite(_plan_mmd)

@@ -74,9 +74,10 @@ def _probability_weights(xp: Namespace, weights: Array | None, n: int, name: str
                          f"{shape_str(weights)}")
     weights = as_work(xp, weights, work)
     total = xp.sum(weights, axis=-1, keepdims=True)
-    if holds_everywhere(xp, weights, lambda ns, a: a >= 0) is False:
+    # a NaN weight is no error: its row's statistic is NaN, like that of a NaN point
+    if holds_everywhere(xp, weights, lambda ns, a: ~(a < 0)) is False:
         raise ValueError(f"argument {name!r} must be non-negative")
-    if holds_everywhere(xp, total, lambda ns, a: a > 0) is False:
+    if holds_everywhere(xp, total, lambda ns, a: ~(a <= 0)) is False:
         raise ValueError(f"argument {name!r} must have a positive sum")
     return weights / total
 

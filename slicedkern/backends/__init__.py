@@ -19,7 +19,7 @@ from ._generic import ArrayBackend
 __all__ = ["ArrayBackend", "ops_for", "backend_of", "same_library", "holds_everywhere", "is_traced",
            "is_numpy_namespace", "to_host", "searchsorted_right", "take_rows", "finite_rows",
            "sorted_weights", "prefix_table", "combine_rows", "materialize", "quiet_nonfinite",
-           "quiet", "accurate_sum", "energy_distance_rows"]
+           "quiet", "accurate_sum", "energy_distance_rows", "has_autograd"]
 
 def _numpy_row():
     from ._numpy import NumpyBackend
@@ -141,3 +141,8 @@ def accurate_sum(xp, v):
 
 def energy_distance_rows(xp, x, y, a, b, batch):
     return ops_for(xp).energy_distance_rows(xp, x, y, a, b, batch)
+
+
+def has_autograd(xp) -> bool:
+    """Whether ``xp``'s library differentiates array code itself (torch autograd, ``jax.grad``)."""
+    return ops_for(xp).autograd

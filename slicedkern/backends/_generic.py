@@ -27,6 +27,8 @@ class ArrayBackend:
     #: whether NaN and infinities flow through arithmetic unnoticed (no warnings, no traps): then a
     #: non-finite weight may be detected from its row's totals instead of screened beforehand
     quiet_nonfinite = False
+    #: whether the library differentiates array code itself (torch autograd, jax.grad)
+    autograd = False
 
     # -- which arrays are ours ------------------------------------------------------------------
     def owns_namespace(self, xp) -> bool:

@@ -176,6 +176,7 @@ def _combine_columns(table, lead, n, indices, parts, weights, columns, cache):
 
 class TorchBackend(ArrayBackend):
     library = "torch"
+    autograd = True
     quiet_nonfinite = True          # no warnings, no traps: a weight's check may wait for its row's totals
 
     def owns_namespace(self, xp) -> bool:

@@ -100,9 +100,9 @@ _METHODS = ("auto", "sliced", "exact")
 
 #: Work of the sliced estimate per slice and pooled point and per unit of ``log2 N + d``, in units of
 #: one coordinate difference of the dense sums (:func:`~slicedkern.sliced._dense.dense_cost`). Measured
-#: with NumPy on CPU, side by side (n = m = 500 to 4000, d = 3 and 10): 1.2 to 1.6 for d = 3, 0.7
-#: for d = 10; 1 is kept (``python -m slicedkern bench`` section "two-sample statistics").
-SLICE_COST = 1.0
+#: with NumPy on CPU, side by side (n = m = 500 to 4000, d = 3 and 10): 1.2 to 2.3 for d = 3, 0.7
+#: for d = 10; 1.5 is kept (``python -m slicedkern bench --stats`` shows the choice next to both).
+SLICE_COST = 1.5
 
 
 def _method(method: str, directions, n: int, m: int, dim: int, *, values_only: bool, traced: bool) -> str:
@@ -194,8 +194,9 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
         ``O(N^2 d)`` time and bounded memory (``directions`` may then be omitted); ``"auto"`` takes
         ``"exact"`` when ``directions`` is an integer ``P`` (random directions: the exact statistic
         is what they estimate) and ``(n^2 + n m + m^2) (d + 3) <= SLICE_COST P N (log2 N + d)``
-        (``SLICE_COST = 1``, measured on NumPy), else ``"sliced"``; with a directions array it is
-        ``"sliced"``. For example ``d = 3``, ``P = 256``: exact up to ``n = m`` of about 420.
+        (``SLICE_COST = 1.5``, measured on NumPy), else ``"sliced"``; with a directions array it
+        is ``"sliced"``. For example ``d = 3``: exact up to ``n = m`` of about 550 at ``P = 256``,
+        110 at ``P = 64``.
         Ignored for 1-D samples (always exact).
     xp : array namespace, optional
 

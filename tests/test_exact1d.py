@@ -546,3 +546,23 @@ def test_mmd_torch_gradcheck(rng):
     for estimator in ("v", "u"):
         assert torch.autograd.gradcheck(lambda a, b: mmd_1d(a, b, Hat(0.7), estimator=estimator), (tx, ty),
                                         eps=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------ slices of R^d
+def test_each_slice_of_the_sliced_statistics_is_exact(rng):
+    """A slice along a coordinate axis is the 1-D statistic of that coordinate: the sliced energy
+    distance and MMD in R^3 with directions e_1 (and e_1, e_2) meet the exact 1-D oracles."""
+    from math import gamma, pi, sqrt
+    kappa = gamma(3 / 2) / (sqrt(pi) * gamma(2))
+    x = rng.normal(size=(3000, 3))
+    y = x[::-1] * (1 + 1e-15 * rng.normal(size=(3000, 3)))         # nearly equal: the hard case
+    a, b = rng.random(3000), rng.random(3000)
+    theta = np.eye(3)[:2]
+    out = energy_distance(x, y, directions=theta, x_weights=a, y_weights=b, method="sliced")
+    expected = sum(oracle_energy_distance(x[:, k], y[:, k], a, b) for k in range(2)) / 2 / np.longdouble(kappa)
+    assert rel_error(out, expected) <= TARGET
+    xs, ys = np.round(x[:40], 1), np.round(y[:30] + 0.1, 1)
+    kernel = Hat(0.8)
+    for estimator in ("v", "u"):
+        got = mmd(xs, ys, kernel, directions=theta[:1], estimator=estimator, method="sliced")
+        assert _mmd_close(got, xs[:, 0], ys[:, 0], kernel, estimator)

@@ -20,7 +20,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "slicedkern"
 
 LAYERS = {"_lib": 0, "kernels": 0, "_spec": 1, "reference": 1, "backends": 2, "engines": 3,
-          "adapters": 4, "ops": 5, "sliced": 6, "_exact1d": 6, "nn": 7, "distributed": 7,
+          "adapters": 4, "ops": 5, "sliced": 6, "nn": 7, "distributed": 7,
           "bench": 8, "__main__": 9, "": 9}
 
 #: Modules that import a framework at their top: the only package modules a function may import.

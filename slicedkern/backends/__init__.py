@@ -18,7 +18,8 @@ from ._generic import ArrayBackend
 
 __all__ = ["ArrayBackend", "ops_for", "backend_of", "same_library", "holds_everywhere", "is_traced",
            "is_numpy_namespace", "to_host", "searchsorted_right", "take_rows", "finite_rows",
-           "sorted_weights", "prefix_table", "combine_rows", "materialize", "quiet_nonfinite"]
+           "sorted_weights", "prefix_table", "combine_rows", "materialize", "quiet_nonfinite",
+           "quiet", "accurate_sum", "energy_distance_rows", "has_autograd"]
 
 def _numpy_row():
     from ._numpy import NumpyBackend
@@ -128,3 +129,20 @@ def materialize(xp, *arrays):
 
 def quiet_nonfinite(xp) -> bool:
     return ops_for(xp).quiet_nonfinite
+
+
+def quiet(xp):
+    return ops_for(xp).quiet()
+
+
+def accurate_sum(xp, v):
+    return ops_for(xp).accurate_sum(xp, v)
+
+
+def energy_distance_rows(xp, x, y, a, b, batch):
+    return ops_for(xp).energy_distance_rows(xp, x, y, a, b, batch)
+
+
+def has_autograd(xp) -> bool:
+    """Whether ``xp``'s library differentiates array code itself (torch autograd, ``jax.grad``)."""
+    return ops_for(xp).autograd

@@ -6,6 +6,8 @@ what their library does faster or differently; everything else falls through to 
 
 from __future__ import annotations
 
+import contextlib
+
 import array_api_compat as compat
 import numpy as np
 
@@ -25,6 +27,8 @@ class ArrayBackend:
     #: whether NaN and infinities flow through arithmetic unnoticed (no warnings, no traps): then a
     #: non-finite weight may be detected from its row's totals instead of screened beforehand
     quiet_nonfinite = False
+    #: whether the library differentiates array code itself (torch autograd, jax.grad)
+    autograd = False
 
     # -- which arrays are ours ------------------------------------------------------------------
     def owns_namespace(self, xp) -> bool:
@@ -141,3 +145,31 @@ class ArrayBackend:
             term = block * (weight if isinstance(weight, (int, float)) else weight[..., None])
             acc = term if acc is None else acc + term
         return acc
+
+    # -- exact 1-D statistics (slicedkern/sliced/_exact1d.py) -------------------------------------
+    def quiet(self):
+        """A context in which non-finite arithmetic raises no warnings (a row with an infinite value
+        computes ``inf - inf`` on its way to the NaN it returns)."""
+        return contextlib.nullcontext()
+
+    def accurate_sum(self, xp, v):
+        """Sum along the last axis with an error that grows like ``log L``, not ``L``.
+
+        The standard does not say how ``sum`` accumulates (XLA may add serially), so a pairwise
+        tree is built from halving slices; libraries that sum pairwise natively override this.
+        """
+        length = v.shape[-1]
+        while length > 64:
+            if length % 2:
+                pad = xp.zeros(tuple(v.shape[:-1]) + (1,), dtype=v.dtype, device=compat.device(v))
+                v = xp.concat([v, pad], axis=-1)
+                length += 1
+            v = v[..., 0:length:2] + v[..., 1:length:2]
+            length //= 2
+        return xp.sum(v, axis=-1)
+
+    def energy_distance_rows(self, xp, x, y, a, b, batch):
+        """A compiled exact 1-D energy distance of rows ``x`` (..., n), ``y`` (..., m) with raw
+        weights ``a``, ``b`` (``None``: uniform), shape ``batch``; ``None`` when this library has
+        none (the caller then uses the array-API formulation)."""
+        return None

@@ -19,6 +19,7 @@ _search_rows = jax.vmap(_search_row)
 
 class JaxBackend(ArrayBackend):
     library = "jax"
+    autograd = True
 
     def owns_namespace(self, xp) -> bool:
         return compat.is_jax_namespace(xp)

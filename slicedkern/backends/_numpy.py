@@ -6,6 +6,7 @@ import array_api_compat as compat
 import numpy as np
 
 from ._generic import ArrayBackend
+from ._merge1d import energy_distance_rows
 
 
 class NumpyBackend(ArrayBackend):
@@ -32,3 +33,14 @@ class NumpyBackend(ArrayBackend):
         for row in range(vals2.shape[0]):
             out[row] = np.searchsorted(keys2[row], vals2[row], side="right")
         return np.reshape(out, lead + (values.shape[-1],))
+
+    def quiet(self):
+        return np.errstate(invalid="ignore", over="ignore", divide="ignore")
+
+    def accurate_sum(self, xp, v):
+        return np.sum(v, axis=-1)                           # pairwise summation
+
+    def energy_distance_rows(self, xp, x, y, a, b, batch):
+        if any(v is not None and v.dtype != np.float64 for v in (x, y, a, b)):
+            return None
+        return energy_distance_rows(x, y, a, b, tuple(batch))

@@ -176,6 +176,7 @@ def _combine_columns(table, lead, n, indices, parts, weights, columns, cache):
 
 class TorchBackend(ArrayBackend):
     library = "torch"
+    autograd = True
     quiet_nonfinite = True          # no warnings, no traps: a weight's check may wait for its row's totals
 
     def owns_namespace(self, xp) -> bool:
@@ -221,3 +222,6 @@ class TorchBackend(ArrayBackend):
         if out is None:
             return super().combine_rows(xp, table, indices, parts, weights, columns, cache=cache)
         return out
+
+    def accurate_sum(self, xp, v):
+        return torch.sum(v, dim=-1)                         # cascade summation

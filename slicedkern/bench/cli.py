@@ -10,6 +10,7 @@ from typing import TextIO
 from .backends import BACKEND_NAMES, default_backend, installed_backends
 from .results import plot
 from .run import DEFAULT_SIZES, HEADLINE_FACTOR, run_bench
+from .stats import STATS_SIZES, run_stats
 
 __all__ = ["add_arguments", "main"]
 
@@ -62,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"inf runs everything (default: 3)")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
                         help="also save a log-log plot of time vs L (needs matplotlib)")
+    parser.add_argument("--stats", action="store_true",
+                        help="instead of attention, time the two-sample statistics (NumPy): the 1-D "
+                             "energy distance next to SciPy and a plain NumPy version, and the "
+                             "energy distance in R^3 (sliced, exact, auto, SciPy cdist)")
+    parser.add_argument("--stats-sizes", type=_sizes_arg, default=list(STATS_SIZES), metavar="N,N,...",
+                        help=f"n = m of the 1-D statistics (default: {','.join(map(str, STATS_SIZES))})")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bar on stderr (default: when stderr is a terminal)")
 
@@ -85,6 +92,9 @@ def main(args: argparse.Namespace, *, stdout: TextIO | None = None,
     """
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
+    if getattr(args, "stats", False):
+        print(run_stats(sizes=args.stats_sizes, repeats=args.repeats), file=stdout)
+        return 0
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         # said before the run, not after minutes of timing
         print("error: --plot needs matplotlib: pip install matplotlib", file=stderr)

@@ -119,6 +119,13 @@ class SlicePlan(abc.ABC):
         gradients (for a contribution that also depends on a source, like the signed weights of the
         energy distance)."""
 
+    def value(self, theta: Array) -> Array:
+        """The chunk's contribution in the forward: :meth:`reduce` of the op's output by default; a
+        plan may compute the same number another way (more accurately, say), the pullback being
+        that of :meth:`inner` and :meth:`reduce` either way."""
+        op, arrays, kwargs = self.inner(theta)
+        return self.reduce(theta, op(*arrays, xp=self.xp, **kwargs))
+
     def finish(self, total: Array) -> Array:
         """The result from the scaled sum over chunks (a constant shift has no gradient)."""
         return total
@@ -137,8 +144,7 @@ class SlicePlan(abc.ABC):
         """The op's result, in ``out_dtype``."""
         total = None
         for th in self._chunks():
-            op, arrays, kwargs = self.inner(th)
-            part = self.reduce(th, op(*arrays, xp=self.xp, **kwargs))
+            part = self.value(th)
             total = part if total is None else total + part
         return _result(self.xp, self.finish(total * self.scale), self.out_dtype)
 

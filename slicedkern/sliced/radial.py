@@ -56,6 +56,28 @@ class RadialProfile:
         out = self._evaluate(np.asarray(to_host(r), dtype=np.float64))
         return space.asarray(out, dtype=dtype, device=device)
 
+    def derivative(self, r: np.ndarray) -> np.ndarray:
+        """``Phi'(r)`` on a float64 NumPy array ``r >= 0`` (closed form; 0 at ``r = 0``, where
+        ``Phi`` is even and flat or has a kink whose subgradient 0 is used).
+
+        ``d/dr E ReLU(r t - t_m) = E[t 1(t > tau)] = k (1 - tau^2)^((d-1)/2) / (d - 1)`` with
+        ``tau = t_m / r`` clipped to [-1, 1] (the first term of :meth:`_evaluate`).
+        """
+        f, d = self.kernel, self.dim
+        r = np.abs(np.asarray(r, dtype=np.float64))
+        if d == 1:
+            return np.where(r > 0, 0.5 * (f.derivative_at(r) - f.derivative_at(-r)), 0.0)
+        knots = np.asarray(f.knots, dtype=np.float64)
+        coeffs = np.asarray(f.coeffs, dtype=np.float64)
+        if not knots.size:
+            return np.zeros(r.shape)
+        k = math.exp(math.lgamma(d / 2) - math.lgamma((d - 1) / 2)) / math.sqrt(math.pi)
+        rr = r[..., None]
+        positive = (rr > 0) & np.isfinite(rr)
+        tau = np.clip(knots / np.where(positive, rr, 1.0), -1.0, 1.0)
+        slope = np.where(positive, k * (1.0 - tau * tau) ** ((d - 1) / 2) / (d - 1), 0.0)
+        return slope @ coeffs
+
     def _evaluate(self, r: np.ndarray) -> np.ndarray:
         """``Phi`` on a float64 NumPy array (closed form)."""
         f, d = self.kernel, self.dim

@@ -35,6 +35,10 @@ class Engine:
         """Why this engine cannot run ``spec`` on ``arrays`` (of registry row ``backend``), or None."""
         return None
 
+    def automatic(self, arrays) -> bool:
+        """Whether the automatic rule may pick this engine for ``arrays`` (``decline`` permitting)."""
+        return True
+
     # -- what the adapters call ---------------------------------------------------------------
     def forward(self, spec, arrays, *, xp):
         """``(out, residuals)``: the output in the work dtype and a flat tuple of arrays."""

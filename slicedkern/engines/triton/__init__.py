@@ -17,7 +17,6 @@ only under its interpreter (``TRITON_INTERPRET=1``, how the tests run it). Param
 from __future__ import annotations
 
 import importlib.util
-import os
 
 from ..._lib.namespace import clamp_min
 from ..._spec import normalizer_profile
@@ -27,13 +26,9 @@ from .._nanpolicy import screen
 from ..scan._backward import accumulate_columns, column_range, knot_grads
 from ..scan._scan import queries, sort_keys
 from ..scan._wide import arithmetic
-from ._sums import build_table, profile_sum
+from ._sums import build_table, interpreted, profile_sum
 
 __all__ = ["TritonEngine"]
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _rows(xp, a, core: int):
@@ -67,14 +62,15 @@ class TritonEngine(Engine):
             a.data_ptr()
         except RuntimeError:
             return "the 'triton' engine does not run under torch.func transforms: use engine='scan'"
-        if a.device.type != "cuda" and not _interpreted():
+        if a.device.type != "cuda" and not interpreted():
             return (f"the 'triton' engine runs on CUDA tensors, or on CPU tensors under Triton's interpreter "
                     f"(TRITON_INTERPRET=1); got a tensor on device {a.device}")
         return None
 
     def automatic(self, arrays) -> bool:
         # CPU tensors run under the interpreter only, far slower than the sweep or the scan
-        return arrays[0].device.type == "cuda"
+        device = getattr(arrays[0], "device", None)
+        return getattr(device, "type", None) == "cuda"
 
     # -- primitives -----------------------------------------------------------------------------
     def kernel_sum(self, x, y, w, profile, *, xp):

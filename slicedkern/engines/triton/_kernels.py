@@ -2,7 +2,10 @@
 kernel that searches each query's rank and combines the gathered prefix sums.
 
 This module imports Triton at its top: the engine loads it on the first call that runs on it, so
-``import slicedkern`` never imports Triton (docs/architecture.rst, "Engines").
+``import slicedkern`` never imports Triton (docs/architecture.rst, "Engines"). The functions are
+jitted by :func:`build` on that first call, not at import, so that Triton's interpreter setting
+(``TRITON_INTERPRET``) is read when the kernels are first needed: importing this module (doctest
+collection does) fixes nothing.
 
 Layout (every tensor contiguous, the batch flattened to ``R`` rows):
 
@@ -22,11 +25,14 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton import knobs
 
-__all__ = ["block_scan", "query_combine"]
+__all__ = ["build", "interpreted", "block_scan", "query_combine"]
+
+_JITTED = ("_rank", "_prefix", "block_scan", "query_combine")
+_mode: list = []     # [interpreted?] once built
 
 
-@triton.jit
 def block_scan(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, table_ptr, totals_ptr,
                m, c, C, nb, sw_r, sw_m, sw_c,
                HAS_TAKE: tl.constexpr, ONES: tl.constexpr, ACC: tl.constexpr,
@@ -63,7 +69,6 @@ def block_scan(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, table_ptr, totals
     tl.store(totals_ptr + tot + C, tl.sum(wy, 0).to(tl.float64), mask=cm)
 
 
-@triton.jit
 def _rank(keys_ptr, row, m, d, e, STRICT: tl.constexpr, LOG_M: tl.constexpr):
     """The number of keys below the exact difference ``d + e`` (``<`` when STRICT, else ``<=``).
 
@@ -84,7 +89,6 @@ def _rank(keys_ptr, row, m, d, e, STRICT: tl.constexpr, LOG_M: tl.constexpr):
     return pos
 
 
-@triton.jit
 def _prefix(table_ptr, carry_ptr, row, m, C, nb, rank, cols, part, nm, cm, BLOCK_M: tl.constexpr):
     """Exclusive prefix sums at ``rank`` (BLOCK_N,) of part ``part`` (0: P0, 1: P1), float64."""
     has = nm & (rank > 0)
@@ -98,7 +102,6 @@ def _prefix(table_ptr, carry_ptr, row, m, C, nb, rank, cols, part, nm, cm, BLOCK
     return local + carry
 
 
-@triton.jit
 def query_combine(x_ptr, keys_ptr, shift_ptr, table_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr,
                   alpha_ptr, div_ptr, out_ptr,
                   n, m, C, nb, col0, width,
@@ -151,3 +154,17 @@ def query_combine(x_ptr, keys_ptr, shift_ptr, table_ptr, carry_ptr, knots_ptr, c
         acc = acc / tl.load(div_ptr + row * n + i, mask=nm, other=1.0)[:, None]
     tl.store(out_ptr + row * n * width + i[:, None] * width + cl[None, :], acc,
              mask=nm[:, None] & cm[None, :])
+
+
+def build() -> None:
+    """Jit the kernels once (in place of the plain functions above), in the mode Triton says now."""
+    if not _mode:
+        scope = globals()
+        for name in _JITTED:
+            scope[name] = triton.jit(scope[name])
+        _mode.append(bool(knobs.runtime.interpret))
+
+
+def interpreted() -> bool | None:
+    """Whether the built kernels run under the interpreter (``None``: not built yet)."""
+    return _mode[0] if _mode else None

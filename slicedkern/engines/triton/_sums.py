@@ -9,22 +9,35 @@ torch tensors; the batch is flattened to rows here and restored by the caller.
 from __future__ import annotations
 
 import math
+import os
+import sys
 from typing import Any, NamedTuple
 
 from ...kernels import Profile, is_fixed
 
-__all__ = ["Table", "build_table", "profile_sum", "loaded"]
+__all__ = ["Table", "build_table", "profile_sum", "loaded", "interpreted"]
 
 #: Rows per scan block: the float32 local sums run over at most this many rows before a float64 carry.
 BLOCK_M = 64
 BLOCK_N = 64
 BLOCK_C = 32
+_MODULE = "slicedkern.engines.triton._kernels"
 
 
 def loaded():
     """The kernel module, imported on first use (it imports Triton, which ``import slicedkern`` must not)."""
     from . import _kernels  # a framework row (tests/test_architecture.py): imports Triton at its top
+    _kernels.build()
     return _kernels
+
+
+def interpreted() -> bool:
+    """Whether the kernels run (or, not built yet, will run) under Triton's interpreter."""
+    kernels = sys.modules.get(_MODULE)
+    mode = kernels.interpreted() if kernels is not None else None
+    if mode is None:
+        mode = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return mode
 
 
 class Table(NamedTuple):

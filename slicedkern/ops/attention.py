@@ -105,10 +105,11 @@ def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = Non
         Denominator: ``sum_l |q_i - k_l|``, ``sum_l ReLU(q_i - k_l)``, the number of valid keys, or none.
     eps : float, default 1e-6
         Lower clamp of the denominator, positive (``"count"`` clamps at 1).
-    engine : {"scan", "sweep"}, optional
+    engine : {"scan", "sweep", "triton"}, optional
         The engine of the forward and the backward (docs/architecture.rst); default: the
-        :func:`slicedkern.use_engine` setting, else the sweep for NumPy / CPU torch when numba is
-        installed, else the scan. A requested engine that cannot serve the arrays is a ``ValueError``.
+        :func:`slicedkern.use_engine` setting, else triton for CUDA torch tensors when Triton is
+        installed, the sweep for NumPy / CPU torch when numba is installed, else the scan. A
+        requested engine that cannot serve the arrays is a ``ValueError``.
     xp : array namespace, optional
 
     Returns
@@ -209,7 +210,7 @@ def hat_attention(q: Array, k: Array, v: Array, bandwidth: ArrayOrFloat = 1.0, *
     normalize : {"count", "abs", "relu", None}, default "count"
     eps : float, default 1e-6
         Lower clamp of the "abs" / "relu" denominators, positive.
-    engine : {"scan", "sweep"}, optional
+    engine : {"scan", "sweep", "triton"}, optional
         As in :func:`relu_attention`. The bandwidth gradient of the sweep comes from the scan's knot
         sums (the sweep's compiled kernels have no knot-gradient mode).
     xp : array namespace, optional

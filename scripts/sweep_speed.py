@@ -1,4 +1,4 @@
-"""Speed and float32 accuracy of the fused sweep engine (``slicedkern._sweep``), CPU.
+"""Speed and float32 accuracy of the fused sweep engine (``slicedkern.engines.sweep``), CPU.
 
 Times, best of ``--repeat`` interleaved runs, on B x L float32 scores and values of width D (default
 8 x 65536, D = 64), torch and numba both on ``--threads`` threads (default 2):
@@ -49,7 +49,7 @@ def main():
     import torch
 
     import slicedkern
-    from slicedkern import _sweep
+    from slicedkern.engines.sweep import _host as _sweep
 
     torch.set_num_threads(args.threads)
     numba.set_num_threads(args.threads)

@@ -4,7 +4,8 @@ The layers (docs/architecture.rst), bottom to top: ``_lib`` and ``kernels`` (imp
 package) -> ``_spec`` and ``reference`` -> ``backends`` -> ``engines`` -> ``adapters`` -> ``ops`` ->
 ``sliced`` and the statistics -> ``nn`` / ``distributed`` -> ``bench``, ``__main__`` and ``__init__``.
 A module imports only from lower layers or from its own group; nothing imports in a circle; imports
-inside functions are only the lazy loaders of framework rows (a module that imports torch or JAX);
+inside functions are only the lazy loaders of framework rows (a module that imports torch, JAX or
+numba at its top);
 framework checks (``array_api_compat.is_*``) live in ``backends/`` and ``adapters/`` only.
 """
 
@@ -25,7 +26,7 @@ LAYERS = {"_lib": 0, "kernels": 0, "_spec": 1, "reference": 1, "backends": 2, "e
 #: Modules that import a framework at their top: the only package modules a function may import.
 FRAMEWORK_ROWS = {"slicedkern.backends._numpy", "slicedkern.backends._torch", "slicedkern.backends._jax",
                   "slicedkern.adapters._torch", "slicedkern.adapters._jax",
-                  "slicedkern.engines.triton._kernels"}
+                  "slicedkern.engines.sweep._host", "slicedkern.engines.triton._kernels"}
 
 
 def _modules() -> dict[str, pathlib.Path]:

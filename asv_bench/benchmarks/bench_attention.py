@@ -141,3 +141,47 @@ class HatAttentionGrad(_ForwardBackward):
     """``hat_attention(q, k, v, 0.1)`` forward + backward."""
 
     op = staticmethod(hat)
+
+
+class AttentionTraining(Benchmark):
+    """Forward and forward + backward at a training shape: torch CPU float32, 8 rows (B * H), D = 64.
+
+    ``relu``: ``relu_attention(q, k, v)``; ``hat``: ``hat_attention(q, k, v, b)`` with a per-row
+    bandwidth ``b`` that requires grad (so the backward includes the bandwidth gradient). The
+    figures of scripts/sweep_backward_speed.py, where the backward should stay within 2x the forward.
+    """
+
+    params = [BACKENDS, ENGINES, [2 ** 14, 2 ** 16], ["relu", "hat"]]
+    param_names = ["backend", "engine", "n", "op"]
+    timeout = 600
+
+    def setup(self, backend, engine, n, op):
+        if backend != "torch":
+            raise NotImplementedError("a torch training shape")
+        backend_module("torch")
+        import torch
+
+        import slicedkern
+        q, k, v, g = random_inputs(n, batch=8, dim=64)
+        self.q, self.k, self.v = (torch.from_numpy(a).requires_grad_(True) for a in (q, k, v))
+        self.b = torch.full((8,), 0.5, requires_grad=True)
+        self.g = torch.from_numpy(g)
+        if op == "relu":
+            self.fn = lambda: slicedkern.relu_attention(self.q, self.k, self.v)
+            self.inputs = (self.q, self.k, self.v)
+        else:
+            self.fn = lambda: slicedkern.hat_attention(self.q, self.k, self.v, self.b)
+            self.inputs = (self.q, self.k, self.v, self.b)
+        self.enter_engine(engine, self.q)
+        try:
+            self.time_forward_backward(backend, engine, n, op)  # warm-up: numba, allocator
+        except Exception as exc:
+            self.teardown()
+            raise NotImplementedError(f"not available here: {exc}") from exc
+
+    def time_forward(self, backend, engine, n, op):
+        self.fn()
+
+    def time_forward_backward(self, backend, engine, n, op):
+        import torch
+        torch.autograd.grad(self.fn(), self.inputs, self.g)

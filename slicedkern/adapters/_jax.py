@@ -22,12 +22,17 @@ SECOND_ORDER = ("slicedkern's sort-scan ops are differentiable once: their gradi
 
 
 @jax.custom_vjp
-def _first_order_only(grads):
-    """The identity on the backward's cotangents, which refuses to be differentiated itself."""
+def _first_order_only(grads, depends_on):
+    """The identity on the backward's cotangents, which refuses to be differentiated itself.
+
+    ``depends_on`` (the backward's inputs) ties the cotangents to what a second derivative would
+    follow: the engine's backward runs on ``stop_gradient`` copies (its tie searches use
+    ``nextafter``, which has no derivative), so without it a second derivative would be silently 0.
+    """
     return grads
 
 
-def _first_order_fwd(grads):
+def _first_order_fwd(grads, depends_on):
     return grads, None
 
 
@@ -45,15 +50,20 @@ def _sort_scan(spec, engine, out_dtype, *arrays):
 
 
 def _sort_scan_fwd(spec, engine, out_dtype, *arrays):
-    out, residuals = engine.forward(spec, arrays, xp=_xp)
+    # stop_gradient: under an outer derivative (grad of grad) this forward is itself traced, and
+    # its tie searches (nextafter) have no derivative; the saved ``arrays`` keep theirs, so the
+    # second derivative reaches _first_order_only and is refused there
+    out, residuals = engine.forward(spec, jax.lax.stop_gradient(arrays), xp=_xp)
     out = out.astype(out_dtype)
     return out, (arrays, out, residuals)
 
 
 def _sort_scan_bwd(spec, engine, out_dtype, saved, grad_out):
-    arrays, out, residuals = saved
+    depends_on = (saved, grad_out)
+    arrays, out, residuals, grad_out = jax.lax.stop_gradient((*saved, grad_out))
     grads = engine.backward(spec, arrays, out, residuals, grad_out.astype(arrays[0].dtype), xp=_xp)
-    return _first_order_only(tuple(None if g is None else g.astype(a.dtype) for g, a in zip(grads, arrays)))
+    grads = tuple(None if g is None else g.astype(a.dtype) for g, a in zip(grads, arrays))
+    return _first_order_only(grads, depends_on)
 
 
 _sort_scan.defvjp(_sort_scan_fwd, _sort_scan_bwd)

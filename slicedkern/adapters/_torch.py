@@ -36,16 +36,39 @@ class SortScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, *_):
-        if torch.is_grad_enabled():
-            raise RuntimeError(SECOND_ORDER)
         if not any(ctx.needs_input_grad[3:]):
             return (None, None, None) + (None,) * ctx.n_arrays
         saved = ctx.saved_tensors
         arrays, out, residuals = saved[:ctx.n_arrays], saved[ctx.n_arrays], saved[ctx.n_arrays + 1:]
-        grads = ctx.engine.backward(ctx.spec, arrays, out, tuple(residuals), grad_out.to(arrays[0].dtype),
-                                    xp=xp)
+        # the cotangent as it comes (the output's dtype): an engine casts what it reads (the sweep
+        # reads it in the values' dtype: no float64 copy of an (n, D) array)
+        with torch.no_grad():
+            grads = ctx.engine.backward(ctx.spec, arrays, out, tuple(residuals), grad_out, xp=xp)
         grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[3:])]
+        if torch.is_grad_enabled():
+            # a graph of the backward is being recorded (create_graph=True, torch.func): the
+            # gradients pass through a node that refuses to be differentiated; first-order
+            # transforms such as torch.func.grad never call it
+            kept = [g for g in grads if g is not None]
+            kept = iter(FirstOrderOnly.apply(len(kept), *kept, grad_out, *arrays))
+            grads = [None if g is None else next(kept) for g in grads]
         return (None, None, None, *grads)
+
+
+class FirstOrderOnly(torch.autograd.Function):
+    """The identity on the first ``n`` tensors (the gradients); the rest are what they depend on."""
+
+    @staticmethod
+    def forward(n, *tensors):
+        return tuple(t.clone() for t in tensors[:n])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(SECOND_ORDER)
 
 
 def apply(spec, engine, arrays, out_dtype):

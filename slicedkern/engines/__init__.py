@@ -17,8 +17,8 @@ import contextvars
 
 from ..backends import backend_of
 from ._base import Engine
-from ._sweep_engine import SweepEngine
 from .scan import ScanEngine
+from .sweep import SweepEngine
 from .triton import TritonEngine
 
 __all__ = ["Engine", "ENGINE_NAMES", "use_engine", "engine_for", "select", "get", "available"]

@@ -12,12 +12,17 @@ scores in the work dtype:
 
 and :class:`Engine` turns them into ``forward(spec, arrays)`` / ``backward(spec, arrays, out,
 residuals, g)``, the two calls the adapters make.
+
+The backward goes through two hooks, :meth:`Engine.kernel_sum_vjp` and :meth:`Engine.attention_vjp`,
+whose default is the backward written once over the primitives (:mod:`._vjp`); an engine with a
+fused backward of its own (the sweep) overrides them and returns the same gradients.
 """
 
 from __future__ import annotations
 
 import array_api_compat as compat
 
+from .._lib.namespace import as_work
 from .._spec import KernelSumSpec, bandwidth_ok, normalizer_profile, param_grads, profile_of, unpack
 from ..kernels import Profile
 from . import _vjp
@@ -56,21 +61,34 @@ class Engine:
 
     def backward(self, spec, arrays, out, residuals, g, *, xp):
         """Cotangents of every array of ``arrays`` (``None`` for the mask), given the forward's
-        ``out`` and ``residuals`` and the output cotangent ``g`` (work dtype)."""
+        ``out`` and ``residuals`` and the output cotangent ``g`` (the output's or the work dtype)."""
         if isinstance(spec, KernelSumSpec):
             x, y, w = arrays
-            dx, dy, dw, _ = _vjp.kernel_sum_vjp(self, x, y, w, Profile.of(spec.kernel), g, xp=xp)
-            return dx, dy, xp.astype(dw, w.dtype)
+            dx, dy, dw, _ = self.kernel_sum_vjp(x, y, w, Profile.of(spec.kernel), g, xp=xp)
+            return as_work(xp, dx, x.dtype), as_work(xp, dy, y.dtype), as_work(xp, dw, w.dtype)
         q, k, v, mask, params = unpack(spec, arrays)
-        dq, dk, dv, (dknots, dcoeffs) = _vjp.attention_vjp(
-            self, q, k, v, profile_of(spec, params), g, out, self.aux_of(residuals), key_mask=mask,
-            center=spec.center, normalizer=normalizer_profile(spec.normalize), eps=spec.eps, xp=xp)
-        grads = [dq, dk, xp.astype(dv, v.dtype)]
+        dq, dk, dv, (dknots, dcoeffs) = self.attention_vjp(
+            q, k, v, profile_of(spec, params), g, out, residuals, key_mask=mask, center=spec.center,
+            normalize=spec.normalize, eps=spec.eps, xp=xp)
+        grads = [as_work(xp, dq, q.dtype), as_work(xp, dk, k.dtype), as_work(xp, dv, v.dtype)]
         if spec.has_mask:
             grads.append(None)
         if spec.param_layout:
             grads += list(param_grads(xp, spec, params, dknots, dcoeffs))
         return tuple(grads)
+
+    # -- the backward hooks: the generic backward over the primitives unless an engine fuses it ----
+    def kernel_sum_vjp(self, x, y, w, profile, g, *, xp):
+        """``(dx, dy, dw, (dknots, dcoeffs))`` of a kernel sum with cotangent ``g`` (any float dtype)."""
+        return _vjp.kernel_sum_vjp(self, x, y, w, profile, as_work(xp, g, x.dtype), xp=xp)
+
+    def attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalize, eps, xp):
+        """``(dq, dk, dv, (dknots, dcoeffs))`` of attention with cotangent ``g`` (any float dtype), given
+        the forward's ``out`` and ``residuals``; knot / coefficient gradients are aligned with
+        ``profile.knots`` / ``profile.coeffs`` (``None`` for float parameters)."""
+        return _vjp.attention_vjp(self, q, k, v, profile, as_work(xp, g, q.dtype), out, self.aux_of(residuals),
+                                  key_mask=key_mask, center=center, normalizer=normalizer_profile(normalize),
+                                  eps=eps, xp=xp)
 
     def aux_of(self, residuals):
         """The per-query residuals of :meth:`attention` as the backward reads them (``None``: recompute)."""

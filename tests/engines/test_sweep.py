@@ -1,7 +1,10 @@
-"""The fused CPU sweep engine (``slicedkern._sweep``) against the dense float64 reference.
+"""The fused CPU sweep engine (``slicedkern.engines.sweep``) against the dense float64 reference.
 
 Skipped where numba is missing. Small sizes only: the compiled kernels are cached on disk
-(``cache=True``), so a cold run pays the compilation once.
+(``cache=True``), so a cold run pays the compilation once (minutes on a busy 2-core machine).
+The backward pass (:func:`sweep.kernel_sum_vjp`, :func:`sweep.attention_vjp`) is checked against
+finite differences of :mod:`slicedkern.reference` in float64, against its exact definition on
+tie-laden data, and against the array-API scan engine's backward (public ``slicedkern.vjp``).
 """
 
 from __future__ import annotations
@@ -13,12 +16,12 @@ import pytest
 
 pytest.importorskip("numba")
 
-from slicedkern import _sweep as sweep  # noqa: E402
+import slicedkern  # noqa: E402
 from slicedkern import reference  # noqa: E402
+from slicedkern.engines import sweep as engine_package  # noqa: E402
+from slicedkern.engines.sweep import _convert  # noqa: E402
+from slicedkern.engines.sweep import _host as sweep  # noqa: E402
 from slicedkern.kernels import Abs, Hat, HatMixture, PiecewiseLinear, ReLU  # noqa: E402
-
-if not sweep.AVAILABLE:  # pragma: no cover
-    pytest.skip("the sweep engine is not available", allow_module_level=True)
 
 KERNELS = [
     pytest.param(ReLU(), id="relu"),
@@ -54,7 +57,7 @@ def close(actual, expected, tol=1e-11):
 
 
 def test_available_and_warmup():
-    assert sweep.AVAILABLE is True
+    assert sweep.AVAILABLE is True and engine_package.AVAILABLE is True
     assert sweep.warmup() is True
 
 
@@ -135,23 +138,31 @@ def test_kernel_sum_deterministic(rng):
 
 
 def test_column_chunks(rng, monkeypatch):
-    """Columns split into chunks (fewer rows than threads) give the same results."""
+    """Columns split into chunks (fewer rows than threads) give the same results, forward and
+    backward (the chunks' partial dq / dk / parameter sums are added up by the bridge)."""
     x, y, w = rng.normal(size=(1, 20)), rng.normal(size=(1, 25)), rng.normal(size=(1, 25, 40))
     g = rng.normal(size=(1, 20, 40))
     kernel = Hat(0.7) + Abs()
     args = (kernel.knots, kernel.coeffs, kernel.slope, kernel.intercept)
+    profile = dict(knots=kernel.knots, coeffs=kernel.coeffs, slope=kernel.slope, intercept=kernel.intercept)
     whole = sweep.kernel_sum_vjp(x, y, w, *args, g)
     whole_attn = attn(x, y, w, kernel, None, True, "abs")
-    monkeypatch.setattr(sweep, "_chunks", lambda bsz, ncols: (3, 16) if ncols > 32 else (1, ncols))
+    whole_attn_vjp = sweep.attention_vjp(x, y, w, None, g, whole_attn, center=True, normalizer="abs", **profile)
+    monkeypatch.setattr(_convert, "chunks", lambda bsz, ncols: (3, 16) if ncols > 32 else (1, ncols))
     close(ksum(x, y, w, kernel), reference.kernel_sum(x, y, w, kernel))
     close(attn(x, y, w, kernel, None, True, "abs"), whole_attn)
     for a, b in zip(sweep.kernel_sum_vjp(x, y, w, *args, g), whole):
+        close(a, b)
+    chunked = sweep.attention_vjp(x, y, w, None, g, whole_attn, center=True, normalizer="abs", **profile)
+    for a, b in zip(chunked, whole_attn_vjp):
         close(a, b)
     close(whole[2], np.swapaxes(reference.kernel_matrix(x, y, kernel), -1, -2) @ g)
     w[0, 3, 39] = np.inf                                   # a bad weight in the last chunk only
     assert np.all(np.isnan(ksum(x, y, w, kernel)))
     assert np.all(np.isnan(attn(x, y, w, kernel, None, False, "count")))
     assert all(np.all(np.isnan(a)) for a in sweep.kernel_sum_vjp(x, y, w, *args, g))
+    assert all(np.all(np.isnan(a)) for a in
+               sweep.attention_vjp(x, y, w, None, g, whole_attn, center=True, normalizer="abs", **profile))
 
 
 # --------------------------------------------------------------------------------- attention
@@ -264,11 +275,11 @@ def test_torch_tensors(rng):
 
 
 def test_agrees_with_the_scan_engine(rng):
-    import slicedkern
     q, k, v = rng.normal(size=(2, 3, 30)), rng.normal(size=(2, 3, 40)), rng.normal(size=(2, 3, 40, 4))
-    close(attn(q, k, v, ReLU(), None, True, "abs"), slicedkern.relu_attention(q, k, v))
-    close(attn(q, k, v, Hat(0.3), None, False, "count"), slicedkern.hat_attention(q, k, v, 0.3))
-    close(ksum(q, k, v, Abs()), slicedkern.kernel_sum(q, k, v, Abs()))
+    with slicedkern.use_engine("scan"):
+        close(attn(q, k, v, ReLU(), None, True, "abs"), slicedkern.relu_attention(q, k, v))
+        close(attn(q, k, v, Hat(0.3), None, False, "count"), slicedkern.hat_attention(q, k, v, 0.3))
+        close(ksum(q, k, v, Abs()), slicedkern.kernel_sum(q, k, v, Abs()))
 
 
 def test_bad_arguments(rng):
@@ -303,8 +314,8 @@ def _fd(fun, a, h=1e-6):
 def test_vjp_against_finite_differences(rng, kernel):
     x, y = rng.normal(size=(2, 6)), rng.normal(size=(2, 7))
     w, g = rng.normal(size=(2, 7, 3)), rng.normal(size=(2, 6, 3))
-    dx, dy, dw = sweep.kernel_sum_vjp(x, y, w, kernel.knots, kernel.coeffs, kernel.slope,
-                                      kernel.intercept, g)
+    dx, dy, dw, _, _ = sweep.kernel_sum_vjp(x, y, w, kernel.knots, kernel.coeffs, kernel.slope,
+                                            kernel.intercept, g)
     assert dx.shape == x.shape and dy.shape == y.shape and dw.shape == w.shape
     kmat = reference.kernel_matrix(x, y, kernel)
     close(dw, np.swapaxes(kmat, -1, -2) @ g, tol=1e-12)     # dw is linear: exact
@@ -317,8 +328,8 @@ def test_vjp_ties_use_the_right_derivative(rng, kernel):
     """At exact ties the gradients use f'(r) = slope + sum_m c_m [r >= t_m] (H(0) = 1)."""
     x, y = rng.choice(GRID, (1, 3, 9)), rng.choice(GRID, (1, 3, 8))
     w, g = rng.normal(size=(1, 3, 8, 2)), rng.normal(size=(1, 3, 9, 2))
-    dx, dy, dw = sweep.kernel_sum_vjp(x, y, w, kernel.knots, kernel.coeffs, kernel.slope,
-                                      kernel.intercept, g)
+    dx, dy, dw, _, _ = sweep.kernel_sum_vjp(x, y, w, kernel.knots, kernel.coeffs, kernel.slope,
+                                            kernel.intercept, g)
     deriv = kernel.derivative_at(x[..., :, None] - y[..., None, :])          # (..., n, m)
     close(dx, np.einsum("...ic,...ij,...jc->...i", g, deriv, w))
     close(dy, -np.einsum("...jc,...ij,...ic->...j", w, deriv, g))
@@ -331,8 +342,8 @@ def test_vjp_per_row_knots_and_float32(rng):
     coeffs = np.stack([1 / b, -2 / b, 1 / b], axis=-1)
     x, y = rng.normal(size=(2, 5)).astype(np.float32), rng.normal(size=(2, 6)).astype(np.float32)
     w, g = rng.normal(size=(2, 6, 2)).astype(np.float32), rng.normal(size=(2, 5, 2)).astype(np.float32)
-    dx, dy, dw = sweep.kernel_sum_vjp(x, y, w, knots, coeffs, 0.0, 0.0, g)
-    assert dx.dtype == dy.dtype == dw.dtype == np.float64
+    dx, dy, dw, dknots, dcoeffs = sweep.kernel_sum_vjp(x, y, w, knots, coeffs, 0.0, 0.0, g)
+    assert dx.dtype == dy.dtype == dw.dtype == dknots.dtype == dcoeffs.dtype == np.float64
     x, y, w, g = (a.astype(np.float64) for a in (x, y, w, g))
     for r in range(2):
         kernel = Hat(b[r])
@@ -342,16 +353,17 @@ def test_vjp_per_row_knots_and_float32(rng):
 
 
 def test_vjp_empty_and_nan(rng):
-    dx, dy, dw = sweep.kernel_sum_vjp(np.zeros((2, 0)), np.ones((2, 3)), np.ones((2, 3, 1)), (0.0,),
-                                      (1.0,), 0.0, 0.0, np.zeros((2, 0, 1)))
+    dx, dy, dw, dknots, dcoeffs = sweep.kernel_sum_vjp(np.zeros((2, 0)), np.ones((2, 3)), np.ones((2, 3, 1)),
+                                                       (0.0,), (1.0,), 0.0, 0.0, np.zeros((2, 0, 1)))
     assert dx.shape == (2, 0) and dy.shape == (2, 3) and dw.shape == (2, 3, 1)
-    assert np.all(dy == 0) and np.all(dw == 0)
+    assert dknots.shape == dcoeffs.shape == (2, 1)
+    assert np.all(dy == 0) and np.all(dw == 0) and np.all(dknots == 0) and np.all(dcoeffs == 0)
     x, y = rng.normal(size=(3, 4)), rng.normal(size=(3, 5))
     w, g = rng.normal(size=(3, 5, 2)), rng.normal(size=(3, 4, 2))
     g[1, 2, 0] = np.nan
     x[2, 0] = np.inf
-    dx, dy, dw = sweep.kernel_sum_vjp(x, y, w, (0.0,), (1.0,), 0.0, 0.0, g)
-    for a in (dx, dy, dw):
+    grads = sweep.kernel_sum_vjp(x, y, w, (0.0,), (1.0,), 0.0, 0.0, g)
+    for a in grads:
         assert not np.any(np.isnan(a[0]))
         assert np.all(np.isnan(a[1])) and np.all(np.isnan(a[2]))
 
@@ -364,20 +376,17 @@ def test_linear_profile_without_knots(rng):
     close(attn(x, y, w, kernel, None, True, "abs"),
           reference.kernel_attention(x, y, w, kernel, center=True, normalize="abs"))
     g = rng.normal(size=(2, 5, 2))
-    dx, dy, dw = sweep.kernel_sum_vjp(x, y, w, (), (), 0.75, -0.5, g)
+    dx, dy, dw, dknots, dcoeffs = sweep.kernel_sum_vjp(x, y, w, (), (), 0.75, -0.5, g)
+    assert dknots.shape == dcoeffs.shape == (2, 0)
     close(dw, np.swapaxes(reference.kernel_matrix(x, y, kernel), -1, -2) @ g)
     close(dx, _fd(lambda a: _loss(a, y, w, g, kernel), x), tol=1e-7)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_vjp_agrees_with_the_scan_engine(rng, kernel):
-    import slicedkern
-    if not hasattr(slicedkern, "vjp"):  # pragma: no cover
-        pytest.skip("slicedkern.vjp not available")
     x, y = rng.choice(GRID, (2, 9)), rng.choice(GRID, (2, 8))   # ties included
     w, g = rng.normal(size=(2, 8, 3)), rng.normal(size=(2, 9, 3))
-    _, pullback = slicedkern.vjp(slicedkern.kernel_sum, x, y, w, kernel)
-    expected = pullback(g)[:3]
+    expected = _scan_vjp(x, y, w, g, kernel)
     mine = sweep.kernel_sum_vjp(x, y, w, kernel.knots, kernel.coeffs, kernel.slope, kernel.intercept, g)
     for a, b in zip(mine, expected):
         close(a, b)
@@ -425,10 +434,10 @@ def _exact_vjp(x, y, w, g, kernel):
 
 
 def _scan_vjp(x, y, w, g, kernel):
-    import slicedkern
-    _, pullback = slicedkern.vjp(
-        lambda a, b, c: slicedkern.kernel_sum(a, b, c, kernel, engine="scan"), x, y, w)
-    return pullback(g)[:3]
+    """``(dx, dy, dw)`` of the kernel sum by the array-API scan engine (the public ``vjp``)."""
+    with slicedkern.use_engine("scan"):
+        _, pullback = slicedkern.vjp(slicedkern.kernel_sum, x, y, w, kernel)
+        return pullback(g)[:3]
 
 
 @pytest.mark.parametrize("kernel", TIE_KERNELS)
@@ -440,7 +449,7 @@ def test_vjp_exact_ties_randomized(rng, kernel, odd):
     for n, m in TIE_SHAPES:
         x, y, w, g = _tie_rows(rng, 48, n, m, odd)
         mine = sweep.kernel_sum_vjp(x, y, w, kernel.knots, kernel.coeffs, kernel.slope,
-                                    kernel.intercept, g)
+                                    kernel.intercept, g)[:3]
         for a, b in zip(mine, _exact_vjp(x, y, w, g, kernel)):
             close(a, b, tol=1e-12)
         scan = _scan_vjp(x, y, w, g, kernel)
@@ -456,8 +465,8 @@ def test_vjp_ties_one_sided_finite_differences(rng, kernel):
     piecewise-linear losses while the step stays below the 1/8 spacing of the kinks)."""
     h = 2.0 ** -12
     x, y, w, g = _tie_rows(rng, 4, 9, 8, odd=True)
-    dx, dy, _ = sweep.kernel_sum_vjp(x, y, w, kernel.knots, kernel.coeffs, kernel.slope,
-                                     kernel.intercept, g)
+    dx, dy, _, _, _ = sweep.kernel_sum_vjp(x, y, w, kernel.knots, kernel.coeffs, kernel.slope,
+                                           kernel.intercept, g)
     for r in range(x.shape[0]):
         loss = _loss(x[r], y[r], w[r], g[r], kernel)
         for i in range(x.shape[1]):
@@ -477,8 +486,8 @@ def test_self_sum_ties_cancel(rng):
     x, _, w, _ = _tie_rows(rng, 16, 11, 11, odd=False)
     y = x.copy()
     w = w[..., :1]
-    dx, dy, _ = sweep.kernel_sum_vjp(x, y, w, kernel.knots, kernel.coeffs, kernel.slope,
-                                     kernel.intercept, w)
+    dx, dy, _, _, _ = sweep.kernel_sum_vjp(x, y, w, kernel.knots, kernel.coeffs, kernel.slope,
+                                           kernel.intercept, w)
     ex, ey, _ = _exact_vjp(x, y, w, w, kernel)
     close(dx, ex, tol=1e-12)
     close(dy, ey, tol=1e-12)
@@ -489,14 +498,14 @@ def test_self_sum_ties_cancel(rng):
 def test_forward_on_tie_data(rng, kernel):
     """Values on the same data: kernel_sum and attention (masks, both normalisers) against the scan
     and the dense reference."""
-    import slicedkern
     for n, m in [(1, 1), (7, 6), (12, 10)]:
         x, y, w, _ = _tie_rows(rng, 24, n, m, odd=True)
         mask = rng.random(y.shape) < 0.7
         mask[:, 0] = True
         expected = reference.kernel_sum(x, y, w, kernel)
         close(ksum(x, y, w, kernel), expected)
-        close(slicedkern.kernel_sum(x, y, w, kernel, engine="scan"), expected)
+        with slicedkern.use_engine("scan"):
+            close(slicedkern.kernel_sum(x, y, w, kernel), expected)
         for center, norm in [(False, "count"), (True, "abs"), (False, None)]:
             expected = reference.kernel_attention(x, y, w, kernel, key_mask=mask, center=center,
                                                   normalize=norm)
@@ -511,12 +520,35 @@ def test_forward_on_tie_data(rng, kernel):
 
 @pytest.mark.parametrize("kernel", TIE_KERNELS)
 def test_attention_key_mask_gradients_on_ties(rng, kernel):
-    """Masked keys sit at the mean of the valid ones (a non-dyadic median): dk and dv still match the
-    scan, and dq / dk the one-sided finite differences of the dense reference."""
-    import slicedkern
+    """Masked keys sit at the mean of the valid ones in the scan (a non-dyadic median): the fused
+    backward's dk and dv match the scan's, and dq / dk the one-sided finite differences of the dense
+    reference (exact here: the loss is piecewise linear and h is below the 1/8 grid spacing)."""
     q, k, v, _ = _tie_rows(rng, 3, 9, 10, odd=False)
     mask = rng.random(k.shape) < 0.6
     mask[:, :2] = True
+    with slicedkern.use_engine("scan"):
+        out, pullback = slicedkern.vjp(
+            lambda a, b, c: slicedkern.kernel_attention(a, b, c, kernel, key_mask=mask), q, k, v)
+        scan = pullback(np.ones_like(out))
+    mine = sweep.attention_vjp(q, k, v, mask, np.ones_like(out), out, knots=kernel.knots, coeffs=kernel.coeffs,
+                               slope=kernel.slope, intercept=kernel.intercept, center=False, normalizer="count")
+    close(mine[1], scan[1], tol=1e-12)
+    close(mine[2], scan[2], tol=1e-12)
+    h = 2.0 ** -12
+
+    def loss(a, b):
+        return float(np.sum(reference.kernel_attention(a, b, v, kernel, key_mask=mask)))
+
+    base = loss(q, k)
+    for idx in np.ndindex(q.shape):
+        a = q.copy()
+        a[idx] += h
+        close(mine[0][idx], (loss(a, k) - base) / h, tol=1e-9)
+    for idx in np.ndindex(k.shape):
+        b = k.copy()
+        b[idx] -= h
+        close(mine[1][idx], (base - loss(q, b)) / h if mask[idx] else 0.0, tol=1e-9)
+    # the same through the public API: the sweep engine's backward against the scan engine's
     grads = {}
     for engine in ("scan", "sweep"):
         with slicedkern.use_engine(engine):
@@ -525,12 +557,6 @@ def test_attention_key_mask_gradients_on_ties(rng, kernel):
             grads[engine] = pullback(np.ones_like(out))
     close(grads["sweep"][1], grads["scan"][1], tol=1e-12)
     close(grads["sweep"][2], grads["scan"][2], tol=1e-12)
-    h = 2.0 ** -12
-
-    def loss(a, b):
-        return float(np.sum(reference.kernel_attention(a, b, v, kernel, key_mask=mask)))
-
-    base = loss(q, k)
     for idx in np.ndindex(q.shape):
         a = q.copy()
         a[idx] += h
@@ -551,3 +577,4 @@ def test_vjp_knot_below_one_ulp():
                                     kernel.intercept, g)
         for a, b in zip(mine[:2], _exact_vjp(x, y, w, g, kernel)[:2]):
             np.testing.assert_array_equal(a, b)
+

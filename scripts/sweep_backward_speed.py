@@ -1,0 +1,233 @@
+"""Forward and forward+backward of sliced attention on the sweep engine, before / after / reference.
+
+Torch CPU, float32, ``torch.set_num_threads(THREADS)`` (default 2), B*H = 8 rows, D = 64, for each
+length (default 16384 and 65536), through the public API with autograd (``q, k, v`` and, for the
+hat, a per-row bandwidth requiring grad; loss ``sum(out * g)``):
+
+* ``relu``: ``slicedkern.relu_attention(q, k, v)`` (centred, "abs" normaliser);
+* ``hat``: ``slicedkern.hat_attention(q, k, v, bandwidth)`` ("count" normaliser), bandwidth 0.5.
+
+Three implementations, timed interleaved (one repeat of each in turn, so that a shared machine's
+load hits them alike), minimum of ``--repeat``:
+
+* ``after``: this checkout (``PYTHONPATH`` = the repository of this script);
+* ``before``: ``--before`` (default /work/main), in a subprocess with ``PYTHONPATH`` set to it;
+* ``reference``: the naive algorithm of the paper's published module, written here: per knot,
+  concatenate the shifted queries with the keys, sort the 2n scores, prefix sums (cumsum) of the
+  key terms in that order, unsort to the queries, and let autograd differentiate through the
+  cumsums and gathers.
+
+Prints forward, forward+backward, backward (= difference) and backward / forward per op and
+length, and fwd+bwd of the reference over that of ``after``. ``--small`` also prints min / median
+per call of the NumPy forward at L = 16 and 1024 (8 rows, D = 64) and a sort + gather + cumsum of
+the same data as a yardstick.
+
+Usage: ``python scripts/sweep_backward_speed.py [--lengths 16384 65536] [--repeat 3] [--small]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------ the naive reference
+def _relu_sums(torch, q, k, kv, t):
+    """``sum_j ReLU(q_i - t - k_j) [kv_j]`` for every query: concatenate, sort 2n, cumsum, unsort.
+
+    ``kv`` (B, m, C) are the key-side columns; returns (B, n, C).
+    """
+    b, n = q.shape
+    m = k.shape[1]
+    s = torch.cat([q - t, k], dim=1)                                   # (B, n + m)
+    order = torch.argsort(s, dim=1, stable=True)
+    inverse = torch.argsort(order, dim=1)
+    is_key = torch.cat([torch.zeros(b, n), torch.ones(b, m)], dim=1)
+    cols = torch.cat([torch.zeros(b, n, kv.shape[2]), kv], dim=1)      # query rows carry nothing
+    idx = order[..., None].expand(-1, -1, kv.shape[2])
+    c0 = torch.cumsum(torch.gather(cols, 1, idx), dim=1)              # sum of kv over keys <= s
+    c1 = torch.cumsum(torch.gather(cols * (s * is_key)[..., None], 1, idx), dim=1)
+    back = inverse[:, :n, None].expand(-1, -1, kv.shape[2])
+    p0, p1 = torch.gather(c0, 1, back), torch.gather(c1, 1, back)
+    return (q - t)[..., None] * p0 - p1
+
+
+def reference_relu(torch, q, k, v, eps=1e-6):
+    """Centred ReLU attention with the "abs" normaliser, the paper's naive way."""
+    vc = v - v.mean(dim=1, keepdim=True)
+    ones = torch.ones(k.shape + (1,))
+    num = _relu_sums(torch, q, k, torch.cat([vc, ones], dim=2), 0.0)
+    relu_count = num[..., -1:]
+    # |r| = 2 ReLU(r) - r
+    den = 2 * relu_count - (q * k.shape[1] - k.sum(dim=1, keepdim=True))[..., None]
+    return num[..., :-1] / den.clamp_min(eps)
+
+
+def reference_hat(torch, q, k, v, bandwidth):
+    """Hat attention with the "count" normaliser: three ReLU sums (knots -b, 0, b), the naive way."""
+    b = bandwidth[:, None]
+    total = 0
+    for t, c in ((-b, 1.0), (0.0, -2.0), (b, 1.0)):
+        total = total + c * _relu_sums(torch, q, k, v, t)
+    return total / b[..., None] / k.shape[1]
+
+
+# --------------------------------------------------------------------------------------------- worker
+def worker(threads):
+    """Answer timing requests (one JSON line each) on stdin: this process's ``slicedkern``."""
+    import torch
+    torch.set_num_threads(threads)
+
+    import slicedkern
+    cache = {}
+
+    def problem(length, rows, dim):
+        key = (length, rows, dim)
+        if key not in cache:
+            gen = torch.Generator().manual_seed(length)
+            q, k = torch.randn(rows, length, generator=gen), torch.randn(rows, length, generator=gen)
+            v = torch.randn(rows, length, dim, generator=gen)
+            g = torch.randn(rows, length, dim, generator=gen)
+            cache.clear()
+            cache[key] = (q, k, v, g, torch.full((rows,), 0.5))
+        return cache[key]
+
+    def call(op, impl, q, k, v, bw):
+        if impl == "reference":
+            return reference_relu(torch, q, k, v) if op == "relu" else reference_hat(torch, q, k, v, bw)
+        if op == "relu":
+            return slicedkern.relu_attention(q, k, v)
+        return slicedkern.hat_attention(q, k, v, bw)
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("quit"):
+            break
+        q0, k0, v0, g, bw0 = problem(req["length"], req["rows"], req["dim"])
+        q, k, v, bw = (a.clone().requires_grad_(True) for a in (q0, k0, v0, bw0))
+        start = time.perf_counter()
+        out = call(req["op"], req["impl"], q, k, v, bw)
+        mid = time.perf_counter()
+        if req["backward"]:
+            (out * g).sum().backward()
+        end = time.perf_counter()
+        result = {"forward": mid - start, "total": end - start}
+        if req.get("check"):
+            # the reference computes the same function: compare outputs (float32 tolerance)
+            ref = call(req["op"], "reference", q0, k0, v0, bw0)
+            result["max_rel_diff"] = float((out.detach() - ref).abs().max() / ref.abs().max())
+        print(json.dumps(result), flush=True)
+
+
+class Worker:
+    def __init__(self, path, threads):
+        env = dict(os.environ, PYTHONPATH=str(path))
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", "--threads", str(threads)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     cwd=str(path))
+
+    def ask(self, **req):
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker died on {req}")
+        return json.loads(line)
+
+    def close(self):
+        self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+        self.proc.stdin.flush()
+        self.proc.wait()
+
+
+# ---------------------------------------------------------------------------------------- small calls
+def small_calls(threads, calls=2000):
+    """min / median per call of the NumPy forward (8 x L, D = 64) at L = 16 and 1024, next to a sort +
+    gather + cumsum of the same data."""
+    import numpy as np
+
+    import slicedkern
+    rng = np.random.default_rng(0)
+    for length in (16, 1024):
+        q, k = rng.standard_normal((8, length)), rng.standard_normal((8, length))
+        v = rng.standard_normal((8, length, 64))
+
+        def yardstick():
+            order = np.argsort(k, axis=1)
+            return np.cumsum(np.take_along_axis(v, order[..., None], axis=1), axis=1)
+
+        for name, fn in (("relu_attention", lambda: slicedkern.relu_attention(q, k, v)),
+                         ("sort+gather+cumsum", yardstick)):
+            fn()
+            samples = []
+            for _ in range(calls if length == 16 else calls // 4):
+                start = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - start)
+            print(f"  NumPy 8 x {length:5d}, D = 64  {name:20s} min {min(samples) * 1e6:9.1f} us   "
+                  f"median {np.median(samples) * 1e6:9.1f} us   median / min {np.median(samples) / min(samples):5.2f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[16384, 65536])
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (numba keeps its default)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--before", default="/work/main", help="the checkout to compare with ('' for none)")
+    parser.add_argument("--ops", nargs="+", default=["relu", "hat"])
+    parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--no-check", action="store_true", help="skip the output check (one reference call)")
+    parser.add_argument("--small", action="store_true", help="also time small NumPy calls")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.threads)
+
+    impls = {"after": Worker(HERE, args.threads)}
+    if args.before:
+        impls["before"] = Worker(pathlib.Path(args.before), args.threads)
+    print(f"torch CPU float32, torch threads = {args.threads}, rows = {args.rows}, D = {args.dim}, "
+          f"min of {args.repeat} (interleaved)")
+    for length in args.lengths:
+        for op in args.ops:
+            shape = dict(length=length, rows=args.rows, dim=args.dim, op=op)
+            names = list(impls) + ([] if args.no_reference else ["reference"])
+            # warm-up (numba's cache, torch's allocator) and the check of the output against the reference
+            check = impls["after"].ask(**shape, impl="after", backward=True, check=not args.no_check)
+            if "before" in impls:
+                impls["before"].ask(**shape, impl="before", backward=True)
+            best = {name: {"forward": float("inf"), "total": float("inf")} for name in names}
+            for _ in range(args.repeat):
+                for name in names:
+                    w = impls["after" if name == "reference" else name]
+                    fwd = w.ask(**shape, impl=name, backward=False)["forward"]
+                    tot = w.ask(**shape, impl=name, backward=True)["total"]
+                    best[name]["forward"] = min(best[name]["forward"], fwd)
+                    best[name]["total"] = min(best[name]["total"], tot)
+            diff = f"{check['max_rel_diff']:.1e}" if "max_rel_diff" in check else "not checked"
+            print(f"L = {length}, {op} (output vs the reference: max rel. diff {diff})")
+            for name in names:
+                f, t = best[name]["forward"], best[name]["total"]
+                print(f"  {name:9s} forward {f * 1e3:9.1f} ms   fwd+bwd {t * 1e3:9.1f} ms   "
+                      f"backward {(t - f) * 1e3:9.1f} ms   backward / forward {(t - f) / f:6.2f}")
+            if "reference" in best:
+                print(f"  fwd+bwd: reference / after = {best['reference']['total'] / best['after']['total']:.1f}x"
+                      + (f", before / after = {best['before']['total'] / best['after']['total']:.1f}x"
+                         if "before" in best else ""))
+    for w in impls.values():
+        w.close()
+    if args.small:
+        small_calls(args.threads)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Host side of the sweep engine: inputs to read-only row-major NumPy views, profiles to per-row
+arrays, results back to torch, and the schedule of a call (how many workers, which column chunks).
+
+Imported only with the compiled kernels (numba is installed wherever this module is loaded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numba
+import numpy as np
+
+from ._kernels_common import NORMALIZER_CODES
+
+#: Normaliser names of the attention functions.
+NORMALIZERS = (None, "abs", "relu", "count")
+
+Array = Any          # a NumPy array or a CPU torch tensor
+Param = float | Sequence[float] | Array
+
+# Column chunks are at least this wide (narrower ones lose the vectorised inner loops).
+MIN_CHUNK = 16
+# Below this much work (batch rows x (queries + keys) x columns) a call runs serially on the
+# calling thread. On a busy 2-core machine a parallel launch waits for a parked worker thread: 8 rows
+# of L = 1024, D = 64 (2^20 units) took min 1.7 ms but median 56 ms in parallel, min 2.2 ms and median
+# 11 ms serially (scripts/sweep_backward_speed.py --small); a serial call stays a few milliseconds.
+PARALLEL_MIN_WORK = 1 << 21
+
+F64 = np.dtype(np.float64)
+
+
+# ------------------------------------------------------------------------------ host conversion
+def to_numpy(a, name):
+    """(NumPy array, torch dtype or None): a NumPy array, or a zero-copy view of a CPU torch tensor.
+
+    Non-contiguous tensors are made contiguous first; half-precision tensors are widened to float32.
+    """
+    if type(a).__module__.startswith("torch"):
+        import torch
+        if a.device.type != "cpu":
+            raise TypeError(f"argument {name!r}: the sweep engine serves CPU tensors, got device {a.device}")
+        tdtype = a.dtype
+        a = a.detach()
+        if a.dtype in (torch.float16, torch.bfloat16):
+            a = a.float()
+        return a.contiguous().numpy(), tdtype
+    return np.asarray(a), None
+
+
+def wrap(out, tdtypes, *, narrow=False):
+    """Back to torch when any input was a tensor (``narrow``: in the inputs' half dtype, if any)."""
+    tdtypes = [t for t in tdtypes if t is not None]
+    if not tdtypes:
+        return out
+    import torch
+    out = torch.from_numpy(out)
+    if narrow:
+        dt = tdtypes[0]
+        for t in tdtypes[1:]:
+            dt = torch.promote_types(dt, t)
+        if dt in (torch.float16, torch.bfloat16):
+            out = out.to(dt)
+    return out
+
+
+def common_float(arrays, names):
+    """The common work dtype (float32 or float64) of floating arrays; float16 computes in float32."""
+    for a, nm in zip(arrays, names):
+        if a.dtype.kind != "f":
+            raise TypeError(f"argument {nm!r} must have a real floating dtype, got {a.dtype} "
+                            f"with shape {a.shape}")
+    dt = np.result_type(*[a.dtype for a in arrays])
+    return np.dtype(np.float64) if dt == np.float64 else np.dtype(np.float32)
+
+
+def result_dtype(arrays, work):
+    """The dtype results are returned in: half precision when every input is, else ``work``."""
+    dt = np.result_type(*[a.dtype for a in arrays])
+    return dt if dt.itemsize < 4 else work
+
+
+def ro(a):
+    """A read-only C-contiguous view (or copy): one compiled signature whatever the caller's flags."""
+    a = np.ascontiguousarray(a).view()
+    a.flags.writeable = False
+    return a
+
+
+def rows(a, bsz, core, dtype):
+    """Flatten the batch dims to one row axis: read-only, C-contiguous, in ``dtype``."""
+    return ro(a.reshape((bsz,) + tuple(core)).astype(dtype, copy=False))
+
+
+def per_row(value, batch, bsz, name):
+    """A scalar or batch-shaped parameter as a read-only float64 (B,) array."""
+    if isinstance(value, (int, float)):
+        return ro(np.full(bsz, float(value)))
+    arr = np.asarray(to_numpy(value, name)[0], dtype=np.float64)
+    try:
+        arr = np.broadcast_to(arr, batch)
+    except ValueError:
+        raise ValueError(f"argument {name!r} of shape {arr.shape} does not broadcast to the batch "
+                         f"shape {batch}") from None
+    return ro(arr.reshape(bsz))
+
+
+def per_row_knots(value, batch, bsz, name):
+    """A (M,) or (..., M) parameter as a read-only float64 (B, M) array."""
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (int, float)) for v in value):
+        arr = np.asarray(value, dtype=np.float64)
+    else:
+        arr = np.asarray(to_numpy(value, name)[0], dtype=np.float64)
+    if arr.ndim == 0:
+        arr = arr[None]
+    if arr.ndim == 1:  # one profile for every row (the common case): no broadcast machinery
+        rows_ = np.empty((bsz, arr.shape[0]))
+        rows_[:] = arr
+        return ro(rows_)
+    try:
+        arr = np.broadcast_to(arr, tuple(batch) + (arr.shape[-1],))
+    except ValueError:
+        raise ValueError(f"argument {name!r} of shape {arr.shape} does not broadcast to the batch "
+                         f"shape {batch} + (M,)") from None
+    return ro(arr.reshape(bsz, arr.shape[-1]))
+
+
+def profile_rows(knots, coeffs, slope, intercept, batch, bsz):
+    """``(knots (B, M'), coeffs (B, M'), slope (B,), intercept (B,))`` and the user's ``M``.
+
+    A profile without knots gets one idle knot (zero coefficient), which keeps the loops uniform.
+    """
+    kn = per_row_knots(knots, batch, bsz, "knots")
+    co = per_row_knots(coeffs, batch, bsz, "coeffs")
+    if kn.shape[1] != co.shape[1]:
+        raise ValueError(f"arguments 'knots' and 'coeffs' must have the same length M, got "
+                         f"{kn.shape[1]} and {co.shape[1]}")
+    if not np.all(np.isfinite(kn)):
+        raise ValueError("argument 'knots' must be finite")
+    n_user = kn.shape[1]
+    if n_user == 0:
+        kn, co = ro(np.zeros((bsz, 1))), ro(np.zeros((bsz, 1)))
+    return (kn, co, per_row(slope, batch, bsz, "slope"), per_row(intercept, batch, bsz, "intercept")), n_user
+
+
+def strict_rows(strict_knots, n_knots):
+    """The per-knot tie rule of the knot gradients as a read-only bool (n_knots,) array (False:
+    ``H(0) = 1``), padded with False for the knots the bridge appends."""
+    out = np.zeros(n_knots, np.bool_)
+    if strict_knots is not None:
+        flags = np.asarray(strict_knots, dtype=np.bool_).reshape(-1)
+        if flags.size > n_knots:
+            raise ValueError(f"argument 'strict_knots' has {flags.size} entries for {n_knots} knots")
+        out[:flags.size] = flags
+    return ro(out)
+
+
+def with_zero_knot(profile, normalizer):
+    """The profile and the index of a knot at 0 in every row (the "abs"/"relu" normaliser's kink),
+    appended with a zero coefficient where there is none."""
+    kn, co, sl, ic = profile
+    if normalizer not in ("abs", "relu"):
+        return profile, 0
+    zero_cols = np.nonzero(np.all(kn == 0.0, axis=0))[0]
+    if zero_cols.size:
+        return profile, int(zero_cols[0])
+    bsz = kn.shape[0]
+    kn = ro(np.concatenate([kn, np.zeros((bsz, 1))], axis=1))
+    co = ro(np.concatenate([co, np.zeros((bsz, 1))], axis=1))
+    return (kn, co, sl, ic), kn.shape[1] - 1
+
+
+def chunks(bsz, ncols):
+    """(number of chunks, chunk width): split columns only when rows alone leave threads idle."""
+    threads = numba.get_num_threads()
+    if ncols <= MIN_CHUNK or bsz == 0 or bsz % threads == 0 or bsz >= 4 * threads:
+        return 1, max(ncols, 1)
+    want = -(-4 * threads // bsz)
+    nch = max(1, min(want, ncols // MIN_CHUNK))
+    width = -(-ncols // nch)
+    width = -(-width // MIN_CHUNK) * MIN_CHUNK
+    nch = -(-ncols // width)
+    return nch, width
+
+
+def schedule(bsz, n, m, ncols):
+    """``(n_chunks, chunk_width, n_workers)``: one worker (the calling thread) for small work."""
+    nch, width = chunks(bsz, ncols)
+    threads = numba.get_num_threads()
+    if threads == 1 or bsz * (n + m) * max(ncols, 1) < PARALLEL_MIN_WORK:
+        return nch, width, 1
+    return nch, width, min(threads, bsz * nch)
+
+
+def checked(x, y, w, names):
+    """NumPy views of ``x`` (..., n), ``y`` (..., m), ``w`` (..., m, c), their torch dtypes, the batch.
+
+    ``names`` name the three arguments in the errors; leading (batch) shapes must be equal.
+    """
+    (x, tx), (y, ty), (w, tw) = (to_numpy(a, nm) for a, nm in zip((x, y, w), names))
+    nx, ny, nw = names
+    if x.ndim < 1 or y.ndim < 1 or w.ndim != y.ndim + 1:
+        raise ValueError(f"expected {nx} (..., n), {ny} (..., m), {nw} (..., m, c), got shapes {x.shape}, "
+                         f"{y.shape}, {w.shape}")
+    batch = x.shape[:-1]
+    if y.shape[:-1] != batch or w.shape[:-2] != batch or w.shape[-2] != y.shape[-1]:
+        raise ValueError(f"shapes {nx} {x.shape}, {ny} {y.shape}, {nw} {w.shape} do not match (batch dims "
+                         f"must be equal, {nw} must have m = {y.shape[-1]} rows)")
+    return (x, y, w), [tx, ty, tw], batch
+
+
+def mask_rows(key_mask, shape, bsz):
+    """``(mask (B, m) read-only bool, has_mask)`` for the kernels."""
+    if key_mask is None:
+        return NO_MASK, False
+    mask = to_numpy(key_mask, "key_mask")[0]
+    if mask.dtype != np.bool_ or mask.shape != shape:
+        raise ValueError(f"argument 'key_mask' must be a boolean array of shape {shape}, got "
+                         f"{mask.dtype} {mask.shape}")
+    return ro(mask.reshape(bsz, shape[-1])), True
+
+
+def normalizer_code(normalizer):
+    if normalizer not in NORMALIZERS:
+        raise ValueError(f"argument 'normalizer' must be one of {NORMALIZERS}, got {normalizer!r}")
+    return NORMALIZER_CODES[normalizer]
+
+
+def bad_rows(bad, n_chunks):
+    """(B,) rows any of whose tasks reported a bad value."""
+    return bad.reshape(-1, n_chunks).any(axis=1)
+
+
+def summed(parts):
+    """The sum over the leading (chunk) axis of per-chunk partial results."""
+    return parts[0] if parts.shape[0] == 1 else parts.sum(axis=0)
+
+
+NO_MASK = ro(np.ones((1, 1), np.bool_))
+
+
+def dummy(dt):
+    """A placeholder (1, 1, 1) array of ``dt`` for an operand the kernels will not read."""
+    return ro(np.zeros((1, 1, 1), dt))
+
+

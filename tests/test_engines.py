@@ -132,3 +132,26 @@ def test_a_nan_query_adds_nothing_to_the_key_gradients(rng, engine):
     np.testing.assert_allclose(dx[:, keep], cx, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(dy, cy, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(dw, cw, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("engine", ["scan", "sweep"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_half_precision_numpy_is_computed_wider_and_returned_in_its_dtype(rng, engine, dtype):
+    """The documented rule (docs/backends.rst, "Half precision"): an upcast, not a TypeError."""
+    q, k, v, mask = (a.astype(dtype) if a.dtype.kind == "f" else a for a in _data(rng))
+    out = slicedkern.relu_attention(q, k, v, key_mask=mask, engine=engine)
+    assert out.dtype == np.dtype(dtype)
+    expected = reference.relu_attention(*(a.astype(np.float64) for a in (q, k, v)), key_mask=mask)
+    # the float64 answer on the same (rounded) inputs, rounded once to the dtype
+    np.testing.assert_allclose(out.astype(np.float64), expected.astype(dtype).astype(np.float64),
+                               rtol=2 * np.finfo(dtype).eps, atol=2 * np.finfo(dtype).eps * np.abs(expected).max())
+
+
+def test_sweep_refuses_a_tensor_off_the_cpu():
+    """A tensor on another device (CUDA; here the data-less "meta" device) with engine="sweep" is an
+    error naming the argument, never a silent copy to the host."""
+    torch = pytest.importorskip("torch")
+    q, v = torch.zeros((2, 7), device="meta"), torch.zeros((2, 7, 3), device="meta")
+    with pytest.raises(ValueError, match="argument 'engine': the 'sweep' engine runs on NumPy arrays and "
+                                         "CPU torch tensors.*device meta"):
+        slicedkern.relu_attention(q, q, v, engine="sweep")

@@ -1,12 +1,14 @@
 """The engine registry: which engine computes a call, chosen once, in the public layer.
 
-Two engines compute the same forward and backward (docs/architecture.rst): the array-API **scan**
-(every backend, GPUs, JAX) and the fused numba **sweep** (NumPy arrays and CPU torch tensors).
+Three engines compute the same forward and backward (docs/architecture.rst): the array-API **scan**
+(every backend, GPUs, JAX), the fused numba **sweep** (NumPy arrays and CPU torch tensors) and the
+fused Triton kernels of **triton** (torch tensors; chosen automatically for CUDA tensors only).
 :func:`select` resolves an op's ``engine=`` argument, else the :func:`use_engine` default of the
-calling context, else the automatic rule (the sweep wherever it can run, the scan elsewhere and for
-causal attention, which the sweep declines), and returns the engine object the adapters then keep for
-the backward. To add an engine: a subpackage with an :class:`~slicedkern.engines._base.Engine`
-subclass, and one entry in :data:`_REGISTRY`.
+calling context, else the automatic rule (triton for CUDA tensors when Triton is installed, the
+sweep wherever it can run, the scan elsewhere and for causal attention, which the sweep and triton
+decline), and returns the engine object the adapters then keep for the backward. To add an engine: a
+subpackage with an :class:`~slicedkern.engines._base.Engine` subclass, and one entry in
+:data:`_REGISTRY`.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from ..backends import backend_of
 from ._base import Engine
 from .scan import ScanEngine
 from .sweep import SweepEngine
+from .triton import TritonEngine
 
 __all__ = ["Engine", "ENGINE_NAMES", "use_engine", "engine_for", "select", "get", "available"]
 
 #: Engines in order of preference for the automatic rule.
-_REGISTRY: dict[str, Engine] = {"sweep": SweepEngine(), "scan": ScanEngine()}
-ENGINE_NAMES = ("scan", "sweep")
+_REGISTRY: dict[str, Engine] = {"triton": TritonEngine(), "sweep": SweepEngine(), "scan": ScanEngine()}
+ENGINE_NAMES = ("scan", "sweep", "triton")
 _CHOICES = ("auto",) + ENGINE_NAMES
 
 #: The calling context's default: each thread and each asyncio task sees its own.
@@ -43,7 +46,7 @@ def _check_name(name, argument: str) -> str:
 
 @contextlib.contextmanager
 def use_engine(name: str):
-    """Make ``name`` ("auto", "scan" or "sweep") the default engine of the enclosed calls.
+    """Make ``name`` ("auto", "scan", "sweep" or "triton") the default engine of the enclosed calls.
 
     The default belongs to the calling thread (and asyncio task): other threads keep theirs. It is
     read once per op call, so a backward runs on the engine its forward ran on wherever it is
@@ -58,6 +61,8 @@ def use_engine(name: str):
     _check_name(name, "name")
     if name == "sweep" and not SweepEngine.installed():
         raise ValueError("the 'sweep' engine needs numba: pip install numba")
+    if name == "triton" and not TritonEngine.installed():
+        raise ValueError("the 'triton' engine needs Triton: pip install triton")
     token = _default.set(name)
     try:
         yield
@@ -86,7 +91,7 @@ def select(spec, arrays, requested: str | None = None) -> Engine:
             raise ValueError(f"argument 'engine': {reason}")
         return engine
     for engine in _REGISTRY.values():
-        if engine.decline(spec, arrays, backend) is None:
+        if engine.automatic(arrays) and engine.decline(spec, arrays, backend) is None:
             return engine
     raise ValueError("no engine serves these arrays")    # the scan serves every namespace
 

@@ -61,6 +61,10 @@ class Engine:
             return no_causal_mode(self.name)
         return None
 
+    def automatic(self, arrays) -> bool:
+        """Whether the automatic rule may pick this engine for ``arrays`` (``decline`` permitting)."""
+        return True
+
     # -- what the adapters call ---------------------------------------------------------------
     def forward(self, spec, arrays, *, xp):
         """``(out, residuals)``: the output in the work dtype and a flat tuple of arrays."""

@@ -112,13 +112,13 @@ def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = Non
         normaliser, the count and the centring mean (a running mean) are all over the keys the query
         sees; a query that sees none (the first ``Lq - Lk`` ones when ``Lq > Lk``) gets 0. A non-finite
         key or value makes NaN only the queries that see it. ``O(n log^2 n)`` on the scan engine
-        (docs/mathematics.rst, "Causal attention"); the sweep engine has no causal mode.
-    engine : {"scan", "sweep"}, optional
+        (docs/mathematics.rst, "Causal attention"); the sweep and triton engines have no causal mode.
+    engine : {"scan", "sweep", "triton"}, optional
         The engine of the forward and the backward (docs/architecture.rst); default: the
-        :func:`slicedkern.use_engine` setting, else the sweep for NumPy / CPU torch when numba is
-        installed, else the scan. A requested engine that cannot serve the arrays is a ``ValueError``.
-        The sweep has no causal mode: with ``causal=True`` the default is the scan, and
-        ``engine="sweep"`` is a ``ValueError``.
+        :func:`slicedkern.use_engine` setting, else triton for CUDA torch tensors when Triton is
+        installed, the sweep for NumPy / CPU torch when numba is installed, else the scan. A
+        requested engine that cannot serve the arrays is a ``ValueError``. With ``causal=True`` the
+        default is the scan, and ``engine="sweep"`` or ``"triton"`` is a ``ValueError``.
     xp : array namespace, optional
 
     Returns
@@ -224,9 +224,8 @@ def hat_attention(q: Array, k: Array, v: Array, bandwidth: ArrayOrFloat = 1.0, *
     causal : bool, default False
         Query ``i`` sees only the keys ``j <= i + Lk - Lq``; the count is then the number of keys it
         sees. As in :func:`relu_attention`.
-    engine : {"scan", "sweep"}, optional
-        As in :func:`relu_attention`. The bandwidth gradient of the sweep comes from the scan's knot
-        sums (the sweep's compiled kernels have no knot-gradient mode).
+    engine : {"scan", "sweep", "triton"}, optional
+        As in :func:`relu_attention`.
     xp : array namespace, optional
 
     Returns

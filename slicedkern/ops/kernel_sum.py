@@ -27,10 +27,10 @@ def kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, engine:
         Weights: one scalar per key when ``w.ndim == y.ndim``, ``c`` columns otherwise.
     kernel : slicedkern.kernels.PiecewiseLinear
         The 1-D profile ``f`` (``ReLU()``, ``Abs()``, ``Hat(b)``, ...).
-    engine : {"scan", "sweep"}, optional
+    engine : {"scan", "sweep", "triton"}, optional
         The engine that computes the sum and its gradient (docs/architecture.rst); default: the
-        :func:`slicedkern.use_engine` setting, else the sweep for NumPy / CPU torch when numba is
-        installed, else the scan.
+        :func:`slicedkern.use_engine` setting, else triton for CUDA torch tensors when Triton is
+        installed, the sweep for NumPy / CPU torch when numba is installed, else the scan.
     xp : array namespace, optional
         Inferred from the arrays when omitted.
 

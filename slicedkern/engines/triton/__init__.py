@@ -1,0 +1,170 @@
+"""The **triton** engine: the sort-scan as two fused Triton kernels, for torch tensors.
+
+The keys are sorted with ``torch.sort``; everything after the sort runs in Triton kernels
+(:mod:`._kernels`): a blocked scan of the sorted value rows (float32 sums within a block of 64 rows
+for float32 / half values, float64 carries between blocks), and a query kernel that finds each
+query's rank by binary search, reads the prefix sums it needs and writes the combined output with
+the centring term and the per-query divisor (normaliser and NaN policy) folded in. Attention runs one
+query pass over the one-column indicator (the ``relu_count`` and normaliser sums) and one over the
+value columns (docs/architecture.rst, "Engines").
+
+It serves torch tensors: chosen automatically for CUDA tensors when Triton is installed, and on
+request (``engine="triton"`` / :func:`~slicedkern.use_engine`) for CPU tensors too, which Triton runs
+only under its interpreter (``TRITON_INTERPRET=1``, how the tests run it). Parameter gradients
+(array bandwidths and mixture weights) come from the scan's knot sums, as on the sweep engine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from ..._lib.namespace import clamp_min
+from ..._spec import normalizer_profile
+from ...kernels import Profile
+from .._base import Engine
+from .._nanpolicy import screen
+from ..scan._backward import accumulate_columns, column_range, knot_grads
+from ..scan._scan import queries, sort_keys
+from ..scan._wide import arithmetic
+from ._sums import build_table, interpreted, profile_sum
+
+__all__ = ["TritonEngine"]
+
+
+def _rows(xp, a, core: int):
+    """``a`` with its batch dims flattened to one: (R, *core dims), contiguous."""
+    shape = tuple(a.shape)
+    batch = shape[:len(shape) - core]
+    rows = 1
+    for s in batch:
+        rows *= s
+    return xp.reshape(a, (rows,) + shape[len(shape) - core:]).contiguous()
+
+
+class TritonEngine(Engine):
+    name = "triton"
+
+    @staticmethod
+    def installed() -> bool:
+        return importlib.util.find_spec("triton") is not None
+
+    def decline(self, spec, arrays, backend):
+        a = arrays[0]
+        if backend.library != "torch":
+            return f"the 'triton' engine serves torch tensors only, not {type(a).__module__}.{type(a).__name__}"
+        if not self.installed():
+            return "the 'triton' engine needs Triton (pip install triton, or slicedkern[triton])"
+        reason = super().decline(spec, arrays, backend)      # no causal mode (yet)
+        if reason is not None:
+            return reason
+        if backend.is_traced(a):
+            return "the 'triton' engine does not run under torch.compile: use engine='scan'"
+        try:
+            a.data_ptr()
+        except RuntimeError:
+            return "the 'triton' engine does not run under torch.func transforms: use engine='scan'"
+        if a.device.type != "cuda" and not interpreted():
+            return (f"the 'triton' engine runs on CUDA tensors, or on CPU tensors under Triton's interpreter "
+                    f"(TRITON_INTERPRET=1); got a tensor on device {a.device}")
+        return None
+
+    def automatic(self, arrays) -> bool:
+        # CPU tensors run under the interpreter only, far slower than the sweep or the scan
+        device = getattr(arrays[0], "device", None)
+        return getattr(device, "type", None) == "cuda"
+
+    # -- primitives -----------------------------------------------------------------------------
+    def kernel_sum(self, x, y, w, profile, *, xp):
+        batch, n, c = tuple(x.shape[:-1]), x.shape[-1], w.shape[-1]
+        if n == 0 or y.shape[-1] == 0:
+            return xp.zeros(x.shape + (c,), dtype=x.dtype, device=x.device)
+        sc = screen(xp, x, y, w, None, defer=False)
+        table = build_table(xp, _rows(xp, sc.y, 1), _rows(xp, w, 2), take=_rows(xp, sc.table_take, 1))
+        divisor = _rows(xp, sc.divisor(xp, 1.0), 1)
+        out = profile_sum(xp, table, _rows(xp, sc.x, 1), profile, batch, column_range(profile, c),
+                          strict=True, divisor=divisor)
+        return xp.reshape(out, batch + (n, out.shape[-1]))
+
+    def attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp):
+        batch, lq, lk, dv = tuple(q.shape[:-1]), q.shape[-1], k.shape[-1], v.shape[-1]
+        dt, dev = q.dtype, q.device
+        if lq == 0 or lk == 0:
+            take = xp.ones(k.shape, dtype=xp.bool, device=dev) if key_mask is None else key_mask
+            zeros = xp.zeros(q.shape + (1,), dtype=dt, device=dev)
+            return xp.zeros(q.shape + (dv,), dtype=dt, device=dev), (take, zeros, zeros)
+        normalizer = normalizer_profile(normalize)
+        sc = screen(xp, q, k, v, key_mask, defer=False)
+        table = build_table(xp, _rows(xp, sc.y, 1), _rows(xp, v, 2), take=_rows(xp, sc.table_take, 1),
+                            ones=True)
+        xr = _rows(xp, sc.x, 1)
+        valid = table.totals[:, dv:dv + 1]                          # (R, 1) valid keys
+        count = clamp_min(xp, valid, 1.0)
+        indicator = range(dv, dv + 1)
+        relu_count = profile_sum(xp, table, xr, profile, batch, indicator, strict=True)[..., 0]   # (R, n)
+        residuals = [sc.take, xp.reshape(relu_count, batch + (lq, 1))]
+        if normalizer is None:
+            den = 1.0
+        elif isinstance(normalizer, Profile):
+            raw = profile_sum(xp, table, xr, normalizer, batch, indicator, strict=True)[..., 0]
+            residuals.append(xp.reshape(raw, batch + (lq, 1)))
+            # no valid key: the numerator is an empty sum; dividing by 1 rather than eps keeps it 0
+            den = xp.where(valid > 0, clamp_min(xp, raw, eps), xp.ones_like(raw))
+            den = xp.reshape(den, batch + (lq,))
+        else:
+            den = xp.reshape(xp.broadcast_to(count, (count.shape[0], lq)), batch + (lq,))
+        divisor = _rows(xp, sc.divisor(xp, den), 1)
+        alpha = -(relu_count / count) if center else None
+        out = profile_sum(xp, table, xr, profile, batch, range(0, dv), strict=True, alpha=alpha,
+                          divisor=divisor)
+        return xp.reshape(out, batch + (lq, dv)), tuple(residuals)
+
+    def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
+        batch, n, m, c = tuple(x.shape[:-1]), x.shape[-1], y.shape[-1], w.shape[-1]
+        xr, yr = _rows(xp, x, 1), _rows(xp, y, 1)
+        if n == 0 or m == 0:
+            dx = xp.zeros(x.shape, dtype=x.dtype, device=x.device)
+            dy = xp.zeros(y.shape, dtype=x.dtype, device=x.device)
+            dw = xp.zeros(w.shape, dtype=x.dtype, device=x.device)
+            return dx, dy, dw, [(tuple(None for _ in p.knots), tuple(None for _ in p.coeffs))
+                                for p in profiles]
+        # dx: derivative sums over the sorted keys, H(0) = 1 (the scan's convention)
+        keyed = build_table(xp, yr, _rows(xp, w, 2))
+        dx = None
+        for p, g in zip(profiles, cotangents):
+            d = profile_sum(xp, keyed, xr, p.with_(derivative=True), batch, column_range(p, c), strict=False)
+            term = xp.sum(d * _rows(xp, g, 2), axis=-1)
+            dx = term if dx is None else dx + term
+        # dw and dy: the reflected profiles over one sort of the queries carrying every cotangent
+        stacked = _rows(xp, xp.concat(list(cotangents), axis=-1), 2)
+        queried = build_table(xp, xr, stacked)
+        dw = dy = None
+        start = 0
+        for p, g in zip(profiles, cotangents):
+            span = range(start, start + g.shape[-1])
+            start += g.shape[-1]
+            r = p.reflect()
+            val = profile_sum(xp, queried, yr, r, batch, span, strict=True)
+            slope = profile_sum(xp, queried, yr, r.with_(derivative=True), batch, span, strict=True)
+            cols = column_range(p, c)
+            dw = accumulate_columns(xp, dw, val, cols, c)
+            term = xp.sum(_rows(xp, w, 2)[..., cols.start:cols.stop] * slope, axis=-1)
+            dy = term if dy is None else dy + term
+        dx = xp.reshape(dx, batch + (n,))
+        dy = xp.reshape(dy, batch + (m,))
+        dw = xp.reshape(dw, batch + (m, c))
+        if param_grads and not all(p.is_fixed for p in profiles):
+            # knot and coefficient gradients: the scan's knot sums (one (n, c) gather per array knot)
+            ar = arithmetic(xp, x.dtype)
+            sk = sort_keys(y, w, xp=xp, ar=ar)
+            params = knot_grads(sk, queries(x, sk, ar=ar), profiles, cotangents, xp=xp, ar=ar,
+                                param_grads=True)
+        else:
+            params = [(tuple(None for _ in p.knots), tuple(None for _ in p.coeffs)) for p in profiles]
+        return dx, dy, dw, params
+
+    def indicator_sums(self, q, k, ones, profiles, *, xp):
+        batch, lq = tuple(q.shape[:-1]), q.shape[-1]
+        table = build_table(xp, _rows(xp, k, 1), _rows(xp, ones, 2))
+        xr = _rows(xp, q, 1)
+        return [xp.reshape(profile_sum(xp, table, xr, p, batch, range(0, 1), strict=True), batch + (lq, 1))
+                for p in profiles]

@@ -1,0 +1,157 @@
+"""The triton engine under Triton's interpreter (CPU tensors), against the dense float64 reference.
+
+``TRITON_INTERPRET=1`` is set before anything imports Triton's kernels here, so that the kernels run
+on the CPU (CI has no GPU; on a GPU machine, ``TRITON_INTERPRET=0`` runs them compiled, on CUDA
+tensors). Small sizes: the interpreter runs every program of the grid in Python.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import slicedkern  # noqa: E402
+from slicedkern import reference  # noqa: E402
+from slicedkern.kernels import Abs, Hat, HatMixture, ReLU  # noqa: E402
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton", reason="the triton engine needs Triton: pip install 'slicedkern[triton]'")
+
+DEVICE = "cuda" if os.environ["TRITON_INTERPRET"] in ("0", "") else "cpu"
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET=0 runs the kernels compiled, which needs a CUDA device", allow_module_level=True)
+
+SHAPE_Q, SHAPE_K, DV = (2, 3, 17), (2, 3, 23), 4       # batch dims (2, 3), Lq != Lk
+
+
+def _t(a, dtype=torch.float64):
+    return torch.tensor(np.asarray(a), device=DEVICE).to(dtype)
+
+
+def _np(a):
+    return a.detach().cpu().to(torch.float64).numpy()
+
+
+def _data(rng, ties=False):
+    if ties:   # dyadic scores: exact ties between queries, keys and the knots +-0.5, 0
+        q = rng.choice([-1.0, -0.5, 0.0, 0.25, 0.5, 1.0], size=SHAPE_Q)
+        k = rng.choice([-1.0, -0.5, 0.0, 0.25, 0.5, 1.0], size=SHAPE_K)
+    else:
+        q, k = rng.normal(size=SHAPE_Q), rng.normal(size=SHAPE_K)
+    return q, k, rng.normal(size=SHAPE_K + (DV,)), rng.random(SHAPE_K) > 0.3
+
+
+ATTENTION = [
+    ("relu-abs", lambda m, **kw: m.relu_attention(*kw.pop("a"), **kw)),
+    ("relu-relu", lambda m, **kw: m.relu_attention(*kw.pop("a"), normalize="relu", **kw)),
+    ("relu-count-uncentred", lambda m, **kw: m.relu_attention(*kw.pop("a"), normalize="count", center=False, **kw)),
+    ("relu-none", lambda m, **kw: m.relu_attention(*kw.pop("a"), normalize=None, **kw)),
+    ("hat", lambda m, **kw: m.hat_attention(*kw.pop("a"), 0.5, **kw)),
+    ("mixture-abs", lambda m, **kw: m.kernel_attention(*kw.pop("a"), HatMixture([0.5, 1.0], [1.0, -0.4]),
+                                                       center=True, normalize="abs", **kw)),
+]
+
+
+def test_selected_only_on_request_for_cpu_tensors():
+    x = torch.zeros((1, 3))
+    assert slicedkern.engine_for(x) != "triton"
+    with slicedkern.use_engine("triton"):
+        assert slicedkern.engine_for(x) == "triton"
+    with pytest.raises(ValueError, match="'engine'.*torch tensors only"):
+        slicedkern.relu_attention(np.zeros((1, 3)), np.zeros((1, 3)), np.zeros((1, 3, 2)), engine="triton")
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("name, op", ATTENTION, ids=[a[0] for a in ATTENTION])
+def test_attention_forward_matches_the_reference(rng, name, op, masked, ties):
+    q, k, v, mask = _data(rng, ties)
+    mask = mask if masked else None
+    expected = op(reference, a=(q, k, v), key_mask=mask)
+    tm = _t(mask, torch.bool) if masked else None
+    out = op(slicedkern, a=(_t(q), _t(k), _t(v)), key_mask=tm, engine="triton")
+    assert out.shape == SHAPE_Q + (DV,) and out.dtype == torch.float64 and out.device.type == DEVICE
+    np.testing.assert_allclose(_np(out), expected, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("kernel", [ReLU(), Abs(), Hat(0.5)], ids=repr)
+@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+def test_kernel_sum_matches_the_reference(rng, kernel, ties):
+    q, k, v, _ = _data(rng, ties)
+    out = slicedkern.kernel_sum(_t(q), _t(k), _t(v), kernel, engine="triton")
+    np.testing.assert_allclose(_np(out), reference.kernel_sum(q, k, v, kernel), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("name, op", [ATTENTION[0], ATTENTION[1], ATTENTION[4], ATTENTION[5]],
+                         ids=["relu-abs", "relu-relu", "hat", "mixture-abs"])
+def test_attention_gradients_match_the_dense_reference(rng, name, op):
+    q, k, v, mask = _data(rng)
+    cot = _t(rng.normal(size=SHAPE_Q + (DV,)))
+    grads = []
+    for module, engine in ((slicedkern, "triton"), (reference, None)):
+        args = [_t(a).requires_grad_() for a in (q, k, v)]
+        kw = {"engine": engine} if engine else {}
+        out = op(module, a=args, key_mask=_t(mask, torch.bool), **kw)
+        grads.append(torch.autograd.grad((out * cot).sum(), args))
+    for got, want, label in zip(*grads, "qkv"):
+        np.testing.assert_allclose(_np(got), _np(want), rtol=1e-7, atol=1e-9, err_msg=label)
+
+
+def test_bandwidth_and_weight_gradients(rng):
+    q, k, v, _ = _data(rng)
+    b = rng.uniform(0.3, 1.5, size=(3,))                     # one bandwidth per head (batch dim 1)
+    w = np.array([1.0, -0.5])
+    grads = []
+    for engine in ("triton", "scan"):
+        qa, ka, va = (_t(a).requires_grad_() for a in (q, k, v))
+        bands = _t(np.stack([b, 2 * b], axis=-1)).requires_grad_()
+        weights = _t(w).requires_grad_()
+        out = slicedkern.hat_mixture_attention(qa, ka, va, bands, weights, engine=engine)
+        grads.append(torch.autograd.grad(out.sin().sum(), (qa, ka, va, bands, weights)))
+    for got, want in zip(*grads):
+        np.testing.assert_allclose(_np(got), _np(want), rtol=1e-9, atol=1e-11)
+
+
+def test_kernel_sum_gradients_with_ties_agree_with_the_scan(rng):
+    """At exact ties the derivative is one-sided: the engines must pick the same side."""
+    q, k, v, _ = _data(rng, ties=True)
+    grads = []
+    for engine in ("triton", "scan"):
+        args = [_t(a).requires_grad_() for a in (q, k, v)]
+        out = slicedkern.kernel_sum(*args, Hat(0.5), engine=engine)
+        grads.append(torch.autograd.grad(out.cos().sum(), args))
+    for got, want in zip(*grads):
+        np.testing.assert_allclose(_np(got), _np(want), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3), (torch.float16, 1e-3)],
+                         ids=["float32", "bfloat16", "float16"])
+def test_low_precision_inputs(rng, dtype, tol):
+    """Output in the input dtype; error against float64 on the same rounded inputs within the
+    dtype's own rounding (normwise)."""
+    q, k, v = (_t(a, dtype) for a in _data(rng)[:3])
+    out = slicedkern.relu_attention(q, k, v, engine="triton")
+    assert out.dtype == dtype
+    expected = reference.relu_attention(*(_np(a) for a in (q, k, v)))
+    err = np.linalg.norm(_np(out) - expected) / np.linalg.norm(expected)
+    assert err <= tol
+    args = [a.detach().requires_grad_() for a in (q, k, v)]
+    grads = torch.autograd.grad(slicedkern.relu_attention(*args, engine="triton").float().sum(), args)
+    assert [g.dtype for g in grads] == [dtype] * 3
+
+
+def test_nan_policy_and_empty_rows(rng):
+    q, k, v, mask = _data(rng)
+    q[0, 0, 3] = np.nan
+    k[1, 2, 5] = np.inf
+    mask[0, 1, :] = False                    # a row with no valid key: attention 0
+    args = dict(a=(_t(q), _t(k), _t(v)), key_mask=_t(mask, torch.bool))
+    out = _np(ATTENTION[0][1](slicedkern, engine="triton", **args))
+    want = _np(ATTENTION[0][1](slicedkern, engine="scan", **dict(args, a=(_t(q), _t(k), _t(v)))))
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    assert np.isnan(out[0, 0, 3]).all() and np.isnan(out[1, 2]).all() and (out[0, 1] == 0).all()
+    np.testing.assert_allclose(out, want, rtol=1e-9, atol=1e-11)

@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 
 import slicedkern
 import slicedkern.distributed as skd
-from slicedkern.kernels import Hat
 
 jax.config.update("jax_enable_x64", True)
 
@@ -28,10 +27,8 @@ AXIS = "seq"
 #: compiles its own programs (the torch tests cover more combinations)
 CASES = [
     ("relu-default", "relu_attention", {}, {}, True),
-    ("hat-array-bandwidth", "hat_attention", {}, {"bandwidth": ()}, True),
     ("mixture-arrays-relu", "hat_mixture_attention", {"normalize": "relu"}, {"bandwidths": (2,), "weights": (2,)},
      False),
-    ("kernel-center", "kernel_attention", {"kernel": Hat(1.3), "center": True, "normalize": None}, {}, False),
 ]
 
 

@@ -152,6 +152,33 @@ def check_nan_policy(rank, size, init):
     torch.testing.assert_close(out, ref[:, lo:hi], equal_nan=True)
 
 
+def check_volume(rank, size, init):
+    """The bytes the collectives carry, counted call by call, match the closed form of the docs."""
+    import torch
+
+    import slicedkern.distributed as skd
+    from slicedkern.distributed.volume import ring_bytes, sequence_parallel_bytes
+
+    _init(rank, size, init)
+    batch, n, dv = 3, 5, 4
+    q, k, v, _, _ = _problem(3, (batch,), n * size, dv, mask=False, ties=False)
+    lo, hi = rank * n, (rank + 1) * n
+    shard = [torch.tensor(a[:, lo:hi], requires_grad=True) for a in (q, k, v)]
+    bandwidth = torch.full((batch,), 0.8, dtype=torch.float64, requires_grad=True)
+    calls = [  # (the call, its options for the formula)
+        (lambda: skd.relu_attention(*shard), {}),
+        (lambda: skd.relu_attention(*shard, center=False, normalize="count"),
+         {"center": False, "profile_normalizer": False}),
+        (lambda: skd.hat_attention(*shard, bandwidth), {"center": False, "profile_normalizer": False,
+                                                        "params": batch}),
+    ]
+    for call, options in calls:
+        with skd.count_bytes() as log:
+            call().sum().backward()
+        expected = sequence_parallel_bytes(size, batch, n, dv, itemsize=8, **options)
+        assert ring_bytes(log, size) == expected, (log, ring_bytes(log, size), expected, options)
+
+
 def check_bad_input(rank, size, init, outdir):
     """Each bad call raises on every rank (no hang); the error message is sent back to the test."""
     import torch

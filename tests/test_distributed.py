@@ -41,6 +41,10 @@ def test_nan_policy_reaches_every_rank():
     workers.spawn(workers.check_nan_policy, 2)
 
 
+def test_communication_volume_matches_the_formula():
+    workers.spawn(workers.check_volume, 2)
+
+
 @pytest.mark.parametrize("size", [2, 3])
 def test_bad_input_fails_on_every_rank(size, tmp_path):
     workers.spawn(workers.check_bad_input, size, str(tmp_path))

@@ -96,7 +96,7 @@ def device_of(group):
     return torch.device("cpu")
 
 
-def agree(prepared, error, group):
+def agree(prepared, error, group, log=None):
     """Raise on every rank unless all ranks validated their arguments and agree on shapes and dtypes.
 
     One small all-gather, before any other collective: a rank whose own checks failed still takes
@@ -108,6 +108,8 @@ def agree(prepared, error, group):
         error, facts = exc, _describe(None, exc)
     mine = torch.tensor(facts, dtype=torch.int64, device=device_of(group))
     size = dist.get_world_size(group)
+    if log is not None:
+        log.append(("all_gather", mine.numel() * mine.element_size()))
     everyone = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(everyone, mine, group=group)
     table = [t.tolist() for t in everyone]

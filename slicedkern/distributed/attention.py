@@ -83,7 +83,7 @@ def _sharded(q, k, v, hats, *, group, axis_name, **options):  # options: those o
         prepared = prepare(q, k, v, hats, **options)
     except (TypeError, ValueError) as exc:
         error = exc                      # raised after the agreement step, so that no rank waits
-    module.agree(prepared, error, group)
+    module.agree(prepared, error, group, _log.get())
     return module.apply(prepared, group, _log.get())
 
 

@@ -72,7 +72,8 @@ def _worker(rank, size, init, args, outdir):
         with skd.count_bytes() as log:
             call().sum().backward()
         counted = ring_bytes(log, size)
-        formula = sequence_parallel_bytes(size, b, n // size, dv, itemsize=4)
+        # float32 inputs are computed in the work dtype, float64, and the partial sums travel in it
+        formula = sequence_parallel_bytes(size, b, n // size, dv, itemsize=8)
         assert counted == formula, (counted, formula)
         report["bytes_sent"] = counted
         report["ring_attention_bytes"] = ring_attention_bytes(size, b, n // size, dv, itemsize=4)

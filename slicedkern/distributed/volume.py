@@ -30,7 +30,7 @@ def ring_bytes(log, ranks: int) -> int:
     return round(total)
 
 
-def sequence_parallel_bytes(ranks: int, batch: int, n: int, dv: int, itemsize: int = 4, *, center: bool = True,
+def sequence_parallel_bytes(ranks: int, batch: int, n: int, dv: int, itemsize: int = 8, *, center: bool = True,
                             profile_normalizer: bool = True, params: int = 0, backward: bool = True,
                             agreement: bool = True) -> int:
     """Bytes one rank sends per call of :mod:`slicedkern.distributed` attention.
@@ -46,7 +46,8 @@ def sequence_parallel_bytes(ranks: int, batch: int, n: int, dv: int, itemsize: i
     dv : int
         Value width.
     itemsize : int
-        Bytes of the work dtype (4 for float32).
+        Bytes of the work dtype, in which the partial sums travel: 8 (float64) wherever the backend
+        has it, float32 inputs included (the one-process op accumulates there too); 4 otherwise.
     center, profile_normalizer : bool
         The centring (``relu_attention`` by default) and a profile normaliser ("abs" / "relu").
     params : int
@@ -62,7 +63,7 @@ def sequence_parallel_bytes(ranks: int, batch: int, n: int, dv: int, itemsize: i
     --------
     >>> from slicedkern.distributed.volume import ring_attention_bytes, sequence_parallel_bytes
     >>> sequence_parallel_bytes(4, 8, 1024, 64, agreement=False), ring_attention_bytes(4, 8, 1024, 64)
-    (13178976, 19169280)
+    (26357952, 19169280)
     """
     p, row = ranks, batch * itemsize
     cols = dv + 1 + int(profile_normalizer)
@@ -84,7 +85,8 @@ def ring_attention_bytes(ranks: int, batch: int, n: int, dv: int, itemsize: int 
                          key_width: int = 1) -> int:
     """Bytes one rank sends per call of ring attention on the same shards: its key and value shards go
     ``P - 1`` steps around the ring forward; backward, the keys and values go round again with their
-    gradient accumulators. ``key_width`` is 1 for one score per token (``E`` for dot-product attention).
+    gradient accumulators. ``key_width`` is 1 for one score per token (``E`` for dot-product attention);
+    ``itemsize`` that of the inputs (4 for float32).
 
     Examples
     --------

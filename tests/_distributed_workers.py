@@ -135,7 +135,8 @@ def check_matches(rank, size, init, engine, dtype_name, names=None):
 
 
 def check_nan_policy(rank, size, init):
-    """A non-finite key on one rank makes its batch row NaN on every rank; other rows stay exact."""
+    """A non-finite key on one rank makes its batch row NaN on every rank; other rows stay exact.
+    Then: query and key shards of different lengths, and batch dims that broadcast."""
     import torch
 
     import slicedkern
@@ -150,6 +151,23 @@ def check_nan_policy(rank, size, init):
     out = skd.relu_attention(torch.tensor(q[:, lo:hi]), torch.tensor(k[:, lo:hi]), torch.tensor(v[:, lo:hi]))
     assert torch.isnan(out[0]).all(), "row 0 must be NaN on every rank"
     torch.testing.assert_close(out, ref[:, lo:hi], equal_nan=True)
+
+    # Lq != Lk (3 queries, 5 keys per rank), broadcast batch dims: q (2, 1, Lq), k and v (1, 2, Lk)
+    rng = np.random.default_rng(11)
+    nq, nk = 3 * size, 5 * size
+    q, k, v = rng.normal(size=(2, 1, nq)), rng.normal(size=(1, 2, nk)), rng.normal(size=(1, 2, nk, 2))
+    full = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+    ref = slicedkern.relu_attention(*full, engine="scan")
+    ref.sum().backward()
+    qs = torch.tensor(q[..., rank * 3:(rank + 1) * 3], requires_grad=True)
+    ks = torch.tensor(k[..., rank * 5:(rank + 1) * 5], requires_grad=True)
+    vs = torch.tensor(v[..., rank * 5:(rank + 1) * 5, :], requires_grad=True)
+    out = skd.relu_attention(qs, ks, vs, engine="scan")
+    out.sum().backward()
+    torch.testing.assert_close(out, ref[..., rank * 3:(rank + 1) * 3, :], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(qs.grad, full[0].grad[..., rank * 3:(rank + 1) * 3], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(ks.grad, full[1].grad[..., rank * 5:(rank + 1) * 5], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(vs.grad, full[2].grad[..., rank * 5:(rank + 1) * 5, :], rtol=1e-9, atol=1e-9)
 
 
 def check_volume(rank, size, init):

@@ -37,7 +37,7 @@ def test_matches_single_process_default_engine_float32():
     workers.spawn(workers.check_matches, 2, None, "float32", ("relu-default", "hat-array-bandwidth"))
 
 
-def test_nan_policy_reaches_every_rank():
+def test_nan_policy_cross_lengths_and_broadcast_batch():
     workers.spawn(workers.check_nan_policy, 2)
 
 

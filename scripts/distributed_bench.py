@@ -10,7 +10,8 @@ What CPU numbers can say: on one host the ranks share cores and memory bandwidth
 through the kernel's loopback; they show the collectives' overhead and whether the per-rank work
 shrinks, not the speed of a GPU cluster with NVLink or InfiniBand.
 
-Usage: ``python scripts/distributed_bench.py [--n 65536] [--batch 4] [--dv 32] [--rounds 3]``
+Usage: ``PYTHONPATH=. python scripts/distributed_bench.py [--n 65536] [--batch 4] [--dv 32] [--rounds 3]``;
+``--rank-work`` times one rank's share of the forward in this process instead (no collectives).
 """
 
 from __future__ import annotations
@@ -89,6 +90,43 @@ def _worker(rank, size, init, args, outdir):
             json.dump([report], f)
 
 
+def rank_work(args, sizes=(2, 4, 16), repeats=7):
+    """One rank's forward partial sums (its key shard against all n queries) in this process, next to
+    the one-process forward: how far the per-rank work shrinks with P, without any collective."""
+    import array_api_compat.torch as xp
+    import torch
+
+    import slicedkern
+    from slicedkern.engines import get
+    from slicedkern.kernels import Abs, Profile, ReLU
+
+    torch.set_num_threads(1)
+    engine = get(args.engine)
+    rng = np.random.default_rng(0)
+    b, n, dv = args.batch, args.n, args.dv
+    q, k = torch.tensor(rng.normal(size=(b, n))), torch.tensor(rng.normal(size=(b, n)))
+    v = torch.tensor(rng.normal(size=(b, n, dv)))
+
+    def one_rank(p):
+        m = n // p
+        ones = torch.ones(b, m, 1, dtype=v.dtype)
+        engine.kernel_sum(q, k[:, :m], torch.cat([v[:, :m], ones], -1), Profile.of(ReLU()), xp=xp)
+        engine.indicator_sums(q, k[:, :m], ones, [Profile.of(Abs())], xp=xp)
+
+    calls = {"one process": lambda: slicedkern.relu_attention(q, k, v, engine=args.engine)}
+    calls.update({f"one rank of P={p}": (lambda p=p: one_rank(p)) for p in sizes})
+    times = {name: [] for name in calls}
+    for _ in range(repeats):                    # interleaved
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t0)
+    base = min(times["one process"])
+    print(f"forward work without collectives (float64, min of {repeats} interleaved):")
+    for name, t in times.items():
+        print(f"  {name:>17}: {min(t):.3f} s  ({min(t) / base:.2f} x one process)")
+
+
 def main():
     import torch.multiprocessing as mp
 
@@ -100,7 +138,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engine", default="scan")
     parser.add_argument("--sizes", default="1,2,4")
+    parser.add_argument("--rank-work", action="store_true", help="only time one rank's share in-process")
     args = parser.parse_args()
+    if args.rank_work:
+        rank_work(args)
+        return
     sizes = [int(s) for s in args.sizes.split(",")]
     best: dict = {}
     volumes: dict = {}

@@ -33,9 +33,16 @@ __all__ = ["relu_attention", "hat_attention", "hat_mixture_attention", "kernel_a
 
 
 def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, causal, engine, xp):
-    """Shared validation and dispatch of every attention op.
+    """Shared validation and dispatch of every attention op (see :func:`prepare`)."""
+    return run(*prepare(q, k, v, hats, kernel=kernel, key_mask=key_mask, center=center, normalize=normalize,
+                        eps=eps, causal=causal, engine=engine, xp=xp))
 
-    ``kernel`` is a fixed profile; otherwise ``hats`` is a builder (see :func:`_hat_spec`) that
+
+def prepare(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, causal=False, engine, xp):
+    """Validate an attention call once: ``(xp, spec, engine, inputs, names, out_dtype)``, what
+    :func:`slicedkern.adapters.run` takes (and what ``slicedkern.distributed`` runs its own way).
+
+    ``kernel`` is a fixed profile; otherwise ``hats`` is a builder (see :func:`hat_spec`) that
     returns the hat part of the spec and its array parameters.
     """
     named = {"q": q, "k": k, "v": v, "key_mask": key_mask}
@@ -78,7 +85,7 @@ def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, 
         v = xp.astype(v, out_dtype)
     inputs = (q, k, v) + ((arrays["key_mask"],) if key_mask is not None else ()) + tuple(params.values())
     names = ("q", "k", "v") + (("key_mask",) if key_mask is not None else ()) + tuple(params)
-    return run(xp, spec, select(spec, inputs, engine), inputs, names, out_dtype)
+    return xp, spec, select(spec, inputs, engine), inputs, names, out_dtype
 
 
 def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = None, center: bool = True,
@@ -169,7 +176,7 @@ def _param_list(xp, value, name, device, work, batch, *, positive, single):
     return None, arr
 
 
-def _hat_spec(bandwidths, weights, names):
+def hat_spec(bandwidths, weights, names):
     """Builder of the hat fields of an :class:`AttentionSpec` and its array parameters.
 
     One hat when ``weights is None``; else a mixture. Float parameters go into the (static) spec,
@@ -242,7 +249,7 @@ def hat_attention(q: Array, k: Array, v: Array, bandwidth: ArrayOrFloat = 1.0, *
     >>> slicedkern.hat_attention(q3, k, v, causal=True)[..., 0]  # 1 / 1, (1 + 0.5) / 2, 1.5 / 3
     array([[1.  , 0.75, 0.5 ]])
     """
-    return _attention(q, k, v, _hat_spec(bandwidth, None, ("bandwidth", "weights")),
+    return _attention(q, k, v, hat_spec(bandwidth, None, ("bandwidth", "weights")),
                       key_mask=key_mask, center=False, normalize=normalize, eps=eps, causal=causal,
                       engine=engine, xp=xp)
 
@@ -272,7 +279,7 @@ def hat_mixture_attention(q: Array, k: Array, v: Array, bandwidths: ArrayOrFloat
     >>> slicedkern.hat_mixture_attention(q, k, v, [1.0, 2.0], [1.0, 1.0])  # (2 + 1.25) / 2
     array([[[1.625]]])
     """
-    return _attention(q, k, v, _hat_spec(bandwidths, weights, ("bandwidths", "weights")),
+    return _attention(q, k, v, hat_spec(bandwidths, weights, ("bandwidths", "weights")),
                       key_mask=key_mask, center=False, normalize=normalize, eps=eps, causal=causal,
                       engine=engine, xp=xp)
 

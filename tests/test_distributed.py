@@ -1,0 +1,73 @@
+"""Sequence-parallel attention (slicedkern.distributed) on torch.distributed: gloo on CPU, 2 and 4
+processes, compared with the one-process op on the whole sequence (forward and gradients, masks,
+the NaN policy), and bad input that must fail on every rank without a hang.
+
+The processes are spawned (torch.multiprocessing) with a deadline; gloo's own timeout turns a
+stuck collective into an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import _distributed_workers as workers  # noqa: E402
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+import slicedkern.distributed as skd  # noqa: E402
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_matches_single_process_float64(size):
+    workers.spawn(workers.check_matches, size, "scan", "float64")
+
+
+def test_matches_single_process_default_engine_float32():
+    # the default engine (the numba sweep where installed): two cases, for the compile time per process
+    workers.spawn(workers.check_matches, 2, None, "float32", ("relu-default", "hat-array-bandwidth"))
+
+
+def test_nan_policy_cross_lengths_and_broadcast_batch():
+    workers.spawn(workers.check_nan_policy, 2)
+
+
+def test_communication_volume_matches_the_formula():
+    workers.spawn(workers.check_volume, 2)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_bad_input_fails_on_every_rank(size, tmp_path):
+    workers.spawn(workers.check_bad_input, size, str(tmp_path))
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(size)]
+    for rank, got in enumerate(reports):
+        assert "disagree on the queries per rank" in got["unequal"], got["unequal"]
+        assert re.search("disagree on the (score|value) dtype", got["dtype"]), got["dtype"]
+        assert "options and kernel" in got["options"], got["options"]
+        if rank == size - 1:
+            assert "argument 'eps'" in got["local"], got["local"]
+        else:
+            assert f"rank(s) [{size - 1}] failed validation" in got["local"], got["local"]
+        assert got["fine"] == "no error"
+
+
+def test_uninitialised_group_is_a_clear_error():
+    assert not dist.is_initialized()
+    q = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        skd.relu_attention(q, q, torch.zeros(4, 2, dtype=torch.float64))
+
+
+def test_numpy_arrays_are_refused_by_name():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match="argument 'q'"):
+        skd.relu_attention(np.zeros(4), np.zeros(4), np.zeros((4, 2)))

@@ -21,8 +21,7 @@ import torch.nn.functional as F  # noqa: E402
 import slicedkern  # noqa: E402
 from slicedkern import reference  # noqa: E402
 from slicedkern.kernels import Hat, PiecewiseLinear, ReLU  # noqa: E402
-from slicedkern.nn.torch import (SlicedAttention, SlicedTransformerEncoder,  # noqa: E402
-                                 SlicedTransformerEncoderLayer)
+from slicedkern.nn.torch import SlicedAttention, SlicedTransformerEncoder, SlicedTransformerEncoderLayer  # noqa: E402
 
 CAUSAL_OPS = all("causal" in inspect.signature(op).parameters
                  for op in (slicedkern.relu_attention, slicedkern.hat_attention,
@@ -256,7 +255,7 @@ def test_padded_tokens_never_change_real_outputs(name, rope):
     g = torch.Generator().manual_seed(3)
     real = torch.randn(2, 10, 32, generator=g, dtype=torch.float64)
     reference_out, _ = layer(real, real, real)
-    for trial in range(2):
+    for _trial in range(2):
         padded = torch.cat((real, 5.0 * torch.randn(2, 6, 32, generator=g, dtype=torch.float64)), dim=1)
         mask = torch.zeros(2, 16, dtype=torch.bool)
         mask[:, 10:] = True

@@ -34,8 +34,8 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from .. import hat_attention, hat_mixture_attention, kernel_attention, relu_attention
 from ..kernels import PiecewiseLinear

@@ -22,7 +22,8 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +31,7 @@ import numpy as np
 from flax import nnx
 
 from ..kernels import PiecewiseLinear
-from . import (ROPE_BASE, attention_op, causal_unavailable, check_forward, layer_config, op_arguments,
-               supports_causal)
+from . import ROPE_BASE, attention_op, causal_unavailable, check_forward, layer_config, op_arguments, supports_causal
 
 __all__ = ["SlicedAttention", "FixedBandwidth"]
 

@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels import PiecewiseLinear
-from . import (ROPE_BASE, attention_op, causal_unavailable, check_forward, layer_config, op_arguments,
-               supports_causal)
+from . import ROPE_BASE, attention_op, causal_unavailable, check_forward, layer_config, op_arguments, supports_causal
 
 __all__ = ["SlicedAttention", "SlicedTransformerEncoderLayer", "SlicedTransformerEncoder"]
 

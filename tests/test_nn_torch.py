@@ -1,9 +1,10 @@
 """slicedkern.nn.torch: the layers against a dense composition, padding invariance, errors, composition.
 
 The oracle :func:`dense_layer` recomputes a layer from its ``state_dict`` with plain torch ops and
-the dense ``slicedkern.reference`` attention (float64), following the computation documented in
-:mod:`slicedkern.nn`; causal attention uses one reference row per query, with a lower-triangular
-key mask.
+the dense ``slicedkern.reference`` attention (float64), or with the public ops
+(``slicedkern.relu_attention`` ...), following the computation documented in :mod:`slicedkern.nn`;
+causal attention uses one reference row per query, with a key mask of the keys it sees
+(``j <= i + Lk - Lq``, the ops' bottom-right alignment).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def rope_reference(x, num_heads):
     return torch.stack((z.real, z.imag), dim=-2).reshape(n, length, embed)
 
 
-def dense_layer(layer, options, query, key, value, key_padding_mask=None, causal=False):
-    """The layer's output from its weights, with ``slicedkern.reference`` as the attention."""
+def dense_layer(layer, options, query, key, value, key_padding_mask=None, causal=False, ops=reference):
+    """The layer's output from its weights, with ``ops`` (``slicedkern.reference`` or ``slicedkern``)
+    as the attention."""
     sd = layer.state_dict()
     heads = layer.num_heads
     kernel = options.get("kernel", "relu")
@@ -77,7 +79,7 @@ def dense_layer(layer, options, query, key, value, key_padding_mask=None, causal
     valid = (torch.ones(n, k_len, dtype=torch.bool) if key_padding_mask is None else ~key_padding_mask)
     if causal:
         # One reference row per query: keys j <= i, so centring uses the prefix mean.
-        rows = valid[:, None, :] & torch.ones(q_len, k_len, dtype=torch.bool).tril()
+        rows = valid[:, None, :] & torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
         qs, ks = qs[..., None], ks[:, :, None, :].expand(n, heads, q_len, k_len)
         vh = vh[:, :, None].expand(n, heads, q_len, k_len, vh.shape[-1])
         mask = rows[:, None]                                                # (N, 1, Lq, Lk)
@@ -88,17 +90,17 @@ def dense_layer(layer, options, query, key, value, key_padding_mask=None, causal
         vh = vh - (vh * w).sum(-2, keepdim=True) / w.sum(-2, keepdim=True).clamp(min=1)
     per_query = (slice(None), None) if causal else ()
     if kernel == "relu":
-        ctx = reference.relu_attention(qs, ks, vh, key_mask=mask, center=center, normalize=normalize)
+        ctx = ops.relu_attention(qs, ks, vh, key_mask=mask, center=center, normalize=normalize)
     elif kernel == "hat":
         bandwidth = sd["log_bandwidth"].exp()[per_query]
-        ctx = reference.hat_attention(qs, ks, vh, bandwidth, key_mask=mask, normalize=normalize)
+        ctx = ops.hat_attention(qs, ks, vh, bandwidth, key_mask=mask, normalize=normalize)
     elif kernel == "hat_mixture":
         bandwidths = sd["log_bandwidth"].exp()[per_query]
         weights = sd["mixture_weight"][per_query]
-        ctx = reference.hat_mixture_attention(qs, ks, vh, bandwidths, weights, key_mask=mask,
+        ctx = ops.hat_mixture_attention(qs, ks, vh, bandwidths, weights, key_mask=mask,
                                               normalize=normalize)
     else:
-        ctx = reference.kernel_attention(qs, ks, vh, kernel, key_mask=mask, center=center,
+        ctx = ops.kernel_attention(qs, ks, vh, kernel, key_mask=mask, center=center,
                                          normalize=normalize)
     if causal:
         ctx = ctx[..., 0, :]
@@ -151,6 +153,17 @@ def test_cross_attention_matches_dense_composition(name, batch_first):
     out_nomask, _ = layer(query, key, value)
     torch.testing.assert_close(out_nomask, dense_layer(layer, options, query, key, value),
                                rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_matches_composition_of_public_ops(name):
+    """The layer equals the same composition written with the public ops (not the reference)."""
+    options = {**KERNELS[name], "batch_first": False, "center": True}
+    layer = make_layer(options)
+    query, key, value, mask = inputs(k_len=9, batch_first=False)
+    out, _ = layer(query, key, value, key_padding_mask=mask)
+    expected = dense_layer(layer, options, query, key, value, mask, ops=slicedkern)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("options", [
@@ -206,10 +219,10 @@ def test_causal_is_a_clear_error_while_the_ops_lack_it(name):
 
 
 def dense_causal_op(kernel):
-    """A dense stand-in of the future ``causal=`` ops: one reference row per query, keys j <= i."""
+    """A dense stand-in of the ``causal=`` ops: one reference row per query, keys j <= i + Lk - Lq."""
     def op(q, k, v, *params, key_mask=None, causal=False, **options):
         q_len, k_len = q.shape[-1], k.shape[-1]
-        tril = torch.ones(q_len, k_len, dtype=torch.bool).tril()
+        tril = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)      # bottom-right
         valid = (torch.ones(k.shape, dtype=torch.bool) if key_mask is None else key_mask)[..., None, :] & tril
         params = tuple(p[..., None] if p.ndim == 1 else p[:, None] for p in params)
         lead = torch.broadcast_shapes(q.shape[:-1], k.shape[:-1], v.shape[:-2])
@@ -239,6 +252,22 @@ def test_causal_plumbing_with_a_dense_causal_op(name, monkeypatch):
     torch.testing.assert_close(out, dense_layer(layer, options, x, x, x, mask, causal=True),
                                rtol=1e-9, atol=1e-11)
     assert torch.all(out[1, :3] == 0)
+
+
+@pytest.mark.parametrize("q_len, k_len", [(4, 7), (9, 6)])
+def test_causal_cross_attention_plumbing_with_a_dense_causal_op(q_len, k_len, monkeypatch):
+    """Lq != Lk: bottom-right alignment in the centring and the zeroed rows (the first Lq - Lk
+    queries see no key when Lq > Lk), with and without a padding mask."""
+    options = {**KERNELS["hat"], "batch_first": True, "center": True}
+    layer = make_layer(options)
+    monkeypatch.setattr(layer, "_op", dense_causal_op("hat_attention"))
+    query, key, value, mask = inputs(q_len=q_len, k_len=k_len)
+    for key_padding_mask in (mask, None):
+        out, _ = layer(query, key, value, key_padding_mask=key_padding_mask, is_causal=True)
+        expected = dense_layer(layer, options, query, key, value, key_padding_mask, causal=True)
+        torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-11)
+        if q_len > k_len:
+            assert torch.all(out[:, :q_len - k_len] == 0)
 
 
 # --------------------------------------------------------------------------- padding invariance

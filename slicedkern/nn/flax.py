@@ -219,7 +219,9 @@ class SlicedAttention(nnx.Module):
         attn_mask : array, optional
             Accepted only with ``is_causal=True``, as the causal mask it stands for.
         is_causal : bool, default False
-            Query ``i`` attends to keys ``j <= i`` only.
+            Query ``i`` attends to keys ``j <= i + Lk - Lq`` only (``j <= i`` in self-attention): the
+            ops' ``causal=True``, bottom-right aligned when ``Lq != Lk``. A query that sees no
+            valid key gets zeros.
         deterministic : bool, optional
             Disable dropout (default: the module's ``eval()`` / ``train()`` mode).
         rngs : nnx.Rngs, optional
@@ -279,18 +281,30 @@ class SlicedAttention(nnx.Module):
             ctx = ctx[..., :head_dim] - mean * ctx[..., head_dim:]
         ctx = jnp.swapaxes(ctx, 1, 2).reshape(batch, q_len, cfg.embed_dim)
         out = self.out_proj(self.attention_dropout(ctx, deterministic=deterministic, rngs=rngs))
-        if key_mask is not None:
-            # Zeros where every key is padded (the bias of out_proj would be left otherwise).
-            out = jnp.where(_has_keys(key_mask, q_len, causal), out, jnp.zeros((), dtype=out.dtype))
+        if key_mask is not None or (causal and q_len > k_len):
+            # Zeros where a query sees no key (the bias of out_proj would be left otherwise).
+            out = jnp.where(_has_keys(key_mask, batch, q_len, k_len, causal), out, jnp.zeros((), dtype=out.dtype))
         return out
 
 
-def _has_keys(key_mask, q_len, causal):
-    """Whether a query has a valid key: (N, 1, 1), or per query (N, Lq, 1) if causal (keys ``j <= i``)."""
+def _visible_rows(q_len, k_len):
+    """Causal query ``i`` sees keys ``j <= i + Lk - Lq`` (bottom-right aligned, as the ops' ``causal``).
+
+    Static NumPy: the last visible key of each query clamped to ``[0, Lk)``, and whether it sees any.
+    """
+    last = np.arange(q_len) + (k_len - q_len)
+    return np.clip(last, 0, k_len - 1), last >= 0
+
+
+def _has_keys(key_mask, batch, q_len, k_len, causal):
+    """Whether a query sees a valid key: (N, 1, 1), or per query (N, Lq, 1) if causal."""
     if not causal:
         return jnp.any(key_mask, axis=-1)[..., None]
-    rows = np.minimum(np.arange(q_len), key_mask.shape[-1] - 1)
-    return jnp.swapaxes(jnp.cumsum(key_mask, axis=-1)[..., rows] > 0, 1, 2)
+    rows, sees = _visible_rows(q_len, k_len)
+    if key_mask is None:
+        return jnp.broadcast_to(jnp.asarray(sees), (batch, q_len))[..., None]
+    counts = jnp.cumsum(key_mask, axis=-1)[..., rows][:, 0]                      # (N, Lq)
+    return ((counts > 0) & sees)[..., None]
 
 
 def _key_means(v, valid, q_len, causal):
@@ -299,8 +313,8 @@ def _key_means(v, valid, q_len, causal):
     counts = jnp.ones_like(v[..., :1]) if valid is None else valid
     if not causal:
         return weighted.sum(axis=-2, keepdims=True) / jnp.maximum(counts.sum(axis=-2, keepdims=True), 1.0)
-    k_len = v.shape[-2]
-    rows = np.minimum(np.arange(q_len), k_len - 1)
-    sums = jnp.cumsum(weighted, axis=-2)[..., rows, :]
-    totals = jnp.cumsum(jnp.broadcast_to(counts, (*v.shape[:-1], 1)), axis=-2)[..., rows, :]
+    rows, sees = _visible_rows(q_len, v.shape[-2])
+    sees = jnp.asarray(sees[:, None], dtype=v.dtype)
+    sums = jnp.cumsum(weighted, axis=-2)[..., rows, :] * sees
+    totals = jnp.cumsum(jnp.broadcast_to(counts, (*v.shape[:-1], 1)), axis=-2)[..., rows, :] * sees
     return sums / jnp.maximum(totals, 1.0)

@@ -216,7 +216,9 @@ class SlicedAttention(nn.Module):
             Accepted only with ``is_causal=True``, as the causal mask it stands for; a general
             ``Lq x Lk`` mask cannot be applied and is an error.
         is_causal : bool, default False
-            Query ``i`` attends to keys ``j <= i`` only (the ops' ``causal=True``).
+            Query ``i`` attends to keys ``j <= i + Lk - Lq`` only (``j <= i`` in self-attention): the
+            ops' ``causal=True``, bottom-right aligned when ``Lq != Lk``. A query that sees no
+            valid key gets zeros.
 
         Returns
         -------
@@ -270,34 +272,46 @@ class SlicedAttention(nn.Module):
             ctx = ctx[..., :head_dim] - mean * ctx[..., head_dim:]
         ctx = ctx.transpose(1, 2).reshape(batch, q_len, cfg.embed_dim)
         out = self.out_proj(self.attention_dropout(ctx))
-        if key_mask is not None:
-            # Zeros where every key is padded (the bias of out_proj would be left otherwise).
-            out = torch.where(_has_keys(key_mask, q_len, causal), out,
+        if key_mask is not None or (causal and q_len > k_len):
+            # Zeros where a query sees no key (the bias of out_proj would be left otherwise).
+            out = torch.where(_has_keys(key_mask, batch, q_len, k_len, causal, out.device), out,
                               torch.zeros((), dtype=out.dtype, device=out.device))
         return out
 
 
-def _has_keys(key_mask: Tensor, q_len: int, causal: bool) -> Tensor:
-    """Whether a query has a valid key: (N, 1, 1), or per query (N, Lq, 1) if causal (keys ``j <= i``)."""
+def _visible_rows(q_len: int, k_len: int, device) -> tuple[Tensor, Tensor]:
+    """Causal query ``i`` sees keys ``j <= i + Lk - Lq`` (bottom-right aligned, as the ops' ``causal``).
+
+    Returns the last visible key of each query, clamped to ``[0, Lk)``, and whether it sees any key.
+    """
+    last = torch.arange(q_len, device=device) + (k_len - q_len)
+    return torch.clamp(last, min=0, max=k_len - 1), last >= 0
+
+
+def _has_keys(key_mask: Tensor | None, batch: int, q_len: int, k_len: int, causal: bool, device) -> Tensor:
+    """Whether a query sees a valid key: (N, 1, 1), or per query (N, Lq, 1) if causal."""
     if not causal:
         return key_mask.any(dim=-1)[..., None]
-    rows = torch.clamp(torch.arange(q_len, device=key_mask.device), max=key_mask.shape[-1] - 1)
-    return (key_mask.cumsum(dim=-1).index_select(-1, rows) > 0).transpose(1, 2)
+    rows, sees = _visible_rows(q_len, k_len, device)
+    if key_mask is None:
+        return sees.expand(batch, q_len)[..., None]
+    counts = key_mask.cumsum(dim=-1).index_select(-1, rows)[:, 0]             # (N, Lq)
+    return ((counts > 0) & sees)[..., None]
 
 
 def _key_means(v: Tensor, valid: Tensor | None, q_len: int, causal: bool) -> Tensor:
     """Mean of the values over the valid keys: (N, H, 1, Dh), or per query (N, H, Lq, Dh) if causal.
 
-    Causal query ``i`` averages the valid keys ``j <= i`` (``j < Lk``); no valid key gives 0.
+    Causal query ``i`` averages the valid keys it sees (``j <= i + Lk - Lq``); no valid key gives 0.
     """
     weighted = v if valid is None else v * valid
     counts = torch.ones_like(v[..., :1]) if valid is None else valid
     if not causal:
         return weighted.sum(dim=-2, keepdim=True) / counts.sum(dim=-2, keepdim=True).clamp(min=1.0)
-    k_len = v.shape[-2]
-    rows = torch.clamp(torch.arange(q_len, device=v.device), max=k_len - 1)
-    sums = weighted.cumsum(dim=-2).index_select(-2, rows)
-    totals = counts.expand(*v.shape[:-1], 1).cumsum(dim=-2).index_select(-2, rows)
+    rows, sees = _visible_rows(q_len, v.shape[-2], v.device)
+    sees = sees[:, None].to(v.dtype)
+    sums = weighted.cumsum(dim=-2).index_select(-2, rows) * sees
+    totals = counts.expand(*v.shape[:-1], 1).cumsum(dim=-2).index_select(-2, rows) * sees
     return sums / totals.clamp(min=1.0)
 
 

@@ -209,6 +209,21 @@ def test_causal_matches_dense_reference(name, center):
     torch.testing.assert_close(layer(x, x, x, key_padding_mask=mask, attn_mask=hint, is_causal=True)[0], out)
 
 
+@needs_causal
+@pytest.mark.parametrize("name", ["relu", "hat_mixture"])
+@pytest.mark.parametrize("q_len, k_len", [(4, 7), (9, 6)])
+def test_causal_cross_attention_matches_dense_reference(name, q_len, k_len):
+    """Lq != Lk: query i sees keys j <= i + Lk - Lq, as the ops; a query that sees none gets zeros."""
+    options = {**KERNELS[name], "batch_first": False, "center": True}
+    layer = make_layer(options)
+    query, key, value, mask = inputs(q_len=q_len, k_len=k_len, batch_first=False)
+    out, _ = layer(query, key, value, key_padding_mask=mask, is_causal=True)
+    torch.testing.assert_close(out, dense_layer(layer, options, query, key, value, mask, causal=True),
+                               rtol=1e-9, atol=1e-11)
+    if q_len > k_len:
+        assert torch.all(out[:q_len - k_len] == 0)
+
+
 @pytest.mark.skipif(CAUSAL_OPS, reason="the installed ops take 'causal': causal attention is available")
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_causal_is_a_clear_error_while_the_ops_lack_it(name):

@@ -67,6 +67,9 @@ SIZES = {"full": Size(),
          "medium": Size(width=32, heads=4, layers=2, points=128, shape_steps=150, shape_batch=16,
                         shape_test=256, length=1024, pairs=4, recall_steps=150, recall_batch=8,
                         recall_test=128),
+         # What one seed of ran in a few minutes on the shared 2-core machine of the closing note.
+         "small": Size(width=32, heads=4, layers=2, points=96, shape_steps=100, shape_batch=16, shape_test=128,
+                       length=1024, pairs=4, recall_steps=100, recall_batch=4, recall_test=64),
          "ci": Size(width=32, heads=4, layers=1, points=64, shape_steps=25, shape_batch=16, shape_test=64,
                     length=256, pairs=4, recall_steps=25, recall_batch=8, recall_test=32)}
 
@@ -337,6 +340,7 @@ def main(argv=None):
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--timing-lengths", default="1024,4096,16384",
                         help="recall step timings at these L ('' to skip)")
+    parser.add_argument("--timing-repeats", type=int, default=3, help="best of this many timed steps")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--plot", default="", help="save the timing plot to this file")
     args = parser.parse_args(argv)
@@ -349,7 +353,7 @@ def main(argv=None):
     timings = {}
     for length in (int(n) for n in args.timing_lengths.split(",") if n):
         for attention in attentions:
-            timings[attention, length] = step_time(attention, size, length)
+            timings[attention, length] = step_time(attention, size, length, repeats=args.timing_repeats)
             print(f"  step time L={length} {attention}: {1e3 * timings[attention, length]:.0f} ms", flush=True)
     accuracy, seconds = accuracy_table(tasks, attentions, seeds, size, log=lambda m: print(m, flush=True))
     print(format_tables(accuracy, seconds, timings, attentions))

@@ -10,7 +10,7 @@ Two synthetic tasks, generated here, trained on the CPU with fixed seeds:
   a masked mean pool and a linear classifier (no grouping or sampling);
 * **recall** -- associative recall over long sequences: ``L`` tokens of filler, with ``PAIRS``
   key-value tokens hidden at random positions; the last token names one of the keys and the model
-  must output its value (chance: ``1 / PAIRS``).
+  must output its value (8 possible values: chance 1/8).
 
 The three models differ only in the class of their encoder layers: ``torch.nn.TransformerEncoderLayer``
 (softmax, ``nn.MultiheadAttention``) or :class:`slicedkern.nn.torch.SlicedTransformerEncoderLayer`

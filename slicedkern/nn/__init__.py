@@ -1,0 +1,278 @@
+"""Sliced attention layers for PyTorch and Flax NNX.
+
+Two framework modules share one configuration, kept here:
+
+* :mod:`slicedkern.nn.torch` -- ``SlicedAttention``, a drop-in for ``torch.nn.MultiheadAttention``,
+  and ``SlicedTransformerEncoderLayer`` / ``SlicedTransformerEncoder``, drop-ins for their
+  ``torch.nn`` namesakes;
+* :mod:`slicedkern.nn.flax` -- ``SlicedAttention`` as a Flax NNX module with the same parameters,
+  the same parameter names and the same semantics (its weights load from a torch ``state_dict``).
+
+Importing :mod:`slicedkern.nn` imports no framework; import the submodule of the framework you use.
+
+How a layer computes
+--------------------
+For input tokens ``x`` (queries), ``y`` (keys) and ``z`` (values), with ``H`` heads of width
+``Dh = embed_dim / H``:
+
+1. ``Q = W_q x``, ``K = W_k y``, ``V = W_v z`` (shape ``(..., L, embed_dim)``), optionally with
+   rotary position embeddings applied to ``Q`` and ``K`` head by head (``rope=True``);
+2. one score per head and token, ``s = Pi(Q)`` and ``t = Pi(K)`` of shape ``(..., L, H)``, with the
+   same learned map ``Pi``: linear (``score="linear"``) or a one-hidden-layer MLP of width
+   ``embed_dim`` with GELU (``score="mlp"``). ``Pi`` reads one token at a time, so no token ever
+   sees another one's hidden state here;
+3. per head, the sort-scan attention of the chosen kernel on the scores, with the head's slice of
+   ``V`` as values and the padding mask as ``key_mask``: :func:`slicedkern.relu_attention`,
+   :func:`slicedkern.hat_attention` (one learned bandwidth per head, in log space),
+   :func:`slicedkern.hat_mixture_attention` (per head, ``mixture_size`` learned bandwidths and
+   weights) or :func:`slicedkern.kernel_attention` (a fixed kernel object);
+4. the heads concatenated, dropout, and ``W_o``. A row whose keys are all padded returns zeros.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .. import hat_attention, hat_mixture_attention, kernel_attention, relu_attention
+from ..kernels import PiecewiseLinear
+
+__all__: list[str] = []
+
+_KERNEL_NAMES = ("relu", "hat", "hat_mixture")
+_SCORES = ("mlp", "linear")
+_NORMALIZERS = ("abs", "relu", "count", None)
+#: Default number of hats per head of ``kernel="hat_mixture"``.
+_DEFAULT_MIXTURE_SIZE = 3
+#: Base of the rotary embedding's frequencies (RoFormer's value).
+ROPE_BASE = 10000.0
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """The validated constructor arguments of a sliced attention layer (any framework).
+
+    ``kernel_name`` is "relu", "hat", "hat_mixture", or "custom" for a kernel object (``kernel``).
+    ``bandwidths`` holds the initial bandwidths: one per head for "hat", one per hat of the
+    mixture for "hat_mixture" (every head starts alike), empty otherwise. ``center`` and
+    ``normalize`` are resolved to the op's defaults when the caller left them out.
+    """
+
+    embed_dim: int
+    num_heads: int
+    kernel_name: str
+    kernel: PiecewiseLinear | None
+    score: str
+    bandwidths: tuple[float, ...]
+    learn_bandwidth: bool
+    center: bool
+    normalize: str | None
+    dropout: float
+    bias: bool
+    kdim: int
+    vdim: int
+    batch_first: bool
+    rope: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def mixture_size(self) -> int:
+        return len(self.bandwidths) if self.kernel_name == "hat_mixture" else 0
+
+    @property
+    def has_bandwidth(self) -> bool:
+        return self.kernel_name in ("hat", "hat_mixture")
+
+    @property
+    def layer_centers(self) -> bool:
+        """Whether the layer centres the values itself (the hat ops have no ``center`` option)."""
+        return self.center and self.has_bandwidth
+
+
+def _positive_int(value, name: str) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"argument {name!r} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _positive_floats(value, name: str) -> tuple[float, ...]:
+    values = (value,) if isinstance(value, numbers.Real) and not isinstance(value, bool) else value
+    try:
+        values = tuple(values)
+    except TypeError:
+        raise TypeError(f"argument {name!r} must be a number or a sequence of numbers, "
+                        f"got {type(value).__name__}") from None
+    out = []
+    for entry in values:
+        if not isinstance(entry, numbers.Real) or isinstance(entry, bool):
+            raise TypeError(f"argument {name!r} must hold numbers, got {type(entry).__name__}")
+        if not (0.0 < float(entry) < math.inf):
+            raise ValueError(f"argument {name!r} must be positive and finite, got {entry!r}")
+        out.append(float(entry))
+    if not out:
+        raise ValueError(f"argument {name!r} must not be empty")
+    return tuple(out)
+
+
+def _initial_bandwidths(kernel_name: str, bandwidth, mixture_size, num_heads: int) -> tuple[float, ...]:
+    """One bandwidth per head ("hat") or per hat of the mixture ("hat_mixture")."""
+    if kernel_name not in ("hat", "hat_mixture"):
+        if bandwidth is not None:
+            raise ValueError(f"argument 'bandwidth' applies to kernel='hat' or 'hat_mixture', not to "
+                             f"kernel={kernel_name!r}")
+        if mixture_size is not None:
+            raise ValueError(f"argument 'mixture_size' applies to kernel='hat_mixture' only, not to "
+                             f"kernel={kernel_name!r}")
+        return ()
+    values = _positive_floats(1.0 if bandwidth is None else bandwidth, "bandwidth")
+    if kernel_name == "hat":
+        if mixture_size is not None:
+            raise ValueError("argument 'mixture_size' applies to kernel='hat_mixture' only, not to "
+                             "kernel='hat'")
+        if len(values) not in (1, num_heads):
+            raise ValueError(f"argument 'bandwidth' must be a number or hold one entry per head "
+                             f"(num_heads = {num_heads}), got {len(values)} entries")
+        return values * num_heads if len(values) == 1 else values
+    if len(values) > 1:
+        size = len(values) if mixture_size is None else _positive_int(mixture_size, "mixture_size")
+        if size != len(values):
+            raise ValueError(f"argument 'bandwidth' holds {len(values)} bandwidths but "
+                             f"mixture_size = {mixture_size}")
+        return values
+    size = _DEFAULT_MIXTURE_SIZE if mixture_size is None else _positive_int(mixture_size, "mixture_size")
+    # Geometric spread around the given bandwidth (b/2, b, 2b for three hats): several scales at once.
+    return tuple(values[0] * 2.0 ** (i - (size - 1) / 2) for i in range(size))
+
+
+def layer_config(embed_dim, num_heads, *, kernel, score, bandwidth, learn_bandwidth, mixture_size, center,
+                 normalize, dropout, bias, kdim, vdim, batch_first, rope) -> LayerConfig:
+    """Validate the constructor arguments shared by the torch and Flax layers.
+
+    Every error is a ``ValueError`` (or ``TypeError`` for a wrong type) that names the argument.
+    """
+    embed_dim = _positive_int(embed_dim, "embed_dim")
+    num_heads = _positive_int(num_heads, "num_heads")
+    if embed_dim % num_heads:
+        raise ValueError(f"argument 'num_heads' ({num_heads}) must divide embed_dim ({embed_dim})")
+    if isinstance(kernel, PiecewiseLinear):
+        kernel_name, kernel_object = "custom", kernel
+    elif isinstance(kernel, str) and kernel in _KERNEL_NAMES:
+        kernel_name, kernel_object = kernel, None
+    else:
+        raise ValueError(f"argument 'kernel' must be one of {_KERNEL_NAMES} or a "
+                         f"slicedkern.kernels.PiecewiseLinear, got {kernel!r}")
+    if score not in _SCORES:
+        raise ValueError(f"argument 'score' must be one of {_SCORES}, got {score!r}")
+    bandwidths = _initial_bandwidths(kernel_name, bandwidth, mixture_size, num_heads)
+    if center is None:
+        center = kernel_name == "relu"           # the ops' defaults: centred ReLU, plain hats
+    elif not isinstance(center, bool):
+        raise TypeError(f"argument 'center' must be True, False or None, got {center!r}")
+    if normalize == "auto":
+        normalize = "abs" if kernel_name == "relu" else "count"
+    elif normalize not in _NORMALIZERS:
+        raise ValueError(f"argument 'normalize' must be 'auto' or one of {_NORMALIZERS}, got {normalize!r}")
+    if not isinstance(dropout, numbers.Real) or not 0.0 <= float(dropout) < 1.0:
+        raise ValueError(f"argument 'dropout' must be a probability in [0, 1), got {dropout!r}")
+    kdim = embed_dim if kdim is None else _positive_int(kdim, "kdim")
+    vdim = embed_dim if vdim is None else _positive_int(vdim, "vdim")
+    if rope and (embed_dim // num_heads) % 2:
+        raise ValueError(f"argument 'rope' needs an even head width, got embed_dim / num_heads = "
+                         f"{embed_dim // num_heads}")
+    return LayerConfig(embed_dim=embed_dim, num_heads=num_heads, kernel_name=kernel_name,
+                       kernel=kernel_object, score=score, bandwidths=bandwidths,
+                       learn_bandwidth=bool(learn_bandwidth), center=center, normalize=normalize,
+                       dropout=float(dropout), bias=bool(bias), kdim=kdim, vdim=vdim,
+                       batch_first=bool(batch_first), rope=bool(rope))
+
+
+def attention_op(config: LayerConfig) -> Callable:
+    """The public slicedkern op that computes the configured kernel."""
+    return {"relu": relu_attention, "hat": hat_attention, "hat_mixture": hat_mixture_attention,
+            "custom": kernel_attention}[config.kernel_name]
+
+
+def supports_causal(op: Callable) -> bool:
+    """Whether the installed ``op`` takes a ``causal`` keyword (causal sliced attention)."""
+    return "causal" in inspect.signature(op).parameters
+
+
+def causal_unavailable(op: Callable) -> str:
+    """The error message of ``is_causal=True`` where the op has no causal mode."""
+    return (f"is_causal=True: causal sliced attention is not available in this version of slicedkern "
+            f"(slicedkern.{op.__name__} takes no 'causal' keyword); upgrade slicedkern, or attend "
+            f"without a causal mask")
+
+
+def op_arguments(config: LayerConfig, bandwidth, mixture_weight) -> tuple[tuple, dict]:
+    """Positional parameters after ``(q, k, v)`` and keyword options of :func:`attention_op`.
+
+    ``bandwidth`` is the array of bandwidths, shape ``(H,)`` for "hat" and ``(H, K)`` for
+    "hat_mixture" (``mixture_weight`` then holds the ``(H, K)`` weights); both are ignored otherwise.
+    The op broadcasts them over the batch dims ``(..., H)`` of the scores.
+    """
+    options = {"normalize": config.normalize}
+    if config.kernel_name == "relu":
+        return (), {**options, "center": config.center}
+    if config.kernel_name == "custom":
+        return (config.kernel,), {**options, "center": config.center}
+    if config.kernel_name == "hat":
+        return (bandwidth,), options
+    return (bandwidth, mixture_weight), options
+
+
+def check_forward(config: LayerConfig, query_shape: Sequence[int], key_shape: Sequence[int],
+                  value_shape: Sequence[int], mask_shape: Sequence[int] | None, mask_is_bool: bool,
+                  need_weights: bool, attn_mask_given: bool, is_causal: bool) -> bool:
+    """Validate the arguments of a forward call; return whether the inputs are batched.
+
+    Shapes follow ``torch.nn.MultiheadAttention``: ``(L, E)`` unbatched, ``(L, N, E)`` or, with
+    ``batch_first``, ``(N, L, E)``; ``key_padding_mask`` ``(S,)`` or ``(N, S)``.
+    """
+    if need_weights:
+        raise ValueError("need_weights=True: sliced attention never forms the Lq x Lk attention weights "
+                         "(that is what makes it O(L log L)); call it with need_weights=False, "
+                         "the output's second entry is then None")
+    if attn_mask_given and not is_causal:
+        raise ValueError("attn_mask: sliced attention cannot apply a general Lq x Lk mask, since it never "
+                         "forms the attention weights; pass padding as key_padding_mask and use "
+                         "is_causal=True for a causal mask")
+    if len(query_shape) not in (2, 3):
+        raise ValueError(f"argument 'query' must have shape (L, embed_dim), (L, N, embed_dim) or, with "
+                         f"batch_first, (N, L, embed_dim); got shape {tuple(query_shape)}")
+    batched = len(query_shape) == 3
+    for name, shape, dim in (("query", query_shape, config.embed_dim), ("key", key_shape, config.kdim),
+                             ("value", value_shape, config.vdim)):
+        if len(shape) != len(query_shape):
+            raise ValueError(f"argument {name!r} must have as many dims as 'query' ({len(query_shape)}), "
+                             f"got shape {tuple(shape)}")
+        if shape[-1] != dim:
+            which = {"query": "embed_dim", "key": "kdim", "value": "vdim"}[name]
+            raise ValueError(f"argument {name!r} must have {which} = {dim} features on its last axis, "
+                             f"got shape {tuple(shape)}")
+    if tuple(key_shape[:-1]) != tuple(value_shape[:-1]):
+        raise ValueError(f"arguments 'key' and 'value' must have the same sequence length and batch size, "
+                         f"got shapes {tuple(key_shape)} and {tuple(value_shape)}")
+    batch_axis = 0 if config.batch_first else 1
+    if batched and query_shape[batch_axis] != key_shape[batch_axis]:
+        raise ValueError(f"arguments 'query' and 'key' must have the same batch size on axis {batch_axis} "
+                         f"(batch_first={config.batch_first}), got shapes {tuple(query_shape)} and "
+                         f"{tuple(key_shape)}")
+    if mask_shape is not None:
+        if not mask_is_bool:
+            raise TypeError("argument 'key_padding_mask' must be a boolean mask (True = ignore the key); "
+                            "float (additive) masks are not supported. Note that torch.nn.TransformerEncoder "
+                            "turns boolean masks into float ones: stack layers with "
+                            "slicedkern.nn.torch.SlicedTransformerEncoder instead")
+        seq_axis = 1 if config.batch_first else 0
+        expected = ((key_shape[batch_axis], key_shape[seq_axis]) if batched else (key_shape[0],))
+        if tuple(mask_shape) != expected:
+            raise ValueError(f"argument 'key_padding_mask' must have shape {expected} (batch size, key "
+                             f"length), got shape {tuple(mask_shape)}")
+    return batched

@@ -1,0 +1,320 @@
+"""Sliced attention for Flax NNX, with the parameters and semantics of :mod:`slicedkern.nn.torch`.
+
+``SlicedAttention`` here takes the same constructor arguments as its torch twin (plus Flax's
+``param_dtype`` and ``rngs``), the same call arguments (``key_padding_mask`` True = ignore,
+``batch_first``, ``(output, None)`` returned), and holds the same parameters under the same names;
+:meth:`SlicedAttention.load_torch_state_dict` loads a torch module's weights, and
+:meth:`SlicedAttention.torch_state_dict` gives them back. It runs under ``jax.jit``, ``jax.grad``,
+``nnx.jit`` and ``nnx.grad``.
+
+Examples
+--------
+>>> import jax.numpy as jnp
+>>> from flax import nnx
+>>> from slicedkern.nn.flax import SlicedAttention
+>>> attn = SlicedAttention(16, 4, kernel="hat", batch_first=True, rngs=nnx.Rngs(0))
+>>> x = jnp.ones((2, 10, 16))
+>>> pad = jnp.zeros((2, 10), dtype=bool).at[1, 7:].set(True)     # True = padding
+>>> out, weights = attn(x, x, x, key_padding_mask=pad)
+>>> out.shape, weights
+((2, 10, 16), None)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..kernels import PiecewiseLinear
+from . import ROPE_BASE, attention_op, causal_unavailable, check_forward, layer_config, op_arguments, supports_causal
+
+__all__ = ["SlicedAttention", "FixedBandwidth"]
+
+# torch's initialisers: xavier-uniform projections; out_proj as nn.Linear (kaiming-uniform, a = sqrt 5).
+_XAVIER = jax.nn.initializers.glorot_uniform()
+_TORCH_LINEAR = jax.nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+class FixedBandwidth(nnx.Variable):
+    """The log-bandwidths of a layer built with ``learn_bandwidth=False``: state, not a parameter."""
+
+
+def rotary_embedding(x: jax.Array, num_heads: int) -> jax.Array:
+    """Rotate each head's features of ``x`` (N, L, E) by position (RoPE, half-split layout).
+
+    The same rotation as :func:`slicedkern.nn.torch.rotary_embedding`.
+    """
+    batch, length, embed_dim = x.shape
+    half = embed_dim // num_heads // 2
+    heads = x.reshape(batch, length, num_heads, 2, half)
+    # Angles in float32 at least: positions past 256 are not even integers in bfloat16.
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    position = jnp.arange(length, dtype=dtype)
+    frequency = ROPE_BASE ** (-jnp.arange(half, dtype=dtype) / half)
+    angle = (position[:, None] * frequency)[:, None, :]                       # (L, 1, half)
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    first, second = heads[..., 0, :], heads[..., 1, :]
+    rotated = jnp.stack((first * cos - second * sin, first * sin + second * cos), axis=-2)
+    return rotated.reshape(batch, length, embed_dim).astype(x.dtype)
+
+
+class SlicedAttention(nnx.Module):
+    """Multi-head sliced attention for Flax NNX (see :class:`slicedkern.nn.torch.SlicedAttention`).
+
+    Parameters
+    ----------
+    embed_dim, num_heads, kernel, score, bandwidth, learn_bandwidth, mixture_size, center, normalize,
+    dropout, bias, kdim, vdim, batch_first, rope
+        As in :class:`slicedkern.nn.torch.SlicedAttention`, with the same defaults: in particular
+        ``batch_first=False`` (inputs ``(L, N, E)``) and ``key_padding_mask`` True = ignore, which
+        are torch's conventions, not Flax's.
+    param_dtype : dtype, default float32
+        Of the parameters (torch's ``dtype``).
+    rngs : nnx.Rngs
+        Initialisation, and the ``"dropout"`` stream when ``dropout > 0``.
+
+    Notes
+    -----
+    Parameters (``nnx.Param``): ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, ``score_hidden``
+    (``score="mlp"`` only), ``score_out`` (``nnx.Linear``, kernels of shape ``(in, out)``, the
+    transpose of torch's weights), ``log_bandwidth`` (a :class:`FixedBandwidth` variable when
+    ``learn_bandwidth=False``) and ``mixture_weight``. Dropout follows ``deterministic=`` or the
+    module's ``train()`` / ``eval()`` mode.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from slicedkern.nn.flax import SlicedAttention
+    >>> attn = SlicedAttention(32, 4, rngs=nnx.Rngs(0))           # (L, N, E) like torch
+    >>> query = jax.random.normal(jax.random.key(1), (5, 2, 32))
+    >>> memory = jax.random.normal(jax.random.key(2), (9, 2, 32))
+    >>> attn(query, memory, memory)[0].shape
+    (5, 2, 32)
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, kernel: str | PiecewiseLinear = "relu",
+                 score: str = "mlp", bandwidth: float | tuple[float, ...] | None = None,
+                 learn_bandwidth: bool = True, mixture_size: int | None = None, center: bool | None = None,
+                 normalize: str | None = "auto", dropout: float = 0.0, bias: bool = True,
+                 kdim: int | None = None, vdim: int | None = None, batch_first: bool = False,
+                 rope: bool = False, param_dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
+        self.config = layer_config(embed_dim, num_heads, kernel=kernel, score=score, bandwidth=bandwidth,
+                                   learn_bandwidth=learn_bandwidth, mixture_size=mixture_size,
+                                   center=center, normalize=normalize, dropout=dropout, bias=bias,
+                                   kdim=kdim, vdim=vdim, batch_first=batch_first, rope=rope)
+        cfg = self.config
+        self.embed_dim, self.num_heads, self.head_dim = cfg.embed_dim, cfg.num_heads, cfg.head_dim
+        self.kdim, self.vdim, self.batch_first = cfg.kdim, cfg.vdim, cfg.batch_first
+
+        def linear(n_in, n_out, use_bias=cfg.bias, init=_XAVIER):
+            return nnx.Linear(n_in, n_out, use_bias=use_bias, param_dtype=param_dtype, kernel_init=init,
+                              rngs=rngs)
+
+        self.q_proj = linear(cfg.embed_dim, cfg.embed_dim)
+        self.k_proj = linear(cfg.kdim, cfg.embed_dim)
+        self.v_proj = linear(cfg.vdim, cfg.embed_dim)
+        self.score_hidden = nnx.data(linear(cfg.embed_dim, cfg.embed_dim) if cfg.score == "mlp" else None)
+        self.score_out = linear(cfg.embed_dim, cfg.num_heads, use_bias=False)
+        self.out_proj = linear(cfg.embed_dim, cfg.embed_dim, init=_TORCH_LINEAR)
+        self.attention_dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
+        log_bandwidth = mixture_weight = None
+        if cfg.has_bandwidth:
+            logs = jnp.log(jnp.asarray(cfg.bandwidths, dtype=param_dtype))
+            if cfg.kernel_name == "hat_mixture":
+                logs = jnp.broadcast_to(logs, (cfg.num_heads, cfg.mixture_size))
+                mixture_weight = nnx.Param(jnp.full((cfg.num_heads, cfg.mixture_size), 1.0 / cfg.mixture_size,
+                                                    dtype=param_dtype))
+            log_bandwidth = nnx.Param(logs) if cfg.learn_bandwidth else FixedBandwidth(logs)
+        self.log_bandwidth = nnx.data(log_bandwidth)
+        self.mixture_weight = nnx.data(mixture_weight)
+        self._op = attention_op(cfg)
+
+    # ------------------------------------------------------------------------- torch interchange
+    def _torch_names(self) -> dict[str, tuple[Any, str, bool]]:
+        """torch name -> (variable holder, attribute, transposed) of every parameter."""
+        names: dict[str, tuple[Any, str, bool]] = {}
+        for module_name in ("q_proj", "k_proj", "v_proj", "score_hidden", "score_out", "out_proj"):
+            module = getattr(self, module_name)
+            if module is None:
+                continue
+            names[f"{module_name}.weight"] = (module, "kernel", True)
+            if module.bias is not None:
+                names[f"{module_name}.bias"] = (module, "bias", False)
+        if self.log_bandwidth is not None:
+            names["log_bandwidth"] = (self, "log_bandwidth", False)
+        if self.mixture_weight is not None:
+            names["mixture_weight"] = (self, "mixture_weight", False)
+        return names
+
+    def load_torch_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load the weights of a :class:`slicedkern.nn.torch.SlicedAttention` of the same configuration.
+
+        Parameters
+        ----------
+        state_dict : mapping of str to array-like
+            The torch module's ``state_dict()``, its tensors converted to NumPy
+            (``{k: t.numpy() for k, t in module.state_dict().items()}``). Linear weights are
+            transposed into Flax kernels; values are cast to this module's parameter dtype.
+
+        Raises
+        ------
+        KeyError
+            When a name is missing or unexpected (the configurations differ).
+        ValueError
+            When a shape differs.
+        """
+        names = self._torch_names()
+        missing, unexpected = sorted(set(names) - set(state_dict)), sorted(set(state_dict) - set(names))
+        if missing or unexpected:
+            raise KeyError(f"argument 'state_dict' does not match this layer: missing {missing}, "
+                           f"unexpected {unexpected}")
+        for name, (holder, attribute, transposed) in names.items():
+            variable = getattr(holder, attribute)
+            value = np.asarray(state_dict[name])
+            value = value.T if transposed else value
+            current = variable[...]
+            if value.shape != current.shape:
+                expected = current.T.shape if transposed else current.shape
+                raise ValueError(f"argument 'state_dict': {name!r} has shape {np.shape(state_dict[name])}, "
+                                 f"this layer expects {expected}")
+            variable[...] = jnp.asarray(value, dtype=current.dtype)
+
+    def torch_state_dict(self) -> dict[str, np.ndarray]:
+        """The parameters under torch's names and layout, as NumPy arrays (for ``load_state_dict``)."""
+        out = {}
+        for name, (holder, attribute, transposed) in self._torch_names().items():
+            value = np.asarray(getattr(holder, attribute)[...])
+            out[name] = value.T.copy() if transposed else value
+        return out
+
+    # ---------------------------------------------------------------------------------- forward
+    def scores(self, projected: jax.Array) -> jax.Array:
+        """``Pi``: the ``(N, L, H)`` scores of projected tokens ``(N, L, E)``, token by token."""
+        hidden = projected
+        if self.score_hidden is not None:
+            hidden = jax.nn.gelu(self.score_hidden(projected), approximate=False)   # torch's exact GELU
+        return self.score_out(hidden)
+
+    def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array, *,
+                 key_padding_mask: jax.Array | None = None, need_weights: bool = False,
+                 attn_mask: jax.Array | None = None, is_causal: bool = False,
+                 deterministic: bool | None = None, rngs: nnx.Rngs | None = None) -> tuple[jax.Array, None]:
+        """Attend from ``query`` to ``key`` / ``value``.
+
+        Parameters
+        ----------
+        query : array, shape (Lq, N, E), (N, Lq, E) with ``batch_first``, or (Lq, E)
+        key : array, shape (Lk, N, kdim), (N, Lk, kdim) with ``batch_first``, or (Lk, kdim)
+        value : array, shape (Lk, N, vdim), (N, Lk, vdim) with ``batch_first``, or (Lk, vdim)
+        key_padding_mask : bool array, shape (N, Lk) or (Lk,), optional
+            True where the key is padding and must be ignored.
+        need_weights : bool, default False
+            Must be False: the attention weights are never formed.
+        attn_mask : array, optional
+            Accepted only with ``is_causal=True``, as the causal mask it stands for.
+        is_causal : bool, default False
+            Query ``i`` attends to keys ``j <= i + Lk - Lq`` only (``j <= i`` in self-attention): the
+            ops' ``causal=True``, bottom-right aligned when ``Lq != Lk``. A query that sees no
+            valid key gets zeros.
+        deterministic : bool, optional
+            Disable dropout (default: the module's ``eval()`` / ``train()`` mode).
+        rngs : nnx.Rngs, optional
+            Dropout randomness for this call (default: the stream given at construction).
+
+        Returns
+        -------
+        output : array
+            Shaped like ``query`` with ``E`` features; zeros for a row whose keys are all padded.
+        weights : None
+        """
+        mask_shape = None if key_padding_mask is None else tuple(key_padding_mask.shape)
+        batched = check_forward(self.config, tuple(query.shape), tuple(key.shape), tuple(value.shape),
+                                mask_shape, key_padding_mask is not None and key_padding_mask.dtype == jnp.bool_,
+                                need_weights, attn_mask is not None, is_causal)
+        if is_causal and not supports_causal(self._op):
+            raise RuntimeError(causal_unavailable(self._op))
+        if not batched:
+            query, key, value = query[None], key[None], value[None]
+            key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]
+        elif not self.batch_first:
+            query, key, value = (jnp.swapaxes(a, 0, 1) for a in (query, key, value))
+        out = self._attend(query, key, value, key_padding_mask, is_causal, deterministic, rngs)
+        if not batched:
+            out = out[0]
+        elif not self.batch_first:
+            out = jnp.swapaxes(out, 0, 1)
+        return out, None
+
+    def _attend(self, query, key, value, key_padding_mask, causal, deterministic, rngs):
+        """The batch-first computation: (N, Lq, E), (N, Lk, kdim), (N, Lk, vdim) to (N, Lq, E)."""
+        cfg = self.config
+        batch, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
+        heads, head_dim = cfg.num_heads, cfg.head_dim
+        q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        if cfg.rope:
+            q, k = rotary_embedding(q, heads), rotary_embedding(k, heads)
+        q_scores = jnp.swapaxes(self.scores(q), 1, 2)                          # (N, H, Lq)
+        k_scores = jnp.swapaxes(self.scores(k), 1, 2)                          # (N, H, Lk)
+        v = jnp.swapaxes(v.reshape(batch, k_len, heads, head_dim), 1, 2)       # (N, H, Lk, Dh)
+        key_mask = None if key_padding_mask is None else ~key_padding_mask[:, None, :]   # (N, 1, Lk)
+        valid = None if key_mask is None else key_mask[..., None].astype(v.dtype)
+        if cfg.layer_centers:
+            # The hat ops have no centring: attend to [v, 1] and subtract mean * (attention of 1),
+            # exact for any normaliser since both columns share it.
+            mean = _key_means(v, valid, q_len, causal)
+            v = jnp.concatenate((v, jnp.ones_like(v[..., :1])), axis=-1)
+        bandwidth = None if self.log_bandwidth is None else jnp.exp(self.log_bandwidth[...])
+        if isinstance(self.log_bandwidth, FixedBandwidth):
+            bandwidth = jax.lax.stop_gradient(bandwidth)
+        weight = None if self.mixture_weight is None else self.mixture_weight[...]
+        params, options = op_arguments(cfg, bandwidth, weight)
+        if causal:
+            options["causal"] = True
+        ctx = self._op(q_scores, k_scores, v, *params, key_mask=key_mask, **options)
+        if cfg.layer_centers:
+            ctx = ctx[..., :head_dim] - mean * ctx[..., head_dim:]
+        ctx = jnp.swapaxes(ctx, 1, 2).reshape(batch, q_len, cfg.embed_dim)
+        out = self.out_proj(self.attention_dropout(ctx, deterministic=deterministic, rngs=rngs))
+        if key_mask is not None or (causal and q_len > k_len):
+            # Zeros where a query sees no key (the bias of out_proj would be left otherwise).
+            out = jnp.where(_has_keys(key_mask, batch, q_len, k_len, causal), out, jnp.zeros((), dtype=out.dtype))
+        return out
+
+
+def _visible_rows(q_len, k_len):
+    """Causal query ``i`` sees keys ``j <= i + Lk - Lq`` (bottom-right aligned, as the ops' ``causal``).
+
+    Static NumPy: the last visible key of each query clamped to ``[0, Lk)``, and whether it sees any.
+    """
+    last = np.arange(q_len) + (k_len - q_len)
+    return np.clip(last, 0, k_len - 1), last >= 0
+
+
+def _has_keys(key_mask, batch, q_len, k_len, causal):
+    """Whether a query sees a valid key: (N, 1, 1), or per query (N, Lq, 1) if causal."""
+    if not causal:
+        return jnp.any(key_mask, axis=-1)[..., None]
+    rows, sees = _visible_rows(q_len, k_len)
+    if key_mask is None:
+        return jnp.broadcast_to(jnp.asarray(sees), (batch, q_len))[..., None]
+    counts = jnp.cumsum(key_mask, axis=-1)[..., rows][:, 0]                      # (N, Lq)
+    return ((counts > 0) & sees)[..., None]
+
+
+def _key_means(v, valid, q_len, causal):
+    """Mean of the values over the valid keys: (N, H, 1, Dh), or per query (N, H, Lq, Dh) if causal."""
+    weighted = v if valid is None else v * valid
+    counts = jnp.ones_like(v[..., :1]) if valid is None else valid
+    if not causal:
+        return weighted.sum(axis=-2, keepdims=True) / jnp.maximum(counts.sum(axis=-2, keepdims=True), 1.0)
+    rows, sees = _visible_rows(q_len, v.shape[-2])
+    sees = jnp.asarray(sees[:, None], dtype=v.dtype)
+    sums = jnp.cumsum(weighted, axis=-2)[..., rows, :] * sees
+    totals = jnp.cumsum(jnp.broadcast_to(counts, (*v.shape[:-1], 1)), axis=-2)[..., rows, :] * sees
+    return sums / jnp.maximum(totals, 1.0)

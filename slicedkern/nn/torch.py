@@ -1,0 +1,441 @@
+"""Sliced attention layers for PyTorch: drop-ins for ``nn.MultiheadAttention`` and the encoder layer.
+
+``SlicedAttention`` takes the arguments of ``torch.nn.MultiheadAttention`` with the same meaning
+(``batch_first``, ``kdim``/``vdim``, ``key_padding_mask`` True = ignore, ``(output, None)`` returned)
+and computes sliced ReLU / hat attention in ``O(L log L)`` with slicedkern's sort-scan ops.
+``SlicedTransformerEncoderLayer`` takes ``torch.nn.TransformerEncoderLayer``'s arguments, and
+``SlicedTransformerEncoder`` stacks it as ``torch.nn.TransformerEncoder`` does, keeping boolean masks.
+
+Examples
+--------
+>>> import torch
+>>> from slicedkern.nn.torch import SlicedAttention
+>>> attn = SlicedAttention(16, 4, kernel="hat", batch_first=True)
+>>> x = torch.randn(2, 10, 16)
+>>> pad = torch.zeros(2, 10, dtype=torch.bool)
+>>> pad[1, 7:] = True                     # the last three tokens of the second sequence are padding
+>>> out, weights = attn(x, x, x, key_padding_mask=pad)
+>>> out.shape, weights
+(torch.Size([2, 10, 16]), None)
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..kernels import PiecewiseLinear
+from . import ROPE_BASE, attention_op, causal_unavailable, check_forward, layer_config, op_arguments, supports_causal
+
+__all__ = ["SlicedAttention", "SlicedTransformerEncoderLayer", "SlicedTransformerEncoder"]
+
+
+def rotary_embedding(x: Tensor, num_heads: int) -> Tensor:
+    """Rotate each head's features of ``x`` (N, L, E) by position (RoPE, half-split layout).
+
+    Feature ``i`` of the first half of a head and feature ``i`` of its second half form a pair,
+    rotated by the angle ``position * ROPE_BASE ** (-2 i / head_dim)``.
+    """
+    batch, length, embed_dim = x.shape
+    half = embed_dim // num_heads // 2
+    heads = x.reshape(batch, length, num_heads, 2, half)
+    # Angles in float32 at least: positions past 256 are not even integers in bfloat16.
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    position = torch.arange(length, device=x.device, dtype=dtype)
+    frequency = ROPE_BASE ** (-torch.arange(half, device=x.device, dtype=dtype) / half)
+    angle = (position[:, None] * frequency)[:, None, :]                      # (L, 1, half)
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    first, second = heads[..., 0, :], heads[..., 1, :]
+    rotated = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-2)
+    return rotated.reshape(batch, length, embed_dim).to(x.dtype)
+
+
+class SlicedAttention(nn.Module):
+    """Multi-head sliced attention, a drop-in for ``torch.nn.MultiheadAttention``.
+
+    Each head scores every token with one number, from a learned map ``Pi`` applied alike to the
+    projected queries and keys, and attends with a piecewise-linear kernel of the score
+    differences in ``O(L log L)`` (sort and prefix sums); the ``L x L`` attention weights are never
+    formed. See :mod:`slicedkern.nn` for the computation step by step.
+
+    Parameters
+    ----------
+    embed_dim : int
+        Model width ``E``; ``num_heads`` must divide it.
+    num_heads : int
+        Number of heads ``H``, each attending on its ``E / H`` features of the values.
+    kernel : {"relu", "hat", "hat_mixture"} or slicedkern.kernels.PiecewiseLinear, default "relu"
+        Sliced ReLU attention (:func:`slicedkern.relu_attention`), hat attention with one learned
+        bandwidth per head (:func:`slicedkern.hat_attention`), a mixture of ``mixture_size`` hats per
+        head with learned bandwidths and weights (:func:`slicedkern.hat_mixture_attention`), or a
+        fixed kernel object (:func:`slicedkern.kernel_attention`).
+    score : {"mlp", "linear"}, default "mlp"
+        The map ``Pi`` from a projected token (``E`` features) to its ``H`` scores: a hidden layer of
+        width ``E`` with GELU then a linear map, or a linear map. It has no output bias, since a
+        shift shared by query and key scores cancels in their differences.
+    bandwidth : float or sequence of float, optional
+        Initial hat bandwidths (hat kernels only). "hat": a number, or one per head (default 1).
+        "hat_mixture": one per hat, or a number ``b`` spread as ``b * 2 ** (i - (K - 1) / 2)``.
+    learn_bandwidth : bool, default True
+        Learn the bandwidths, stored as ``log_bandwidth`` (a parameter, else a buffer).
+    mixture_size : int, optional
+        Hats per head of "hat_mixture" (default 3); their weights ``mixture_weight`` are learned.
+    center : bool, optional
+        Centre the values over the valid keys before attending (default: True for "relu", False
+        otherwise, as the ops do).
+    normalize : {"auto", "abs", "relu", "count", None}, default "auto"
+        The ops' normaliser; "auto" is "abs" for "relu" and "count" for the others.
+    dropout : float, default 0.0
+        Dropout on the attention output of the heads, before ``out_proj`` (there are no attention
+        weights to drop).
+    bias : bool, default True
+        Biases of the query, key, value, output projections and of the score MLP's hidden layer.
+    kdim, vdim : int, optional
+        Features of ``key`` and ``value`` (default ``embed_dim``).
+    batch_first : bool, default False
+        Inputs and outputs are ``(N, L, E)`` if True, ``(L, N, E)`` otherwise.
+    rope : bool, default False
+        Apply rotary position embeddings to the projected queries and keys, head by head, before
+        scoring (positions ``0..L-1``; needs an even head width).
+    device, dtype : optional
+        Of the parameters.
+
+    Notes
+    -----
+    Parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` (``nn.Linear``), ``score_hidden``
+    (``score="mlp"`` only) and ``score_out`` (``nn.Linear``, no bias), ``log_bandwidth`` (``(H,)`` for
+    "hat", ``(H, K)`` for "hat_mixture") and ``mixture_weight`` (``(H, K)``).
+
+    Padding never reaches the real tokens: ``Pi`` reads one token at a time, and padded keys count
+    in no sum, mean or normaliser. A query whose keys are all padded gets an output of zeros.
+    Half-precision inputs (``torch.autocast``) are attended in float32 or better and come back in
+    their dtype, as the ops do.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from slicedkern.nn.torch import SlicedAttention
+    >>> attn = SlicedAttention(32, 4)                  # (L, N, E) like nn.MultiheadAttention
+    >>> query, memory = torch.randn(5, 2, 32), torch.randn(9, 2, 32)
+    >>> out, _ = attn(query, memory, memory)
+    >>> out.shape
+    torch.Size([5, 2, 32])
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, kernel: str | PiecewiseLinear = "relu",
+                 score: str = "mlp", bandwidth: float | tuple[float, ...] | None = None,
+                 learn_bandwidth: bool = True, mixture_size: int | None = None, center: bool | None = None,
+                 normalize: str | None = "auto", dropout: float = 0.0, bias: bool = True,
+                 kdim: int | None = None, vdim: int | None = None, batch_first: bool = False,
+                 rope: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = layer_config(embed_dim, num_heads, kernel=kernel, score=score, bandwidth=bandwidth,
+                                   learn_bandwidth=learn_bandwidth, mixture_size=mixture_size,
+                                   center=center, normalize=normalize, dropout=dropout, bias=bias,
+                                   kdim=kdim, vdim=vdim, batch_first=batch_first, rope=rope)
+        cfg = self.config
+        factory = {"device": device, "dtype": dtype}
+        # The attribute names of nn.MultiheadAttention that code reads.
+        self.embed_dim, self.num_heads, self.head_dim = cfg.embed_dim, cfg.num_heads, cfg.head_dim
+        self.kdim, self.vdim, self.batch_first, self.dropout = cfg.kdim, cfg.vdim, cfg.batch_first, cfg.dropout
+        self._qkv_same_embed_dim = cfg.kdim == cfg.vdim == cfg.embed_dim
+
+        self.q_proj = nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=cfg.bias, **factory)
+        self.k_proj = nn.Linear(cfg.kdim, cfg.embed_dim, bias=cfg.bias, **factory)
+        self.v_proj = nn.Linear(cfg.vdim, cfg.embed_dim, bias=cfg.bias, **factory)
+        self.score_hidden = (nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=cfg.bias, **factory)
+                             if cfg.score == "mlp" else None)
+        self.score_out = nn.Linear(cfg.embed_dim, cfg.num_heads, bias=False, **factory)
+        self.out_proj = nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=cfg.bias, **factory)
+        self.attention_dropout = nn.Dropout(cfg.dropout)
+        if cfg.has_bandwidth:
+            shape = (cfg.num_heads,) if cfg.kernel_name == "hat" else (cfg.num_heads, cfg.mixture_size)
+            log_bandwidth = torch.empty(shape, **factory)
+            if cfg.learn_bandwidth:
+                self.log_bandwidth = nn.Parameter(log_bandwidth)
+            else:
+                self.register_buffer("log_bandwidth", log_bandwidth)
+        else:
+            self.log_bandwidth = None
+        self.mixture_weight = (nn.Parameter(torch.empty((cfg.num_heads, cfg.mixture_size), **factory))
+                               if cfg.kernel_name == "hat_mixture" else None)
+        self._op = attention_op(cfg)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialise as ``nn.MultiheadAttention`` does, and the bandwidths to their initial values.
+
+        Xavier-uniform projection and score weights, zero biases, ``out_proj`` as ``nn.Linear``
+        with a zero bias; ``log_bandwidth`` from ``bandwidth``; mixture weights ``1 / K``.
+        """
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.score_hidden, self.score_out):
+            if linear is None:
+                continue
+            nn.init.xavier_uniform_(linear.weight)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        self.out_proj.reset_parameters()
+        if self.out_proj.bias is not None:
+            nn.init.zeros_(self.out_proj.bias)
+        cfg = self.config
+        with torch.no_grad():
+            if cfg.kernel_name == "hat":
+                self.log_bandwidth.copy_(torch.tensor([math.log(b) for b in cfg.bandwidths]))
+            elif cfg.kernel_name == "hat_mixture":
+                logs = torch.tensor([math.log(b) for b in cfg.bandwidths])
+                self.log_bandwidth.copy_(logs.expand(cfg.num_heads, -1))
+                self.mixture_weight.fill_(1.0 / cfg.mixture_size)
+
+    def scores(self, projected: Tensor) -> Tensor:
+        """``Pi``: the ``(N, L, H)`` scores of projected tokens ``(N, L, E)``, token by token."""
+        hidden = projected if self.score_hidden is None else F.gelu(self.score_hidden(projected))
+        return self.score_out(hidden)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, *, key_padding_mask: Tensor | None = None,
+                need_weights: bool = False, attn_mask: Tensor | None = None,
+                is_causal: bool = False) -> tuple[Tensor, None]:
+        """Attend from ``query`` to ``key`` / ``value``.
+
+        Parameters
+        ----------
+        query : Tensor, shape (Lq, N, E), (N, Lq, E) with ``batch_first``, or (Lq, E)
+        key : Tensor, shape (Lk, N, kdim), (N, Lk, kdim) with ``batch_first``, or (Lk, kdim)
+        value : Tensor, shape (Lk, N, vdim), (N, Lk, vdim) with ``batch_first``, or (Lk, vdim)
+        key_padding_mask : bool Tensor, shape (N, Lk) or (Lk,), optional
+            True where the key is padding and must be ignored (``torch.nn.MultiheadAttention``'s
+            convention). Float masks are an error.
+        need_weights : bool, default False
+            Must be False: the attention weights are never formed.
+        attn_mask : Tensor, optional
+            Accepted only with ``is_causal=True``, as the causal mask it stands for; a general
+            ``Lq x Lk`` mask cannot be applied and is an error.
+        is_causal : bool, default False
+            Query ``i`` attends to keys ``j <= i + Lk - Lq`` only (``j <= i`` in self-attention): the
+            ops' ``causal=True``, bottom-right aligned when ``Lq != Lk``. A query that sees no
+            valid key gets zeros.
+
+        Returns
+        -------
+        output : Tensor
+            Shaped like ``query`` with ``E`` features; zeros for a row whose keys are all padded.
+        weights : None
+        """
+        mask_shape = None if key_padding_mask is None else tuple(key_padding_mask.shape)
+        batched = check_forward(self.config, tuple(query.shape), tuple(key.shape), tuple(value.shape),
+                                mask_shape, key_padding_mask is not None and key_padding_mask.dtype == torch.bool,
+                                need_weights, attn_mask is not None, is_causal)
+        if is_causal and not supports_causal(self._op):
+            raise RuntimeError(causal_unavailable(self._op))
+        if not batched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
+        elif not self.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        out = self._attend(query, key, value, key_padding_mask, is_causal)
+        if not batched:
+            out = out.squeeze(0)
+        elif not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, None
+
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None,
+                causal: bool) -> Tensor:
+        """The batch-first computation: (N, Lq, E), (N, Lk, kdim), (N, Lk, vdim) to (N, Lq, E)."""
+        cfg = self.config
+        batch, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
+        heads, head_dim = cfg.num_heads, cfg.head_dim
+        q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        if cfg.rope:
+            q, k = rotary_embedding(q, heads), rotary_embedding(k, heads)
+        q_scores = self.scores(q).transpose(1, 2)                         # (N, H, Lq)
+        k_scores = self.scores(k).transpose(1, 2)                         # (N, H, Lk)
+        v = v.reshape(batch, k_len, heads, head_dim).transpose(1, 2)      # (N, H, Lk, Dh)
+        key_mask = None if key_padding_mask is None else ~key_padding_mask[:, None, :]   # (N, 1, Lk)
+        valid = None if key_mask is None else key_mask[..., None].to(v.dtype)
+        if cfg.layer_centers:
+            # The hat ops have no centring: attend to [v, 1] and subtract mean * (attention of 1),
+            # exact for any normaliser since both columns share it.
+            mean = _key_means(v, valid, q_len, causal)                    # (N, H, Lq or 1, Dh)
+            v = torch.cat((v, torch.ones_like(v[..., :1])), dim=-1)
+        bandwidth = None if self.log_bandwidth is None else torch.exp(self.log_bandwidth)
+        params, options = op_arguments(cfg, bandwidth, self.mixture_weight)
+        if causal:
+            options["causal"] = True
+        ctx = self._op(q_scores, k_scores, v, *params, key_mask=key_mask, **options)   # (N, H, Lq, Dh[+1])
+        if cfg.layer_centers:
+            ctx = ctx[..., :head_dim] - mean * ctx[..., head_dim:]
+        ctx = ctx.transpose(1, 2).reshape(batch, q_len, cfg.embed_dim)
+        out = self.out_proj(self.attention_dropout(ctx))
+        if key_mask is not None or (causal and q_len > k_len):
+            # Zeros where a query sees no key (the bias of out_proj would be left otherwise).
+            out = torch.where(_has_keys(key_mask, batch, q_len, k_len, causal, out.device), out,
+                              torch.zeros((), dtype=out.dtype, device=out.device))
+        return out
+
+
+def _visible_rows(q_len: int, k_len: int, device) -> tuple[Tensor, Tensor]:
+    """Causal query ``i`` sees keys ``j <= i + Lk - Lq`` (bottom-right aligned, as the ops' ``causal``).
+
+    Returns the last visible key of each query, clamped to ``[0, Lk)``, and whether it sees any key.
+    """
+    last = torch.arange(q_len, device=device) + (k_len - q_len)
+    return torch.clamp(last, min=0, max=k_len - 1), last >= 0
+
+
+def _has_keys(key_mask: Tensor | None, batch: int, q_len: int, k_len: int, causal: bool, device) -> Tensor:
+    """Whether a query sees a valid key: (N, 1, 1), or per query (N, Lq, 1) if causal."""
+    if not causal:
+        return key_mask.any(dim=-1)[..., None]
+    rows, sees = _visible_rows(q_len, k_len, device)
+    if key_mask is None:
+        return sees.expand(batch, q_len)[..., None]
+    counts = key_mask.cumsum(dim=-1).index_select(-1, rows)[:, 0]             # (N, Lq)
+    return ((counts > 0) & sees)[..., None]
+
+
+def _key_means(v: Tensor, valid: Tensor | None, q_len: int, causal: bool) -> Tensor:
+    """Mean of the values over the valid keys: (N, H, 1, Dh), or per query (N, H, Lq, Dh) if causal.
+
+    Causal query ``i`` averages the valid keys it sees (``j <= i + Lk - Lq``); no valid key gives 0.
+    """
+    weighted = v if valid is None else v * valid
+    counts = torch.ones_like(v[..., :1]) if valid is None else valid
+    if not causal:
+        return weighted.sum(dim=-2, keepdim=True) / counts.sum(dim=-2, keepdim=True).clamp(min=1.0)
+    rows, sees = _visible_rows(q_len, v.shape[-2], v.device)
+    sees = sees[:, None].to(v.dtype)
+    sums = weighted.cumsum(dim=-2).index_select(-2, rows) * sees
+    totals = counts.expand(*v.shape[:-1], 1).cumsum(dim=-2).index_select(-2, rows) * sees
+    return sums / totals.clamp(min=1.0)
+
+
+class SlicedTransformerEncoderLayer(nn.Module):
+    """``torch.nn.TransformerEncoderLayer`` with :class:`SlicedAttention` as its self-attention.
+
+    The arguments up to ``dtype`` are those of ``nn.TransformerEncoderLayer``, with the same
+    meaning and defaults, and so are the submodule names (``self_attn``, ``linear1``, ``linear2``,
+    ``norm1``, ``norm2``, ``dropout``, ``dropout1``, ``dropout2``): a model changes one class name.
+    The keyword arguments after them configure the attention (see :class:`SlicedAttention`).
+
+    Parameters
+    ----------
+    d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first, norm_first, bias,
+    device, dtype
+        As in ``torch.nn.TransformerEncoderLayer``; ``activation`` is "relu", "gelu" or a callable.
+    kernel, score, bandwidth, learn_bandwidth, mixture_size, center, normalize, rope
+        As in :class:`SlicedAttention`.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from slicedkern.nn.torch import SlicedTransformerEncoderLayer
+    >>> layer = SlicedTransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True, norm_first=True,
+    ...                                       kernel="hat")
+    >>> layer(torch.randn(2, 12, 32)).shape
+    torch.Size([2, 12, 32])
+    """
+
+    def __init__(self, d_model: int, nhead: int, dim_feedforward: int = 2048, dropout: float = 0.1,
+                 activation: str | Callable[[Tensor], Tensor] = F.relu, layer_norm_eps: float = 1e-5,
+                 batch_first: bool = False, norm_first: bool = False, bias: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
+                 kernel: str | PiecewiseLinear = "relu", score: str = "mlp",
+                 bandwidth: float | tuple[float, ...] | None = None, learn_bandwidth: bool = True,
+                 mixture_size: int | None = None, center: bool | None = None, normalize: str | None = "auto",
+                 rope: bool = False) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.self_attn = SlicedAttention(d_model, nhead, kernel=kernel, score=score, bandwidth=bandwidth,
+                                         learn_bandwidth=learn_bandwidth, mixture_size=mixture_size,
+                                         center=center, normalize=normalize, dropout=dropout, bias=bias,
+                                         batch_first=batch_first, rope=rope, **factory)
+        self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
+        self.dropout = nn.Dropout(dropout)
+        self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)
+        self.norm_first = norm_first
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+        if isinstance(activation, str):
+            if activation not in ("relu", "gelu"):
+                raise ValueError(f"argument 'activation' must be 'relu', 'gelu' or a callable, got "
+                                 f"{activation!r}")
+            activation = F.relu if activation == "relu" else F.gelu
+        elif not callable(activation):
+            raise TypeError(f"argument 'activation' must be 'relu', 'gelu' or a callable, got "
+                            f"{type(activation).__name__}")
+        self.activation = activation
+
+    def forward(self, src: Tensor, src_mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None,
+                is_causal: bool = False) -> Tensor:
+        """One encoder layer, with ``nn.TransformerEncoderLayer.forward``'s arguments.
+
+        ``src`` (L, N, E) or (N, L, E) with ``batch_first``; ``src_key_padding_mask`` boolean (N, L),
+        True = padding; ``src_mask`` only as the causal mask with ``is_causal=True``.
+        """
+        x = src
+        if self.norm_first:
+            x = x + self._attention_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal)
+            x = x + self._feed_forward_block(self.norm2(x))
+        else:
+            x = self.norm1(x + self._attention_block(x, src_mask, src_key_padding_mask, is_causal))
+            x = self.norm2(x + self._feed_forward_block(x))
+        return x
+
+    def _attention_block(self, x: Tensor, attn_mask: Tensor | None, key_padding_mask: Tensor | None,
+                         is_causal: bool) -> Tensor:
+        out, _ = self.self_attn(x, x, x, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                                is_causal=is_causal)
+        return self.dropout1(out)
+
+    def _feed_forward_block(self, x: Tensor) -> Tensor:
+        return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+
+
+class SlicedTransformerEncoder(nn.Module):
+    """A stack of ``num_layers`` copies of an encoder layer, as ``torch.nn.TransformerEncoder``.
+
+    ``nn.TransformerEncoder`` turns a boolean ``src_key_padding_mask`` into an additive float mask
+    before its layers see it; sliced attention needs the boolean mask, which this class passes
+    through unchanged.
+
+    Parameters
+    ----------
+    encoder_layer : SlicedTransformerEncoderLayer
+        Copied ``num_layers`` times (independent parameters).
+    num_layers : int
+    norm : nn.Module, optional
+        Applied to the output of the last layer.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from slicedkern.nn.torch import SlicedTransformerEncoder, SlicedTransformerEncoderLayer
+    >>> layer = SlicedTransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+    >>> encoder = SlicedTransformerEncoder(layer, num_layers=2, norm=torch.nn.LayerNorm(16))
+    >>> encoder(torch.randn(3, 8, 16)).shape
+    torch.Size([3, 8, 16])
+    """
+
+    def __init__(self, encoder_layer: nn.Module, num_layers: int, norm: nn.Module | None = None) -> None:
+        super().__init__()
+        if not isinstance(num_layers, int) or num_layers <= 0:
+            raise ValueError(f"argument 'num_layers' must be a positive integer, got {num_layers!r}")
+        self.layers = nn.ModuleList(copy.deepcopy(encoder_layer) for _ in range(num_layers))
+        self.num_layers = num_layers
+        self.norm = norm
+
+    def forward(self, src: Tensor, mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None,
+                is_causal: bool = False) -> Tensor:
+        """Run the layers in turn; arguments as ``nn.TransformerEncoder.forward``."""
+        out = src
+        for layer in self.layers:
+            out = layer(out, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
+        return out if self.norm is None else self.norm(out)

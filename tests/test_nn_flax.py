@@ -7,8 +7,6 @@ layouts, RoPE and (when the ops have it) causal attention.
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import pytest
 
@@ -17,16 +15,9 @@ nnx = pytest.importorskip("flax.nnx")
 torch = pytest.importorskip("torch")
 import jax.numpy as jnp  # noqa: E402
 
-import slicedkern  # noqa: E402
 from slicedkern.kernels import Hat, ReLU  # noqa: E402
 from slicedkern.nn import flax as sk_flax  # noqa: E402
 from slicedkern.nn import torch as sk_torch  # noqa: E402
-
-CAUSAL_OPS = all("causal" in inspect.signature(op).parameters
-                 for op in (slicedkern.relu_attention, slicedkern.hat_attention,
-                            slicedkern.hat_mixture_attention, slicedkern.kernel_attention))
-needs_causal = pytest.mark.skipif(not CAUSAL_OPS, reason="this slicedkern's attention ops take no 'causal' "
-                                                         "keyword yet (causal sliced attention not available)")
 
 KERNELS = {"relu": {"kernel": "relu"},
            "hat": {"kernel": "hat", "bandwidth": 0.7},
@@ -145,7 +136,6 @@ def test_weight_copy_with_options(options, masked):
     assert np.all(np.asarray(out[0]) == 0)
 
 
-@needs_causal
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_weight_copy_causal(name):
     options = {**KERNELS[name], "batch_first": True, "center": True}
@@ -153,14 +143,6 @@ def test_weight_copy_causal(name):
     module = flax_twin(layer, options)
     query, _, _, mask = data(q_len=7)
     assert_twins(layer, module, query, query, query, mask, is_causal=True)
-
-
-@pytest.mark.skipif(CAUSAL_OPS, reason="the installed ops take 'causal': causal attention is available")
-def test_causal_is_a_clear_error_while_the_ops_lack_it():
-    module = sk_flax.SlicedAttention(8, 2, kernel="hat", batch_first=True, rngs=nnx.Rngs(0))
-    x = jnp.ones((1, 4, 8))
-    with pytest.raises(RuntimeError, match="causal sliced attention is not available in this version"):
-        module(x, x, x, is_causal=True)
 
 
 def test_unbatched_input_is_a_batch_of_one():

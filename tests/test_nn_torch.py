@@ -9,7 +9,6 @@ causal attention uses one reference row per query, with a key mask of the keys i
 
 from __future__ import annotations
 
-import inspect
 import io
 import math
 import warnings
@@ -23,12 +22,6 @@ import slicedkern  # noqa: E402
 from slicedkern import reference  # noqa: E402
 from slicedkern.kernels import Hat, PiecewiseLinear, ReLU  # noqa: E402
 from slicedkern.nn.torch import SlicedAttention, SlicedTransformerEncoder, SlicedTransformerEncoderLayer  # noqa: E402
-
-CAUSAL_OPS = all("causal" in inspect.signature(op).parameters
-                 for op in (slicedkern.relu_attention, slicedkern.hat_attention,
-                            slicedkern.hat_mixture_attention, slicedkern.kernel_attention))
-needs_causal = pytest.mark.skipif(not CAUSAL_OPS, reason="this slicedkern's attention ops take no 'causal' "
-                                                         "keyword yet (causal sliced attention not available)")
 
 #: A fixed kernel object: a hat plus a small ReLU ramp (neither even nor monotone).
 CUSTOM = Hat(0.8) + 0.25 * ReLU()
@@ -193,7 +186,6 @@ def test_unbatched_input_is_a_batch_of_one():
 
 
 # ------------------------------------------------------------------------------------- causal
-@needs_causal
 @pytest.mark.parametrize("name", list(KERNELS))
 @pytest.mark.parametrize("center", [False, True])
 def test_causal_matches_dense_reference(name, center):
@@ -209,7 +201,6 @@ def test_causal_matches_dense_reference(name, center):
     torch.testing.assert_close(layer(x, x, x, key_padding_mask=mask, attn_mask=hint, is_causal=True)[0], out)
 
 
-@needs_causal
 @pytest.mark.parametrize("name", ["relu", "hat_mixture"])
 @pytest.mark.parametrize("q_len, k_len", [(4, 7), (9, 6)])
 def test_causal_cross_attention_matches_dense_reference(name, q_len, k_len):
@@ -222,15 +213,6 @@ def test_causal_cross_attention_matches_dense_reference(name, q_len, k_len):
                                rtol=1e-9, atol=1e-11)
     if q_len > k_len:
         assert torch.all(out[:q_len - k_len] == 0)
-
-
-@pytest.mark.skipif(CAUSAL_OPS, reason="the installed ops take 'causal': causal attention is available")
-@pytest.mark.parametrize("name", list(KERNELS))
-def test_causal_is_a_clear_error_while_the_ops_lack_it(name):
-    layer = make_layer({**KERNELS[name], "batch_first": True})
-    x, _, _, _ = inputs(q_len=7)
-    with pytest.raises(RuntimeError, match="causal sliced attention is not available in this version"):
-        layer(x, x, x, is_causal=True)
 
 
 def dense_causal_op(kernel):

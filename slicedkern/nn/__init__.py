@@ -31,7 +31,6 @@ For input tokens ``x`` (queries), ``y`` (keys) and ``z`` (values), with ``H`` he
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -196,18 +195,6 @@ def attention_op(config: LayerConfig) -> Callable:
     """The public slicedkern op that computes the configured kernel."""
     return {"relu": relu_attention, "hat": hat_attention, "hat_mixture": hat_mixture_attention,
             "custom": kernel_attention}[config.kernel_name]
-
-
-def supports_causal(op: Callable) -> bool:
-    """Whether the installed ``op`` takes a ``causal`` keyword (causal sliced attention)."""
-    return "causal" in inspect.signature(op).parameters
-
-
-def causal_unavailable(op: Callable) -> str:
-    """The error message of ``is_causal=True`` where the op has no causal mode."""
-    return (f"is_causal=True: causal sliced attention is not available in this version of slicedkern "
-            f"(slicedkern.{op.__name__} takes no 'causal' keyword); upgrade slicedkern, or attend "
-            f"without a causal mask")
 
 
 def op_arguments(config: LayerConfig, bandwidth, mixture_weight) -> tuple[tuple, dict]:

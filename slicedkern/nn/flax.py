@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from ..kernels import PiecewiseLinear
-from . import ROPE_BASE, attention_op, causal_unavailable, check_forward, layer_config, op_arguments, supports_causal
+from . import ROPE_BASE, attention_op, check_forward, layer_config, op_arguments
 
 __all__ = ["SlicedAttention", "FixedBandwidth"]
 
@@ -237,8 +237,6 @@ class SlicedAttention(nnx.Module):
         batched = check_forward(self.config, tuple(query.shape), tuple(key.shape), tuple(value.shape),
                                 mask_shape, key_padding_mask is not None and key_padding_mask.dtype == jnp.bool_,
                                 need_weights, attn_mask is not None, is_causal)
-        if is_causal and not supports_causal(self._op):
-            raise RuntimeError(causal_unavailable(self._op))
         if not batched:
             query, key, value = query[None], key[None], value[None]
             key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels import PiecewiseLinear
-from . import ROPE_BASE, attention_op, causal_unavailable, check_forward, layer_config, op_arguments, supports_causal
+from . import ROPE_BASE, attention_op, check_forward, layer_config, op_arguments
 
 __all__ = ["SlicedAttention", "SlicedTransformerEncoderLayer", "SlicedTransformerEncoder"]
 
@@ -230,8 +230,6 @@ class SlicedAttention(nn.Module):
         batched = check_forward(self.config, tuple(query.shape), tuple(key.shape), tuple(value.shape),
                                 mask_shape, key_padding_mask is not None and key_padding_mask.dtype == torch.bool,
                                 need_weights, attn_mask is not None, is_causal)
-        if is_causal and not supports_causal(self._op):
-            raise RuntimeError(causal_unavailable(self._op))
         if not batched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
             key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)

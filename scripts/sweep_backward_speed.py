@@ -11,7 +11,7 @@ Three implementations, timed interleaved (one repeat of each in turn, so that a 
 load hits them alike), minimum of ``--repeat``:
 
 * ``after``: this checkout (``PYTHONPATH`` = the repository of this script);
-* ``before``: ``--before`` (default /work/main), in a subprocess with ``PYTHONPATH`` set to it;
+* ``before``: ``--before`` (a checkout, optional), in a subprocess with ``PYTHONPATH`` set to it;
 * ``reference``: the naive algorithm of the paper's published module, written here: per knot,
   concatenate the shifted queries with the keys, sort the 2n scores, prefix sums (cumsum) of the
   key terms in that order, unsort to the queries, and let autograd differentiate through the
@@ -182,7 +182,8 @@ def main():
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (numba keeps its default)")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--before", default="/work/main", help="the checkout to compare with ('' for none)")
+    parser.add_argument("--before", default="",
+                        help="a checkout to compare with, e.g. a git worktree of an older commit (default: none)")
     parser.add_argument("--ops", nargs="+", default=["relu", "hat"])
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--no-check", action="store_true", help="skip the output check (one reference call)")

@@ -33,6 +33,12 @@ def _bridge():
     return host
 
 
+def _causal_bridge():
+    """The causal mode's host bridge (:mod:`._causal_host`), imported on first use (it imports numba)."""
+    from . import _causal_host as host
+    return host
+
+
 def _host_profile(profile, batch) -> dict:
     """A profile as the kernels take it: float64 knot / coefficient arrays (M,) or (batch..., M)."""
     def host(value):
@@ -63,13 +69,14 @@ class SweepEngine(Engine):
     """The fused CPU engine (numba): NumPy arrays and CPU torch tensors outside traced code."""
 
     name = "sweep"
+    #: causal attention by one Fenwick-tree sweep over positions per row (:mod:`._kernels_causal`)
+    supports_causal = True
 
     @staticmethod
     def installed() -> bool:
         return importlib.util.find_spec("numba") is not None
 
     def decline(self, spec, arrays, backend):
-        # no causal mode: the base class declines causal specs, so the automatic rule picks the scan
         reason = super().decline(spec, arrays, backend)
         if reason is not None:
             return reason
@@ -90,6 +97,33 @@ class SweepEngine(Engine):
         out = _bridge().attention(q, k, v, key_mask, center=center, normalizer=normalize, eps=eps,
                                 **_host_profile(profile, tuple(q.shape[:-1])))
         return out, ()
+
+    def causal_attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp):
+        out, take, relu_count, den = _causal_bridge().causal_attention(
+            q, k, v, key_mask, center=center, normalizer=normalize, eps=eps,
+            **_host_profile(profile, tuple(q.shape[:-1])))
+        residuals = (take, as_work(xp, relu_count, q.dtype)[..., None])
+        if normalize in ("abs", "relu"):
+            residuals += (as_work(xp, den, q.dtype)[..., None],)
+        return out, residuals
+
+    def causal_profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
+        c = w.shape[-1]
+        dx = dy = dw = None
+        params = []
+        for p, g in zip(profiles, cotangents):
+            cols = column_range(p, c)
+            want = param_grads and not p.is_fixed
+            px, py, pw, dkn, dco = _causal_bridge().causal_profile_vjp(
+                x, y, w[..., cols.start:cols.stop], g, strict_knots=p.strict_knots, param_grads=want,
+                **_host_profile(p, tuple(x.shape[:-1])))
+            px, py, pw = (as_work(xp, a, x.dtype) for a in (px, py, pw))
+            dx = px if dx is None else dx + px
+            dy = py if dy is None else dy + py
+            dw = accumulate_columns(xp, dw, pw, cols, c)
+            params.append(_param_tuple(p, dkn, dco) if want else (tuple(None for _ in p.knots),
+                                                                   tuple(None for _ in p.coeffs)))
+        return dx, dy, dw, params
 
     # -- the fused backward (overrides the generic one of engines/_vjp.py) ------------------------
     def kernel_sum_vjp(self, x, y, w, profile, g, *, xp):

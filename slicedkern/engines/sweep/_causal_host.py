@@ -1,0 +1,187 @@
+"""Host bridge of the sweep engine's causal mode (:mod:`._kernels_causal`): NumPy arrays and CPU
+torch tensors in, results out, one compiled sweep per call.
+
+docs/mathematics.rst, "Causal attention": query ``i`` of ``Lq`` sees the keys ``j <= i + Lk - Lq``
+(intersected with the key mask). :func:`causal_attention` is the forward with its per-query
+residuals; :func:`causal_profile_vjp` pulls a cotangent of one causal profile sum back to the
+scores, the weights and the profile's knots / coefficients (two sweeps: the queries reading the
+keys, then the keys reading the queries that see them). Imported only where numba is installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+
+from ._convert import (
+    F64,
+    NO_MASK,
+    PARALLEL_MIN_WORK,
+    Array,
+    Param,
+    checked,
+    common_float,
+    mask_rows,
+    normalizer_code,
+    profile_rows,
+    result_dtype,
+    rows,
+    strict_rows,
+    to_numpy,
+    with_zero_knot,
+    wrap,
+)
+from ._kernels_causal import ATTENTION, PULL_KEYS, PULL_QUERIES, causal_rows
+
+__all__ = ["causal_attention", "causal_profile_vjp"]
+
+
+def _workers(bsz: int, n: int, m: int, c: int) -> int:
+    """One worker (the calling thread) for small work, else one per row up to the thread count."""
+    threads = numba.get_num_threads()
+    if threads == 1 or bsz * (n + m) * max(c, 1) < PARALLEL_MIN_WORK:
+        return 1
+    return min(threads, bsz)
+
+
+def _sweep(mode, src, tgt, profile, options, outs, width):
+    """Allocate the work space (sorted sources, one Fenwick tree per worker) and run the sweep."""
+    scores = src[0]
+    bsz, n_s = scores.shape
+    workers = _workers(bsz, tgt[0].shape[1], n_s, src[1].shape[2])
+    work = (np.empty((bsz, n_s)), np.empty((bsz, n_s), np.int64), np.empty((bsz, n_s), np.int64),
+            np.zeros((bsz, n_s), np.bool_))
+    trees = np.empty((workers, n_s + 1, width))
+    causal_rows(mode, src, tgt, profile, options, work, outs, trees, workers)
+
+
+def _placeholder(dt, ndim):
+    return np.zeros((1,) * ndim, dt)
+
+
+def causal_attention(q: Array, k: Array, v: Array, key_mask: Array | None, *, knots: Param, coeffs: Param,
+                     slope: Param = 0.0, intercept: Param = 0.0, center: bool = True,
+                     normalizer: str | None = "abs", eps: float = 1e-6) -> tuple[Any, Any, Any, Any]:
+    """Causal normalised kernel attention by one Fenwick sweep per batch row.
+
+    Parameters
+    ----------
+    q : array, shape (..., Lq); k : array, shape (..., Lk); v : array, shape (..., Lk, Dv)
+    key_mask : bool array, shape (..., Lk), or None
+    knots, coeffs, slope, intercept, center, normalizer, eps
+        As in :func:`._host.attention`; every sum runs over the keys each query sees.
+
+    Returns
+    -------
+    out : (..., Lq, Dv)
+        In the values' dtype; NaN on non-finite queries and on the queries that see a non-finite
+        key or value (docs/mathematics.rst, "Non-finite input").
+    take : (..., Lk) bool
+        The keys that take part (unmasked, finite score and value).
+    relu_count, den : (..., Lq) float64
+        Per query, the value profile and the normaliser's profile summed over the valid-key
+        indicator of the keys it sees (unclamped; ``den`` is 0 for "count" and no normaliser).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from slicedkern.engines.sweep import _causal_host as sweep
+    >>> q, k, v = np.array([[1.0, 3.0]]), np.array([[0.0, 2.0]]), np.array([[[1.0], [3.0]]])
+    >>> sweep.causal_attention(q, k, v, None, knots=(0.0,), coeffs=(1.0,), center=False,
+    ...                        normalizer=None)[0][..., 0]          # [1 * 1, 3 * 1 + 1 * 3]
+    array([[1., 6.]])
+    """
+    code = normalizer_code(normalizer)
+    (q, k, v), tdt, batch = checked(q, k, v, ("q", "k", "v"))
+    common_float([q, k], ["q", "k"])
+    dt = common_float([v], ["v"])
+    out_dt = result_dtype([v], dt)
+    lq, lk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
+    bsz = int(np.prod(batch, dtype=np.int64))
+    if lq == 0 or lk == 0 or dv == 0 or bsz == 0:
+        take = np.zeros(batch + (lk,), np.bool_)
+        zeros = [np.zeros(batch + (lq,)) for _ in range(2)]
+        return (wrap(np.zeros(batch + (lq, dv), out_dt), tdt, narrow=True), wrap(take, tdt),
+                *(wrap(z, tdt) for z in zeros))
+    mask, has_mask = mask_rows(key_mask, k.shape, bsz)
+    profile, _ = profile_rows(knots, coeffs, slope, intercept, batch, bsz)
+    profile, zero_knot = with_zero_knot(profile, normalizer)
+    strict = strict_rows(None, profile[0].shape[1])
+    src = (rows(k, bsz, (lk,), F64), rows(v, bsz, (lk, dv), dt), mask, has_mask)
+    tgt = (rows(q, bsz, (lq,), F64), _placeholder(dt, 3))
+    out = np.empty((bsz, lq, dv), dt)
+    relu_count, den = np.empty((bsz, lq)), np.empty((bsz, lq))
+    take = np.empty((bsz, lk), np.bool_)
+    outs = (out, _placeholder(F64, 2), relu_count, den, take, _placeholder(F64, 2), _placeholder(F64, 2))
+    options = (bool(center), code, zero_knot, float(eps), False)
+    _sweep(ATTENTION, src, tgt, (*profile, strict), options, outs, 2 * dv + 2)
+    out = out.reshape(batch + (lq, dv))
+    if out.dtype != out_dt:
+        out = out.astype(out_dt)
+    return (wrap(out, tdt, narrow=True), wrap(take.reshape(batch + (lk,)), tdt),
+            wrap(relu_count.reshape(batch + (lq,)), tdt), wrap(den.reshape(batch + (lq,)), tdt))
+
+
+def causal_profile_vjp(x: Array, y: Array, w: Array, g: Array, *, knots: Param, coeffs: Param,
+                       slope: Param = 0.0, intercept: Param = 0.0, strict_knots=None,
+                       param_grads: bool = True) -> tuple[Any, ...]:
+    """Pull-back of the causal profile sum ``S_i = sum_{j <= i + m - n} f(x_i - y_j) w_j`` (cotangent ``g``).
+
+    Parameters
+    ----------
+    x : array, shape (..., n); y : array, shape (..., m); w : array, shape (..., m, c)
+        Finite (the caller applied the NaN rule); ``g`` : array, shape (..., n, c).
+    knots, coeffs, slope, intercept
+        The profile ``f``, as in :func:`._host.kernel_sum`.
+    strict_knots : sequence of bool, optional
+        Knots whose own gradient counts a tie ``x_i - y_j = knots[m]`` below the knot.
+    param_grads : bool
+        Also return the knot / coefficient gradients (else ``None``).
+
+    Returns
+    -------
+    ``dx (..., n)``, ``dy (..., m)``, ``dw (..., m, c)`` float64 and ``dknots, dcoeffs (..., M)``
+    float64 or None: ``dx_i = g_i . sum f'(x_i - y_j) w_j``, ``dy_j = -w_j . sum f'(x_i - y_j) g_i``
+    (``f'`` with ``H(0) = 1``), ``dw_j = sum f(x_i - y_j) g_i``, each over the pairs ``j <= i + m - n``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from slicedkern.engines.sweep import _causal_host as sweep
+    >>> x, y = np.array([[1.0, 3.0]]), np.array([[0.0, 2.0]])
+    >>> w, g = np.ones((1, 2, 1)), np.ones((1, 2, 1))
+    >>> dx, dy, dw, _, _ = sweep.causal_profile_vjp(x, y, w, g, knots=(0.0,), coeffs=(1.0,))
+    >>> dx, dy, dw[..., 0]        # query 0 sees key 0; query 1 sees both
+    (array([[1., 2.]]), array([[-2., -1.]]), array([[4., 1.]]))
+    """
+    (x, y, w), tdt, batch = checked(x, y, w, ("x", "y", "w"))
+    g, tg = to_numpy(g, "g")
+    tdt = tdt + [tg]
+    if g.shape != x.shape + w.shape[-1:]:
+        raise ValueError(f"argument 'g' must have shape {x.shape + w.shape[-1:]}, got {g.shape}")
+    dt = common_float([w, g], ["w", "g"])
+    n, m, c = x.shape[-1], y.shape[-1], w.shape[-1]
+    bsz = int(np.prod(batch, dtype=np.int64))
+    profile, n_user = profile_rows(knots, coeffs, slope, intercept, batch, bsz)
+    n_knots = profile[0].shape[1]
+    dx, dy, dw = np.zeros((bsz, n)), np.zeros((bsz, m)), np.zeros((bsz, m, c))
+    dknots, dcoeffs = np.zeros((bsz, n_knots)), np.zeros((bsz, n_knots))
+    if n and m and c and bsz:
+        strict = strict_rows(strict_knots, n_knots)
+        prof = (*profile, strict)
+        xr, yr = rows(x, bsz, (n,), F64), rows(y, bsz, (m,), F64)
+        wr, gr = rows(w, bsz, (m, c), dt), rows(g, bsz, (n, c), dt)
+        none = _placeholder(F64, 2)
+        # queries read the keys: dx and the knot / coefficient gradients
+        outs = (_placeholder(F64, 3), dx, none, none, _placeholder(np.bool_, 2), dknots, dcoeffs)
+        _sweep(PULL_QUERIES, (yr, wr, NO_MASK, False), (xr, gr), prof, (False, 0, 0, 0.0, bool(param_grads)),
+               outs, 2 * c)
+        # keys read the queries that see them (reflected, in reverse position order): dw and dy
+        outs = (dw, dy, none, none, _placeholder(np.bool_, 2), none, none)
+        _sweep(PULL_KEYS, (xr, gr, NO_MASK, False), (yr, wr), prof, (False, 0, 0, 0.0, False), outs, 2 * c)
+    grads = [wrap(a.reshape(batch + a.shape[1:]), tdt) for a in (dx, dy, dw)]
+    if not param_grads:
+        return (*grads, None, None)
+    return (*grads, *(wrap(a[:, :n_user].reshape(batch + (n_user,)), tdt) for a in (dknots, dcoeffs)))

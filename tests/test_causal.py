@@ -9,6 +9,8 @@ included; the sliced op.
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 from _helpers import C, M, N, assert_close, assert_meta, jax_x64, names_argument, tie_scores, to_numpy
@@ -236,24 +238,64 @@ def test_bad_causal_argument_is_a_type_error(rng):
 
 def test_engine_without_causal_mode_declines(rng):
     """An engine without a causal mode is a ValueError naming 'engine' when asked for, explicitly or
-    as the context's default; the automatic rule picks one that has it."""
+    as the context's default; the automatic rule picks one that has it (the sweep on NumPy arrays
+    where numba is installed, else the scan)."""
     q, k, v = rng.normal(size=(2, 9)), rng.normal(size=(2, 9)), rng.normal(size=(2, 9, 2))
     expected = reference.relu_attention(q, k, v, causal=True)
     np.testing.assert_allclose(slicedkern.relu_attention(q, k, v, causal=True), expected, rtol=1e-12)
     with slicedkern.use_engine("auto"):
         np.testing.assert_allclose(slicedkern.relu_attention(q, k, v, causal=True), expected, rtol=1e-12)
+    # the base class declines causal specs for an engine without a causal mode, naming the engine
+    spec = types.SimpleNamespace(causal=True)
+    assert "no causal mode" in slicedkern.engines.Engine().decline(spec, (q,), None)
     if "sweep" not in slicedkern.engines.available("numpy"):
         pytest.skip("the sweep engine needs numba")
-    # the automatic rule picks the scan (the sweep declines): the same bits as asking for it
-    np.testing.assert_array_equal(slicedkern.relu_attention(q, k, v, causal=True),
-                                  slicedkern.relu_attention(q, k, v, causal=True, engine="scan"))
+    # the automatic rule picks the sweep (it has a causal mode): the same bits as asking for it, and
+    # the scan's result to rounding
+    auto = slicedkern.relu_attention(q, k, v, causal=True)
+    np.testing.assert_array_equal(auto, slicedkern.relu_attention(q, k, v, causal=True, engine="sweep"))
+    np.testing.assert_allclose(auto, slicedkern.relu_attention(q, k, v, causal=True, engine="scan"),
+                               rtol=1e-13, atol=1e-15)
+    torch = pytest.importorskip("torch")
+    if not slicedkern.engines.get("triton").installed():
+        pytest.skip("the triton engine needs Triton")
+    # triton has no causal mode: asked for on CPU torch tensors, it declines with that reason
+    Q, K, V = (torch.tensor(a) for a in (q, k, v))
     with pytest.raises(ValueError) as info:
-        slicedkern.relu_attention(q, k, v, causal=True, engine="sweep")
+        slicedkern.relu_attention(Q, K, V, causal=True, engine="triton")
     assert names_argument(str(info.value), "engine") and "no causal mode" in str(info.value)
-    with slicedkern.use_engine("sweep"), pytest.raises(ValueError, match="no causal mode"):
-        slicedkern.hat_attention(q, k, v, 0.5, causal=True)
-    with slicedkern.use_engine("sweep"):                        # the non-causal call still runs there
-        slicedkern.hat_attention(q, k, v, 0.5)
+    with slicedkern.use_engine("triton"), pytest.raises(ValueError, match="no causal mode"):
+        slicedkern.hat_attention(Q, K, V, 0.5, causal=True)
+    with slicedkern.use_engine("sweep"):                        # the causal call runs on the sweep now
+        np.testing.assert_allclose(slicedkern.hat_attention(q, k, v, 0.5, causal=True),
+                                   reference.hat_attention(q, k, v, 0.5, causal=True), rtol=1e-12, atol=1e-14)
+
+
+def test_sweep_matches_scan_serial_and_parallel(rng, monkeypatch):
+    """The sweep's causal forward and pull-back against the scan's (to rounding), on rows large enough
+    for the parallel path; the serial path (one worker) gives the same bits."""
+    if "sweep" not in slicedkern.engines.available("numpy"):
+        pytest.skip("the sweep engine needs numba")
+    from slicedkern.engines.sweep import _causal_host
+    lq, lk, dv = 700, 900, 24
+    q, k, v = rng.normal(size=(4, lq)), rng.normal(size=(4, lk)), rng.normal(size=(4, lk, dv))
+    q[:, :50] = k[:, 200:250]                       # ties between queries and the keys they see
+    mask = rng.random((4, lk)) < 0.8
+    bw = rng.random(4) + 0.4
+    g = rng.normal(size=(4, lq, dv))
+
+    def run(engine):
+        out, pullback = slicedkern.vjp(lambda a, b, c, d: slicedkern.hat_attention(
+            a, b, c, d, key_mask=mask, normalize="abs", causal=True, engine=engine), q, k, v, bw)
+        return [out, *pullback(g)]
+
+    parallel = run("sweep")
+    scan = run("scan")
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dbandwidth"], parallel, scan):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11 * np.abs(b).max(), err_msg=name)
+    monkeypatch.setattr(_causal_host, "_workers", lambda *args: 1)
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dbandwidth"], run("sweep"), parallel):
+        np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 def test_sliced_causal_attention(cxp, rng):

@@ -206,9 +206,15 @@ def _causal_row(b, tree, mode, src, tgt, profile, options, work, outs):
                         pnm[d] += np.float64(urow[d])
                 rn += 1
 
-        # 3. what the mode makes of them
+        # 3. what the mode makes of them. Attention centres every prefix sum itself, P - mu [count,
+        #    key sum] (docs, "Attention": N - mu R, taken knot by knot so that what cancels cancels
+        #    exactly: a query that sees one key gets exactly 0)
+        mean_div = n_seen if n_seen > 1.0 else 1.0
         for d in range(c):
-            value[d] = a * t0[d] + bs * (xs * t0[d] - t1[d])
+            mu = t0[d] / mean_div if center else 0.0
+            zvec[d] = mu
+            c0 = t0[d] - mu * n_seen
+            value[d] = a * c0 + bs * (xs * c0 - (t1[d] - mu * key_sum))
             deriv[d] = bs * t0[d]
         relu_count = a * n_seen + bs * (xs * n_seen - key_sum)
         for m in range(n_knots):
@@ -217,11 +223,16 @@ def _causal_row(b, tree, mode, src, tgt, profile, options, work, outs):
                 continue
             sm = xs - knots[b, m]
             p0m, p1m, pnm = p0s[m], p1s[m], p0n[m]
-            for d in range(c):
-                value[d] += cm * (sm * p0m[d] - p1m[d])
-                deriv[d] += cm * pnm[d]
             if ones:
-                relu_count += cm * (sm * cnt[m] - ksm[m])
+                cm_, km_ = cnt[m], ksm[m]
+                for d in range(c):
+                    mu = zvec[d]
+                    value[d] += cm * (sm * (p0m[d] - mu * cm_) - (p1m[d] - mu * km_))
+                relu_count += cm * (sm * cm_ - km_)
+            else:
+                for d in range(c):
+                    value[d] += cm * (sm * p0m[d] - p1m[d])
+                    deriv[d] += cm * pnm[d]
         if mode == ATTENTION:
             zc, zs = cnt[zero_knot], ksm[zero_knot]
             den = xs * zc - zs
@@ -237,10 +248,8 @@ def _causal_row(b, tree, mode, src, tgt, profile, options, work, outs):
             scale, _ = normaliser_scale(normalizer, xs, zc, zs, n_seen, key_sum, eps)
             if normalizer != 0 and n_seen == 0.0:
                 scale = 1.0            # no key seen: an empty sum, 0 (not 0 / eps)
-            mean_div = n_seen if n_seen > 1.0 else 1.0
             for d in range(c):
-                mu = t0[d] / mean_div if center else 0.0
-                orow[d] = (value[d] - mu * relu_count) * scale
+                orow[d] = value[d] * scale
             continue
         zrow = tgt_vec[b, t]
         for d in range(c):

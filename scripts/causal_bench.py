@@ -13,7 +13,9 @@ reported, so that a shared, loaded machine biases every method alike. ``--clock 
 other jobs, wall time mostly measures the waiting.
 
 Usage (from the repository root): ``PYTHONPATH=. python scripts/causal_bench.py [--rows 8]
-[--length 65536] [--dim 64] [--repeats 3] [--threads 1 --clock process]``; decoding:
+[--length 65536] [--dim 64] [--repeats 3] [--threads 1 --clock process] [--causal-engines
+sweep,scan]`` (``--causal-engines``: the causal rows on each engine named, ``auto`` the default
+rule's); decoding:
 ``... --decode 10,14,18,20 [--steps 256]``
 """
 
@@ -114,6 +116,8 @@ def main():
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--sdpa-budget", type=float, default=60.0)
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall")
+    parser.add_argument("--causal-engines", default="auto",
+                        help="comma list of engines for the causal rows (auto, sweep, scan)")
     parser.add_argument("--only", default="", help="time only the methods whose name contains this")
     parser.add_argument("--decode", default="", help="comma list of log2 cache lengths: time decoding instead")
     parser.add_argument("--steps", type=int, default=256)
@@ -136,7 +140,10 @@ def main():
         methods[f"relu_attention {tag}"] = (_sliced(q, k, v, causal=False, backward=backward), 1.0)
         methods[f"relu_attention engine=scan {tag}"] = (
             _sliced(q, k, v, causal=False, backward=backward, engine="scan"), 1.0)
-        methods[f"relu_attention causal {tag}"] = (_sliced(q, k, v, causal=True, backward=backward), 1.0)
+        for engine in args.causal_engines.split(","):
+            name = "relu_attention causal" + ("" if engine == "auto" else f" engine={engine}")
+            methods[f"{name} {tag}"] = (_sliced(q, k, v, causal=True, backward=backward,
+                                                engine=None if engine == "auto" else engine), 1.0)
         if args.only not in f"SDPA is_causal {tag}":      # the filter leaves SDPA out: skip its probe
             continue
         size = _sdpa_length(args.rows, args.length, args.dim, args.sdpa_budget, backward)
@@ -145,8 +152,9 @@ def main():
                                                    (args.length / size) ** 2)
     small = [a[:1, :1024] for a in (q, k, v)]       # first-use costs outside the timings, cheaply
     for backward in (False, True):
-        for causal in (False, True):
-            _sliced(*small, causal=causal, backward=backward)()
+        _sliced(*small, causal=False, backward=backward)()
+        for engine in args.causal_engines.split(","):
+            _sliced(*small, causal=True, backward=backward, engine=None if engine == "auto" else engine)()
     methods = {name: m for name, m in methods.items() if args.only in name}
     best = {name: float("inf") for name in methods}
     for _ in range(args.repeats):

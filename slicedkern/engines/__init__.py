@@ -5,10 +5,10 @@ Three engines compute the same forward and backward (docs/architecture.rst): the
 fused Triton kernels of **triton** (torch tensors; chosen automatically for CUDA tensors only).
 :func:`select` resolves an op's ``engine=`` argument, else the :func:`use_engine` default of the
 calling context, else the automatic rule (triton for CUDA tensors when Triton is installed, the
-sweep wherever it can run, the scan elsewhere and for causal attention, which the sweep and triton
-decline), and returns the engine object the adapters then keep for the backward. To add an engine: a
-subpackage with an :class:`~slicedkern.engines._base.Engine` subclass, and one entry in
-:data:`_REGISTRY`.
+sweep wherever it can run, causal attention included, the scan elsewhere and for causal attention on
+CUDA tensors, which triton declines), and returns the engine object the adapters then keep for the
+backward. To add an engine: a subpackage with an :class:`~slicedkern.engines._base.Engine`
+subclass, and one entry in :data:`_REGISTRY`.
 """
 
 from __future__ import annotations

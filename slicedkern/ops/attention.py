@@ -118,14 +118,16 @@ def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = Non
         2.1+; the lower triangle when ``Lq == Lk``), intersected with ``key_mask``. The sums, the
         normaliser, the count and the centring mean (a running mean) are all over the keys the query
         sees; a query that sees none (the first ``Lq - Lk`` ones when ``Lq > Lk``) gets 0. A non-finite
-        key or value makes NaN only the queries that see it. ``O(n log^2 n)`` on the scan engine
-        (docs/mathematics.rst, "Causal attention"); the sweep and triton engines have no causal mode.
+        key or value makes NaN only the queries that see it. ``O(n log^2 n)`` on the scan engine,
+        ``O(n log n)`` per knot on the sweep (docs/mathematics.rst, "Causal attention"); the triton
+        engine has no causal mode.
     engine : {"scan", "sweep", "triton"}, optional
         The engine of the forward and the backward (docs/architecture.rst); default: the
         :func:`slicedkern.use_engine` setting, else triton for CUDA torch tensors when Triton is
         installed, the sweep for NumPy / CPU torch when numba is installed, else the scan. A
         requested engine that cannot serve the arrays is a ``ValueError``. With ``causal=True`` the
-        default is the scan, and ``engine="sweep"`` or ``"triton"`` is a ``ValueError``.
+        default is the sweep where it runs, else the scan, and ``engine="triton"`` is a
+        ``ValueError``.
     xp : array namespace, optional
 
     Returns

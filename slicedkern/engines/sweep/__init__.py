@@ -6,6 +6,9 @@ backward visits the keys in order with a pointer per knot through the sorted que
 ``dq``, ``dk``, ``dv`` and the knot / coefficient gradients (bandwidths, mixture weights) together,
 in float64 running sums, with no ``(n, D)`` temporary besides the gradients. Batch rows run in
 parallel (numba threads, claimed dynamically); small calls run serially on the calling thread.
+Causal attention is one sweep over positions per row with a Fenwick tree over the keys' score ranks
+(:mod:`._kernels_causal`, docs/mathematics.rst, "Causal attention"); its backward is the generic
+causal one (engines/_vjp.py) over the same sweep's pull-backs.
 
 This module is what the registry imports: it does not import numba. The compiled kernels and their
 host bridge (:mod:`._host`) are loaded on the first call, and cached on disk by numba after the first

@@ -161,7 +161,8 @@ def causal_profile_vjp(x: Array, y: Array, w: Array, g: Array, *, knots: Param, 
     tdt = tdt + [tg]
     if g.shape != x.shape + w.shape[-1:]:
         raise ValueError(f"argument 'g' must have shape {x.shape + w.shape[-1:]}, got {g.shape}")
-    dt = common_float([w, g], ["w", "g"])
+    # w and g keep their own dtypes (float32 values against float64 cotangents: no widened copy)
+    wdt, gdt = common_float([w], ["w"]), common_float([g], ["g"])
     n, m, c = x.shape[-1], y.shape[-1], w.shape[-1]
     bsz = int(np.prod(batch, dtype=np.int64))
     profile, n_user = profile_rows(knots, coeffs, slope, intercept, batch, bsz)
@@ -172,7 +173,7 @@ def causal_profile_vjp(x: Array, y: Array, w: Array, g: Array, *, knots: Param, 
         strict = strict_rows(strict_knots, n_knots)
         prof = (*profile, strict)
         xr, yr = rows(x, bsz, (n,), F64), rows(y, bsz, (m,), F64)
-        wr, gr = rows(w, bsz, (m, c), dt), rows(g, bsz, (n, c), dt)
+        wr, gr = rows(w, bsz, (m, c), wdt), rows(g, bsz, (n, c), gdt)
         none = _placeholder(F64, 2)
         # queries read the keys: dx and the knot / coefficient gradients
         outs = (_placeholder(F64, 3), dx, none, none, _placeholder(np.bool_, 2), dknots, dcoeffs)

@@ -272,8 +272,8 @@ def test_engine_without_causal_mode_declines(rng):
 
 
 def test_sweep_matches_scan_serial_and_parallel(rng, monkeypatch):
-    """The sweep's causal forward and pull-back against the scan's (to rounding), on rows large enough
-    for the parallel path; the serial path (one worker) gives the same bits."""
+    """The sweep's causal forward and pull-back against the scan's (to rounding), on the parallel path
+    (rows claimed by numba's workers); the serial path (one worker) gives the same bits."""
     if "sweep" not in slicedkern.engines.available("numpy"):
         pytest.skip("the sweep engine needs numba")
     from slicedkern.engines.sweep import _causal_host
@@ -289,6 +289,10 @@ def test_sweep_matches_scan_serial_and_parallel(rng, monkeypatch):
             a, b, c, d, key_mask=mask, normalize="abs", causal=True, engine=engine), q, k, v, bw)
         return [out, *pullback(g)]
 
+    # the threshold would run this size serially: force the parallel path (one worker per row, up
+    # to numba's thread count), then the serial one
+    numba = pytest.importorskip("numba")
+    monkeypatch.setattr(_causal_host, "_workers", lambda bsz, *args: min(numba.get_num_threads(), bsz))
     parallel = run("sweep")
     scan = run("scan")
     for name, a, b in zip(["out", "dq", "dk", "dv", "dbandwidth"], parallel, scan):

@@ -36,12 +36,6 @@ def _bridge():
     return host
 
 
-def _causal_bridge():
-    """The causal mode's host bridge (:mod:`._causal_host`), imported on first use (it imports numba)."""
-    from . import _causal_host as host
-    return host
-
-
 def _host_profile(profile, batch) -> dict:
     """A profile as the kernels take it: float64 knot / coefficient arrays (M,) or (batch..., M)."""
     def host(value):
@@ -102,7 +96,7 @@ class SweepEngine(Engine):
         return out, ()
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp):
-        out, take, relu_count, den = _causal_bridge().causal_attention(
+        out, take, relu_count, den = _bridge().causal_attention(
             q, k, v, key_mask, center=center, normalizer=normalize, eps=eps,
             **_host_profile(profile, tuple(q.shape[:-1])))
         residuals = (take, as_work(xp, relu_count, q.dtype)[..., None])
@@ -117,7 +111,7 @@ class SweepEngine(Engine):
         for p, g in zip(profiles, cotangents):
             cols = column_range(p, c)
             want = param_grads and not p.is_fixed
-            px, py, pw, dkn, dco = _causal_bridge().causal_profile_vjp(
+            px, py, pw, dkn, dco = _bridge().causal_profile_vjp(
                 x, y, w[..., cols.start:cols.stop], g, strict_knots=p.strict_knots, param_grads=want,
                 **_host_profile(p, tuple(x.shape[:-1])))
             px, py, pw = (as_work(xp, a, x.dtype) for a in (px, py, pw))

@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from ._causal_host import causal_attention, causal_profile_vjp
 from ._convert import (
     F64,
     NO_MASK,
@@ -81,7 +82,8 @@ from ._kernels_backward import backward_rows
 from ._kernels_common import NO_NORMALIZER, allocate_sorted
 from ._kernels_forward import forward_rows
 
-__all__ = ["AVAILABLE", "kernel_sum", "attention", "kernel_sum_vjp", "attention_vjp", "warmup"]
+__all__ = ["AVAILABLE", "kernel_sum", "attention", "kernel_sum_vjp", "attention_vjp", "warmup",
+           "causal_attention", "causal_profile_vjp"]
 
 #: Whether the engine can run here (this module imports only where numba does).
 AVAILABLE = True
@@ -410,4 +412,6 @@ def warmup() -> bool:
         attention(x, y, w, np.ones((1, 4), bool))
         kernel_sum_vjp(x, y, w, (0.0,), (1.0,), 0.0, 0.0, g)
         attention_vjp(x, y, w, None, g, out)
+        causal_attention(x, y, w, None, knots=(0.0,), coeffs=(1.0,))
+        causal_profile_vjp(x, y, w, g, knots=(0.0,), coeffs=(1.0,))
     return True

@@ -58,6 +58,11 @@ class ArrayBackend:
             return None
         return bool(xp.all(predicate(xp, a)))
 
+    def compile(self, fn):
+        """``fn`` (arrays, and lists / tuples of arrays, in and out) compiled for repeated calls where
+        the library compiles (``jax.jit``), else ``fn`` itself."""
+        return fn
+
     # -- primitives of the sort-scan --------------------------------------------------------------
     def materialize(self, xp, *arrays):
         """The arrays, computed in full before anything that uses them (identity but under JAX)."""

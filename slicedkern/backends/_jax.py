@@ -40,6 +40,9 @@ class JaxBackend(ArrayBackend):
             return None
         return bool(np.all(predicate(np, np.asarray(a))))
 
+    def compile(self, fn):
+        return jax.jit(fn)
+
     def materialize(self, xp, *arrays):
         # In a loop whose steps each read the previous step's result twice (the Hillis-Steele scan),
         # XLA would otherwise fuse the steps and recompute each one exponentially often.

@@ -118,7 +118,8 @@ class DecodeCache:
                              f"{shape_str(k)} and {shape_str(v)}")
         if self._shape is None:
             self._shape = (tuple(k.shape[:-1]), v.shape[-1], xp, work, out_dtype)
-            self._runs = Runs(xp, work)
+            self._runs = Runs(xp, work, self._profile, center=self._center, normalizer=self._normalizer,
+                              eps=self._eps, dv=v.shape[-1])
         batch, dv, xp0, work0, _ = self._shape
         if xp is not xp0 or tuple(k.shape[:-1]) != batch or v.shape[-1] != dv:
             raise ValueError(f"arguments 'k' and 'v' must continue the cache's rows: batch shape {batch}, "
@@ -142,6 +143,5 @@ class DecodeCache:
                              f"got {shape_str(q)}")
         if self._runs.length == 0 or q.shape[-1] == 0:
             return xp.zeros(q.shape + (dv,), dtype=xp.result_type(out_dtype, q_dtype), device=compat.device(q))
-        out = self._runs.attend(xp.astype(q, work), self._profile, center=self._center,
-                                normalizer=self._normalizer, eps=self._eps)
+        out = self._runs.attend(xp.astype(q, work))
         return xp.astype(out, xp.result_type(out_dtype, q_dtype))

@@ -7,24 +7,39 @@ binary counter), so there are at most ``log2 n + 1`` runs and each key is re-sor
 times. A query that sees every key appended so far is the sum over the runs of the ordinary
 sort-scan sums (one rank search per knot and run, one gathered row each), combined as causal
 attention combines its levels (:func:`._causal.compose`).
+
+The work of one run (its sort and prefix table; its sums for a block of queries) and the final
+combination are functions of arrays only, compiled by the backend row (``compile``: ``jax.jit`` on
+JAX, nothing elsewhere): run sizes are the powers of two of a binary counter when tokens arrive
+one by one, so JAX compiles ``O(log n)`` shapes, not one per token (docs/mathematics.rst, "Decoding").
 """
 
 from __future__ import annotations
 
 import array_api_compat as compat
 
+from ...backends import ops_for
 from ...kernels import Profile
 from ._causal import compose
-from ._scan import profile_sums, queries, sort_keys
-from ._wide import arithmetic
+from ._scan import SortedKeys, profile_sums, queries, sort_keys
+from ._wide import Pair, arithmetic
 
 __all__ = ["Runs"]
 
 
+def _parts(value) -> tuple:
+    """A wide value as a tuple of arrays (what a compiled function may take and return)."""
+    return (value.hi, value.lo) if isinstance(value, Pair) else (value,)
+
+
+def _wide(parts: tuple):
+    return Pair(*parts) if len(parts) == 2 else parts[0]
+
+
 class _Run:
-    def __init__(self, xp, ar, y, w, take):
+    def __init__(self, y, w, take, sorted_parts):
         self.y, self.w, self.take = y, w, take
-        self.sorted = sort_keys(y, w, xp=xp, ar=ar, take=take, ones=True)
+        self.sorted_parts = sorted_parts        # (keys, prefix parts, shift) of sort_keys
 
     @property
     def size(self) -> int:
@@ -32,21 +47,61 @@ class _Run:
 
 
 class Runs:
-    """The keys and values appended so far for a batch of rows, as sorted runs.
+    """The keys and values appended so far for a batch of rows, as sorted runs, and the attention of
+    one op over them.
 
     Parameters
     ----------
     xp : namespace
     work : dtype
         The work dtype (float64, or float32 with double-float sums).
+    profile : Profile
+        The op's kernel profile.
+    center, normalizer, eps
+        The op's options (``normalizer`` as :func:`slicedkern._spec.normalizer_profile` gives it).
+    dv : int
+        Value columns.
     """
 
-    def __init__(self, xp, work):
+    def __init__(self, xp, work, profile: Profile, *, center, normalizer, eps, dv):
         self.xp, self.work = xp, work
-        self.ar = arithmetic(xp, work)
+        self.ar = ar = arithmetic(xp, work)
         self.runs: list[_Run] = []
         self.totals = None          # (..., 1, dv + 1): the values' sum and the count of the keys taken
         self.bad = None             # (...): some appended key or value was not finite
+        profiles = [profile.with_(columns=slice(0, dv + 1))]
+        if isinstance(normalizer, Profile):
+            profiles.append(normalizer.with_(columns=slice(dv, dv + 1)))
+
+        def build(y, w, take):
+            sk = sort_keys(y, w, xp=xp, ar=ar, take=take, ones=True)
+            return sk.keys, _parts(sk.prefix), sk.shift
+
+        def run_sums(q, keys, prefix, shift):
+            sk = SortedKeys(keys, _wide(prefix), shift)
+            return [_parts(s) for s in profile_sums(queries(q, sk, ar=ar), sk, profiles, xp=xp, ar=ar,
+                                                    strict=True)]
+
+        def finish(parts, totals, q_ok, bad):
+            sums = [_wide(p) for p in parts[0]]
+            for more in parts[1:]:
+                sums = [ar.add(a, _wide(b)) for a, b in zip(sums, more)]
+            totals = xp.broadcast_to(totals, q_ok.shape + (dv + 1,))
+            out, _, _ = compose(xp, ar, sums[0], sums[1] if len(sums) > 1 else None, totals, q_ok & ~bad[..., None],
+                                center=center, normalizer=normalizer, eps=eps, dv=dv)
+            return out
+
+        def admit(k, v):
+            ok = xp.isfinite(k) & xp.all(xp.isfinite(v), axis=-1)
+            zero = xp.asarray(0.0, dtype=k.dtype, device=compat.device(k))
+            k = xp.where(ok, k, zero)
+            v = xp.where(ok[..., None], xp.astype(v, work), zero)
+            rows = xp.concat([v, xp.astype(ok, work)[..., None]], axis=-1)
+            return k, v, ok, xp.sum(rows, axis=-2, keepdims=True), ~xp.all(ok, axis=-1)
+
+        compile = ops_for(xp).compile
+        self._admit, self._build = compile(admit), compile(build)
+        self._run_sums, self._finish = compile(run_sums), compile(finish)
 
     @property
     def length(self) -> int:
@@ -55,14 +110,8 @@ class Runs:
     def append(self, k, v):
         """Append keys ``k`` (..., t) in the work dtype and values ``v`` (..., t, dv), in position order."""
         xp = self.xp
-        ok = xp.isfinite(k) & xp.all(xp.isfinite(v), axis=-1)
-        bad = ~xp.all(ok, axis=-1)
+        k, v, ok, total, bad = self._admit(k, v)       # non-finite keys: zeroed, flagged (the NaN rule)
         self.bad = bad if self.bad is None else self.bad | bad
-        zero = xp.asarray(0.0, dtype=k.dtype, device=compat.device(k))
-        k = xp.where(ok, k, zero)
-        v = xp.where(ok[..., None], xp.astype(v, self.work), zero)
-        rows = xp.concat([v, xp.astype(ok, self.work)[..., None]], axis=-1)
-        total = xp.sum(rows, axis=-2, keepdims=True)
         self.totals = total if self.totals is None else self.totals + total
         y, w, take = k, v, ok
         while self.runs and self.runs[-1].size <= y.shape[-1]:
@@ -70,23 +119,12 @@ class Runs:
             y = xp.concat([last.y, y], axis=-1)
             w = xp.concat([last.w, w], axis=-2)
             take = xp.concat([last.take, take], axis=-1)
-        self.runs.append(_Run(xp, self.ar, y, w, take))
+        self.runs.append(_Run(y, w, take, self._build(y, w, take)))
 
-    def attend(self, q, profile: Profile, *, center, normalizer, eps):
+    def attend(self, q):
         """Attention of queries ``q`` (..., n) in the work dtype over every key appended so far."""
-        xp, ar = self.xp, self.ar
-        dv = self.totals.shape[-1] - 1
-        profiles = [profile.with_(columns=slice(0, dv + 1))]
-        if isinstance(normalizer, Profile):
-            profiles.append(normalizer.with_(columns=slice(dv, dv + 1)))
+        xp = self.xp
         q_ok = xp.isfinite(q)
         q = xp.where(q_ok, q, xp.asarray(0.0, dtype=q.dtype, device=compat.device(q)))
-        sums = None
-        for run in self.runs:
-            part = profile_sums(queries(q, run.sorted, ar=ar), run.sorted, profiles, xp=xp, ar=ar, strict=True)
-            sums = part if sums is None else [ar.add(a, b) for a, b in zip(sums, part)]
-        totals = xp.broadcast_to(self.totals, q.shape + (dv + 1,))
-        good = q_ok & ~self.bad[..., None]
-        out, _, _ = compose(xp, ar, sums[0], sums[1] if len(sums) > 1 else None, totals, good, center=center,
-                            normalizer=normalizer, eps=eps, dv=dv)
-        return out
+        parts = [self._run_sums(q, *run.sorted_parts) for run in self.runs]
+        return self._finish(parts, self.totals, q_ok, self.bad)

@@ -155,6 +155,26 @@ def check_nan_policy(rank, size, init):
     assert torch.isnan(out[0]).all(), "row 0 must be NaN on every rank"
     torch.testing.assert_close(out, ref[:, lo:hi], equal_nan=True)
 
+    # causal: a bad key poisons the queries at and after its position only, across ranks; a masked one
+    # nothing; gradients NaN where the one-process op's are
+    q, k, v, _, _ = _problem(8, (3,), n, 2, mask=False, ties=False)
+    k[0, 2] = np.nan                      # rank 0's key: row 0 NaN from position 2 on, on every rank
+    v[1, n - 2, 1] = np.inf               # the last rank's value: row 1 NaN from position n - 2 on
+    v[2, 1, 0] = np.nan                   # masked out: row 2 stays finite
+    m = np.ones((3, n), dtype=bool)
+    m[2, 1] = False
+    full = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+    ref = slicedkern.relu_attention(*full, key_mask=torch.tensor(m), causal=True, engine="scan")
+    (ref * torch.tensor(np.ones(ref.shape))).sum().backward()
+    shard = [torch.tensor(a[:, lo:hi], requires_grad=True) for a in (q, k, v)]
+    out = skd.relu_attention(*shard, key_mask=torch.tensor(m[:, lo:hi]), causal=True, engine="scan")
+    out.sum().backward()
+    assert torch.isnan(out[0, max(2 - lo, 0):]).all() and not torch.isnan(out[0, :max(2 - lo, 0)]).any()
+    assert not torch.isnan(out[2]).any()
+    torch.testing.assert_close(out, ref[:, lo:hi], rtol=1e-9, atol=1e-9, equal_nan=True)
+    for got, whole in zip(shard, full):
+        torch.testing.assert_close(got.grad, whole.grad[:, lo:hi], rtol=1e-9, atol=1e-9, equal_nan=True)
+
     # Lq != Lk (3 queries, 5 keys per rank), broadcast batch dims: q (2, 1, Lq), k and v (1, 2, Lk)
     rng = np.random.default_rng(11)
     nq, nk = 3 * size, 5 * size
@@ -192,6 +212,9 @@ def check_volume(rank, size, init):
          {"center": False, "profile_normalizer": False}),
         (lambda: skd.hat_attention(*shard, bandwidth), {"center": False, "profile_normalizer": False,
                                                         "params": batch}),
+        (lambda: skd.relu_attention(*shard, causal=True), {"causal": True}),
+        (lambda: skd.hat_attention(*shard, bandwidth, causal=True),
+         {"center": False, "profile_normalizer": False, "params": batch, "causal": True}),
     ]
     for call, options in calls:
         with skd.count_bytes() as log:
@@ -212,9 +235,10 @@ def check_bad_input(rank, size, init, outdir):
 
     def attempt(label, **kw):
         n = kw.pop("n", 4)
+        nk = n - kw.pop("kshift", 0)
         dtype = kw.pop("dtype", torch.float64)
-        q, k = torch.tensor(rng.normal(size=(n,)), dtype=dtype), torch.tensor(rng.normal(size=(n,)), dtype=dtype)
-        v = torch.tensor(rng.normal(size=(n, 2)), dtype=dtype)
+        q, k = torch.tensor(rng.normal(size=(n,)), dtype=dtype), torch.tensor(rng.normal(size=(nk,)), dtype=dtype)
+        v = torch.tensor(rng.normal(size=(nk, 2)), dtype=dtype)
         try:
             skd.relu_attention(q, k, v, **kw)
         except (ValueError, TypeError) as exc:
@@ -226,6 +250,7 @@ def check_bad_input(rank, size, init, outdir):
     attempt("dtype", dtype=torch.float32 if rank == 0 else torch.float64)
     attempt("options", normalize="abs" if rank == 0 else "relu")
     attempt("local", eps=-1.0 if rank == size - 1 else 1e-6)
+    attempt("causal-lengths", n=4, causal=True, kshift=1)   # fewer keys than queries on every rank
     attempt("fine")                        # the group still works after the errors
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(messages, f)

@@ -58,6 +58,7 @@ def test_bad_input_fails_on_every_rank(size, tmp_path):
             assert "argument 'eps'" in got["local"], got["local"]
         else:
             assert f"rank(s) [{size - 1}] failed validation" in got["local"], got["local"]
+        assert "argument 'causal'" in got["causal-lengths"] and "as many queries as keys" in got["causal-lengths"]
         assert got["fine"] == "no error"
 
 

@@ -127,6 +127,13 @@ def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = Non
         This rank's part of the key mask.
     center, normalize, eps, engine, xp
         As in :func:`slicedkern.relu_attention`.
+    causal : bool, default False
+        Causal attention on the whole sequence: global query ``i`` sees the valid keys ``j <= i``, the
+        normaliser and the centring mean running over them, and a query that sees no key gets 0
+        (:func:`slicedkern.relu_attention` with ``causal=True`` on the concatenated sequence). Every
+        rank must then hold as many queries as keys (``q.shape[-1] == k.shape[-1]``), else every
+        rank raises ``ValueError``. The engine must give causal partial sums (the scan does; an
+        unset ``engine`` picks it).
     group : torch.distributed.ProcessGroup, optional
         torch: the ranks sharing the sequence, in sequence order (default: the world group). Every
         rank must hold shards of equal length, dtype and batch shape and pass the same options;
@@ -145,7 +152,9 @@ def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = Non
     array parameters of the other ops receive that gradient summed over the group, so they must be
     equal on every rank. Communication (docs/scaling.rst): an all-gather of the query scores and a
     reduce-scatter of ``Dv + 2`` columns per query forward; an all-gather of ``Dv + 2`` columns
-    and a reduce-scatter of one per query backward.
+    and a reduce-scatter of one per query backward. Causal: the same, plus the causal sums of the
+    rank's own triangle computed locally, and the per-row totals all-gathered (an exclusive scan
+    over the ranks) instead of all-reduced.
 
     Examples
     --------
@@ -166,7 +175,7 @@ def hat_attention(q: Array, k: Array, v: Array, bandwidth: ArrayOrFloat = 1.0, *
 
     Parameters
     ----------
-    q, k, v, key_mask, group, axis_name
+    q, k, v, key_mask, causal, group, axis_name
         As in :func:`relu_attention`.
     bandwidth, normalize, eps, engine, xp
         As in :func:`slicedkern.hat_attention` (an array bandwidth: equal on every rank).
@@ -193,7 +202,7 @@ def hat_mixture_attention(q: Array, k: Array, v: Array, bandwidths: ArrayOrFloat
 
     Parameters
     ----------
-    q, k, v, key_mask, group, axis_name
+    q, k, v, key_mask, causal, group, axis_name
         As in :func:`relu_attention`.
     bandwidths, weights, normalize, eps, engine, xp
         As in :func:`slicedkern.hat_mixture_attention` (arrays: equal on every rank).
@@ -220,7 +229,7 @@ def kernel_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, k
 
     Parameters
     ----------
-    q, k, v, key_mask, group, axis_name
+    q, k, v, key_mask, causal, group, axis_name
         As in :func:`relu_attention`.
     kernel, center, normalize, eps, engine, xp
         As in :func:`slicedkern.kernel_attention`.

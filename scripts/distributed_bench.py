@@ -10,8 +10,9 @@ What CPU numbers can say: on one host the ranks share cores and memory bandwidth
 through the kernel's loopback; they show the collectives' overhead and whether the per-rank work
 shrinks, not the speed of a GPU cluster with NVLink or InfiniBand.
 
-Usage: ``PYTHONPATH=. python scripts/distributed_bench.py [--n 65536] [--batch 4] [--dv 32] [--rounds 3]``;
-``--rank-work`` times one rank's share of the forward in this process instead (no collectives).
+Usage: ``PYTHONPATH=. python scripts/distributed_bench.py [--n 65536] [--batch 4] [--dv 32] [--rounds 3]
+[--causal]``; ``--rank-work`` times one rank's share of the forward in this process instead (no
+collectives); ``--causal`` times ``causal=True`` (against the one-process causal op).
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ def _worker(rank, size, init, args, outdir):
                                 timeout=datetime.timedelta(seconds=300))
 
         def call():
-            return skd.relu_attention(*shard, engine=args["engine"])
+            return skd.relu_attention(*shard, engine=args["engine"], causal=args["causal"])
     else:
         def call():
-            return slicedkern.relu_attention(*shard, engine=args["engine"])
+            return slicedkern.relu_attention(*shard, engine=args["engine"], causal=args["causal"])
 
     times = {"forward": [], "forward+backward": []}
     for rep in range(args["repeats"] + 1):
@@ -74,7 +75,7 @@ def _worker(rank, size, init, args, outdir):
             call().sum().backward()
         counted = ring_bytes(log, size)
         # float32 inputs are computed in the work dtype, float64, and the partial sums travel in it
-        formula = sequence_parallel_bytes(size, b, n // size, dv, itemsize=8)
+        formula = sequence_parallel_bytes(size, b, n // size, dv, itemsize=8, causal=args["causal"])
         assert counted == formula, (counted, formula)
         report["bytes_sent"] = counted
         report["ring_attention_bytes"] = ring_attention_bytes(size, b, n // size, dv, itemsize=4)
@@ -138,6 +139,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engine", default="scan")
     parser.add_argument("--sizes", default="1,2,4")
+    parser.add_argument("--causal", action="store_true", help="causal=True (the one-process op causal too)")
     parser.add_argument("--rank-work", action="store_true", help="only time one rank's share in-process")
     args = parser.parse_args()
     if args.rank_work:
@@ -158,7 +160,8 @@ def main():
                 best[size, key] = min(best.get((size, key), float("inf")), slowest)
             if size > 1:
                 volumes[size] = (reports[0]["bytes_sent"], reports[0]["ring_attention_bytes"])
-    print(f"relu_attention, float32, batch {args.batch}, total n {args.n}, Dv {args.dv}, engine {args.engine}, "
+    label = "relu_attention causal" if args.causal else "relu_attention"
+    print(f"{label}, float32, batch {args.batch}, total n {args.n}, Dv {args.dv}, engine {args.engine}, "
           f"1 thread per process; min over {args.rounds} interleaved rounds x {args.repeats} repeats")
     print(f"{'P':>3} {'forward s':>10} {'fwd+bwd s':>10} {'vs P=1':>7} {'sent/rank MB':>13} {'ring MB':>8}")
     for size in sizes:

@@ -29,6 +29,9 @@ CASES = [
     ("relu-default", "relu_attention", {}, {}, True),
     ("mixture-arrays-relu", "hat_mixture_attention", {"normalize": "relu"}, {"bandwidths": (2,), "weights": (2,)},
      False),
+    ("relu-default-causal", "relu_attention", {"causal": True}, {}, True),
+    ("mixture-arrays-count-causal", "hat_mixture_attention", {"normalize": "count", "causal": True},
+     {"bandwidths": (2,), "weights": (2,)}, False),
 ]
 
 

@@ -95,43 +95,46 @@ def check_matches(rank, size, init, engine, dtype_name, names=None):
 
     _init(rank, size, init)
     dtype = getattr(torch, dtype_name)
-    tol = 1e-9 if dtype == torch.float64 else 2e-4
+    base_tol = 1e-9 if dtype == torch.float64 else 2e-4
     batch, n, dv = (2,), 8 * size, 3
     lo, hi = rank * n // size, (rank + 1) * n // size
-    for seed, (name, op, kwargs, array_params) in enumerate(CASES):
-        if names is not None and name not in names:
-            continue
-        for mask in (False, True):
-            q, k, v, m, w = _problem(seed, batch, n, dv, mask=mask, ties=seed % 2 == 0)
-            params = _params(np.random.default_rng(100 + seed), batch, array_params)
-            extra = dict(kwargs)
-            if op == "kernel_attention":
-                extra["kernel"] = Hat(1.3)
+    runs = [(seed, case, mask, causal) for seed, case in enumerate(CASES) for mask in (False, True)
+            for causal in (False, True) if names is None or case[0] in names]
+    for seed, (name, op, kwargs, array_params), mask, causal in runs:
+        q, k, v, m, w = _problem(seed, batch, n, dv, mask=mask, ties=seed % 2 == 0)
+        params = _params(np.random.default_rng(100 + seed), batch, array_params)
+        extra = dict(kwargs, causal=causal)
+        # causal "relu" normaliser: a query whose few visible keys all lie above it has D = 0 exactly,
+        # clamped to eps; the rounding residue of D and of the sums (another order across ranks) is
+        # amplified by 1 / eps there (the JAX test's tolerance for the same reason)
+        tol = 1e-7 if causal and kwargs.get("normalize") == "relu" and dtype == torch.float64 else base_tol
+        if op == "kernel_attention":
+            extra["kernel"] = Hat(1.3)
 
-            def tensors(lo_, hi_):
-                ts = [torch.tensor(a[..., lo_:hi_] if a.ndim == len(batch) + 1 else a[..., lo_:hi_, :],
-                                   dtype=dtype, requires_grad=True) for a in (q, k, v)]
-                ps = {p: torch.tensor(a, dtype=dtype, requires_grad=True) for p, a in params.items()}
-                mk = None if m is None else torch.tensor(m[..., lo_:hi_])
-                return ts, ps, mk
+        def tensors(lo_, hi_):
+            ts = [torch.tensor(a[..., lo_:hi_] if a.ndim == len(batch) + 1 else a[..., lo_:hi_, :],
+                               dtype=dtype, requires_grad=True) for a in (q, k, v)]
+            ps = {p: torch.tensor(a, dtype=dtype, requires_grad=True) for p, a in params.items()}
+            mk = None if m is None else torch.tensor(m[..., lo_:hi_])
+            return ts, ps, mk
 
-            (qf, kf, vf), pf, mf = tensors(0, n)
-            ref = getattr(slicedkern, op)(qf, kf, vf, key_mask=mf, engine=engine, **pf, **extra)
-            (ref * torch.tensor(w, dtype=dtype)).sum().backward()
+        (qf, kf, vf), pf, mf = tensors(0, n)
+        ref = getattr(slicedkern, op)(qf, kf, vf, key_mask=mf, engine=engine, **pf, **extra)
+        (ref * torch.tensor(w, dtype=dtype)).sum().backward()
 
-            (qs, ks, vs), ps, ms = tensors(lo, hi)
-            out = getattr(skd, op)(qs, ks, vs, key_mask=ms, engine=engine, **ps, **extra)
-            (out * torch.tensor(w[..., lo:hi, :], dtype=dtype)).sum().backward()
+        (qs, ks, vs), ps, ms = tensors(lo, hi)
+        out = getattr(skd, op)(qs, ks, vs, key_mask=ms, engine=engine, **ps, **extra)
+        (out * torch.tensor(w[..., lo:hi, :], dtype=dtype)).sum().backward()
 
-            where = f"case {name}, mask {mask}, rank {rank} of {size}"
-            torch.testing.assert_close(out, ref[..., lo:hi, :].detach(), rtol=tol, atol=tol, msg=where)
-            for got, full in ((qs, qf), (ks, kf)):
-                torch.testing.assert_close(got.grad, full.grad[..., lo:hi], rtol=tol, atol=tol, msg=where,
-                                           equal_nan=True)
-            torch.testing.assert_close(vs.grad, vf.grad[..., lo:hi, :], rtol=tol, atol=tol, msg=where,
+        where = f"case {name}, mask {mask}, causal {causal}, rank {rank} of {size}"
+        torch.testing.assert_close(out, ref[..., lo:hi, :].detach(), rtol=tol, atol=tol, msg=where)
+        for got, full in ((qs, qf), (ks, kf)):
+            torch.testing.assert_close(got.grad, full.grad[..., lo:hi], rtol=tol, atol=tol, msg=where,
                                        equal_nan=True)
-            for p in params:
-                torch.testing.assert_close(ps[p].grad, pf[p].grad, rtol=tol, atol=tol, msg=where)
+        torch.testing.assert_close(vs.grad, vf.grad[..., lo:hi, :], rtol=tol, atol=tol, msg=where,
+                                   equal_nan=True)
+        for p in params:
+            torch.testing.assert_close(ps[p].grad, pf[p].grad, rtol=tol, atol=tol, msg=where)
 
 
 def check_nan_policy(rank, size, init):
@@ -151,6 +154,26 @@ def check_nan_policy(rank, size, init):
     out = skd.relu_attention(torch.tensor(q[:, lo:hi]), torch.tensor(k[:, lo:hi]), torch.tensor(v[:, lo:hi]))
     assert torch.isnan(out[0]).all(), "row 0 must be NaN on every rank"
     torch.testing.assert_close(out, ref[:, lo:hi], equal_nan=True)
+
+    # causal: a bad key poisons the queries at and after its position only, across ranks; a masked one
+    # nothing; gradients NaN where the one-process op's are
+    q, k, v, _, _ = _problem(8, (3,), n, 2, mask=False, ties=False)
+    k[0, 2] = np.nan                      # rank 0's key: row 0 NaN from position 2 on, on every rank
+    v[1, n - 2, 1] = np.inf               # the last rank's value: row 1 NaN from position n - 2 on
+    v[2, 1, 0] = np.nan                   # masked out: row 2 stays finite
+    m = np.ones((3, n), dtype=bool)
+    m[2, 1] = False
+    full = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+    ref = slicedkern.relu_attention(*full, key_mask=torch.tensor(m), causal=True, engine="scan")
+    (ref * torch.tensor(np.ones(ref.shape))).sum().backward()
+    shard = [torch.tensor(a[:, lo:hi], requires_grad=True) for a in (q, k, v)]
+    out = skd.relu_attention(*shard, key_mask=torch.tensor(m[:, lo:hi]), causal=True, engine="scan")
+    out.sum().backward()
+    assert torch.isnan(out[0, max(2 - lo, 0):]).all() and not torch.isnan(out[0, :max(2 - lo, 0)]).any()
+    assert not torch.isnan(out[2]).any()
+    torch.testing.assert_close(out, ref[:, lo:hi], rtol=1e-9, atol=1e-9, equal_nan=True)
+    for got, whole in zip(shard, full):
+        torch.testing.assert_close(got.grad, whole.grad[:, lo:hi], rtol=1e-9, atol=1e-9, equal_nan=True)
 
     # Lq != Lk (3 queries, 5 keys per rank), broadcast batch dims: q (2, 1, Lq), k and v (1, 2, Lk)
     rng = np.random.default_rng(11)
@@ -189,6 +212,9 @@ def check_volume(rank, size, init):
          {"center": False, "profile_normalizer": False}),
         (lambda: skd.hat_attention(*shard, bandwidth), {"center": False, "profile_normalizer": False,
                                                         "params": batch}),
+        (lambda: skd.relu_attention(*shard, causal=True), {"causal": True}),
+        (lambda: skd.hat_attention(*shard, bandwidth, causal=True),
+         {"center": False, "profile_normalizer": False, "params": batch, "causal": True}),
     ]
     for call, options in calls:
         with skd.count_bytes() as log:
@@ -209,9 +235,10 @@ def check_bad_input(rank, size, init, outdir):
 
     def attempt(label, **kw):
         n = kw.pop("n", 4)
+        nk = n - kw.pop("kshift", 0)
         dtype = kw.pop("dtype", torch.float64)
-        q, k = torch.tensor(rng.normal(size=(n,)), dtype=dtype), torch.tensor(rng.normal(size=(n,)), dtype=dtype)
-        v = torch.tensor(rng.normal(size=(n, 2)), dtype=dtype)
+        q, k = torch.tensor(rng.normal(size=(n,)), dtype=dtype), torch.tensor(rng.normal(size=(nk,)), dtype=dtype)
+        v = torch.tensor(rng.normal(size=(nk, 2)), dtype=dtype)
         try:
             skd.relu_attention(q, k, v, **kw)
         except (ValueError, TypeError) as exc:
@@ -223,6 +250,7 @@ def check_bad_input(rank, size, init, outdir):
     attempt("dtype", dtype=torch.float32 if rank == 0 else torch.float64)
     attempt("options", normalize="abs" if rank == 0 else "relu")
     attempt("local", eps=-1.0 if rank == size - 1 else 1e-6)
+    attempt("causal-lengths", n=4, causal=True, kshift=1)   # fewer keys than queries on every rank
     attempt("fine")                        # the group still works after the errors
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(messages, f)

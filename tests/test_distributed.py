@@ -34,7 +34,8 @@ def test_matches_single_process_float64(size):
 
 def test_matches_single_process_default_engine_float32():
     # the default engine (the numba sweep where installed): two cases, for the compile time per process
-    workers.spawn(workers.check_matches, 2, None, "float32", ("relu-default", "hat-array-bandwidth"))
+    # (causal calls included: they run on the scan where the default engine has no causal partial sums)
+    workers.spawn(workers.check_matches, 2, None, "float32", ("relu-default", "hat-array-bandwidth"), timeout=420)
 
 
 def test_nan_policy_cross_lengths_and_broadcast_batch():
@@ -57,6 +58,7 @@ def test_bad_input_fails_on_every_rank(size, tmp_path):
             assert "argument 'eps'" in got["local"], got["local"]
         else:
             assert f"rank(s) [{size - 1}] failed validation" in got["local"], got["local"]
+        assert "argument 'causal'" in got["causal-lengths"] and "as many queries as keys" in got["causal-lengths"]
         assert got["fine"] == "no error"
 
 
@@ -71,3 +73,33 @@ def test_numpy_arrays_are_refused_by_name():
     np = pytest.importorskip("numpy")
     with pytest.raises(TypeError, match="argument 'q'"):
         skd.relu_attention(np.zeros(4), np.zeros(4), np.zeros((4, 2)))
+
+
+@pytest.mark.parametrize("lq, lk", [(9, 9), (5, 12), (12, 5), (1, 1), (0, 3)])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_causal_profile_sums_match_dense_sums(lq, lk, dtype):
+    """The scan engine's uncombined causal sums (the hook the causal layout adds across ranks) equal the
+    dense masked sums, in float64 and in double-float work (float32), with ties and several profiles."""
+    np = pytest.importorskip("numpy")
+    import array_api_compat.numpy as xp
+
+    from slicedkern.engines import get
+    from slicedkern.kernels import Hat, Profile, ReLU
+
+    rng = np.random.default_rng(lq * 31 + lk)
+    x, y, w = rng.normal(size=(2, lq)), rng.normal(size=(2, lk)), rng.normal(size=(2, lk, 3))
+    if lq and lk:
+        x[0, -1] = y[0, 0]                               # a tie
+    w[1, 0] = 0.0                                        # a key that takes no part
+    profiles = [Profile.of(Hat(1.3)).with_(columns=slice(0, 2)), Profile.of(ReLU()).with_(columns=slice(2, 3))]
+    cast = [a.astype(dtype) for a in (x, y, w)]
+    got = get("scan").causal_profile_sums(*cast, profiles, xp=xp)
+    x, y, w = (a.astype(np.float64) for a in cast)
+    d = x[..., :, None] - y[..., None, :]
+    seen = np.arange(lk)[None, :] <= np.arange(lq)[:, None] + lk - lq
+    dense = [np.maximum(0.0, 1.0 - np.abs(d) / 1.3), np.maximum(d, 0.0)]
+    tol = 1e-12 if dtype == "float64" else 1e-6
+    for out, f, cols in zip(got, dense, (slice(0, 2), slice(2, 3))):
+        expected = np.einsum("bij,bjc->bic", f * seen, w[..., cols])
+        assert out.shape == expected.shape
+        np.testing.assert_allclose(out, expected, rtol=tol, atol=tol)

@@ -13,7 +13,7 @@ import array_api_compat
 import jax
 import jax.numpy as jnp
 
-from ._core import Saved, backward, forward
+from . import _causal, _core
 
 __all__ = ["JaxComm", "apply"]
 
@@ -26,6 +26,11 @@ class JaxComm:
 
     axis_name: str
 
+    @property
+    def rank(self):
+        """This device's index along the axis (a traced scalar)."""
+        return jax.lax.axis_index(self.axis_name)
+
     def gather(self, x, axis):
         return jax.lax.all_gather(x, self.axis_name, axis=axis % x.ndim, tiled=True)
 
@@ -36,20 +41,27 @@ class JaxComm:
         return jax.lax.psum(x, self.axis_name)
 
 
+def _algorithm(spec):
+    """The module that runs ``spec``: :mod:`._causal` for causal attention, else :mod:`._core`."""
+    return _causal if spec.causal else _core
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _sharded(spec, engine, comm, out_dtype, *arrays):
-    out, _ = forward(spec, engine, comm, arrays, xp=_xp)
+    out, _ = _algorithm(spec).forward(spec, engine, comm, arrays, xp=_xp)
     return out.astype(out_dtype)
 
 
 def _sharded_fwd(spec, engine, comm, out_dtype, *arrays):
-    out, saved = forward(spec, engine, comm, arrays, xp=_xp)
+    out, saved = _algorithm(spec).forward(spec, engine, comm, arrays, xp=_xp)
     return out.astype(out_dtype), (arrays, tuple(getattr(saved, f.name) for f in fields(saved)))
 
 
 def _sharded_bwd(spec, engine, comm, out_dtype, residuals, grad_out):
     arrays, saved = residuals
-    grads = backward(spec, engine, comm, arrays, Saved(*saved), grad_out.astype(arrays[0].dtype), xp=_xp)
+    algorithm = _algorithm(spec)
+    saved_type = algorithm.CausalSaved if spec.causal else algorithm.Saved
+    grads = algorithm.backward(spec, engine, comm, arrays, saved_type(*saved), grad_out.astype(arrays[0].dtype), xp=_xp)
     return tuple(None if g is None else g.astype(a.dtype) for g, a in zip(grads, arrays))
 
 

@@ -12,7 +12,7 @@ import array_api_compat.torch as xp
 import torch
 import torch.distributed as dist
 
-from ._core import backward, forward
+from . import _causal, _core
 
 __all__ = ["TorchComm", "apply", "check_group", "agree"]
 
@@ -132,12 +132,17 @@ def agree(prepared, error, group, log=None):
         raise ValueError(f"arguments 'q', 'k', 'v': the ranks disagree on the batch shape: {sorted(batches)}")
 
 
+def _algorithm(spec):
+    """The module that runs ``spec``: :mod:`._causal` for causal attention, else :mod:`._core`."""
+    return _causal if spec.causal else _core
+
+
 class _Sharded(torch.autograd.Function):
     """The sequence-parallel op of a static ``spec`` on an ``engine`` over a communicator."""
 
     @staticmethod
     def forward(ctx, spec, engine, comm, out_dtype, *arrays):
-        out, saved = forward(spec, engine, comm, arrays, xp=xp)
+        out, saved = _algorithm(spec).forward(spec, engine, comm, arrays, xp=xp)
         ctx.spec, ctx.engine, ctx.comm, ctx.saved, ctx.n_arrays = spec, engine, comm, saved, len(arrays)
         ctx.save_for_backward(*arrays)
         return out.to(out_dtype)
@@ -148,7 +153,8 @@ class _Sharded(torch.autograd.Function):
             raise RuntimeError("slicedkern.distributed attention is differentiable once (no double backward)")
         arrays = ctx.saved_tensors
         # every rank runs the collectives of the backward, whatever its own inputs need
-        grads = backward(ctx.spec, ctx.engine, ctx.comm, arrays, ctx.saved, grad_out.to(arrays[0].dtype), xp=xp)
+        grads = _algorithm(ctx.spec).backward(ctx.spec, ctx.engine, ctx.comm, arrays, ctx.saved,
+                                              grad_out.to(arrays[0].dtype), xp=xp)
         grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[4:])]
         return (None, None, None, None, *grads)
 
@@ -160,5 +166,5 @@ def apply(prepared, group, log=None):
     if torch.is_grad_enabled() and any(a.requires_grad for a in inputs if a.is_floating_point()):
         return _Sharded.apply(spec, engine, comm, out_dtype, *inputs)
     with torch.no_grad():
-        out, _ = forward(spec, engine, comm, inputs, xp=xp)
+        out, _ = _algorithm(spec).forward(spec, engine, comm, inputs, xp=xp)
     return out.to(out_dtype)

@@ -5,7 +5,8 @@ Rank ``r`` of ``P`` holds rows ``r * n / P ... (r + 1) * n / P`` of the sequence
 returns its rows of the output, equal (to rounding) to the one-process op on the concatenated
 sequence. torch: every rank of ``group`` calls the op (and, if it records gradients, the backward).
 JAX: call it inside ``jax.shard_map`` with the sequence axis sharded over the mesh axis ``axis_name``.
-Layouts and communication volumes: docs/scaling.rst. Causal attention is not offered here yet.
+With ``causal=True`` every rank holds as many queries as keys, and global query ``i`` sees the keys
+``j <= i`` (docs/scaling.rst, "Causal attention"). Layouts and communication volumes: docs/scaling.rst.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextvars
 
 from .._lib.typing import Array, ArrayOrFloat
 from ..backends import backend_of, ops_for
+from ..engines import get as get_engine
 from ..kernels import PiecewiseLinear, ReLU
 from ..ops._validate import check_kernel
 from ..ops.attention import hat_spec, prepare
@@ -59,6 +61,27 @@ def _jax():
     return module
 
 
+def _causal_ready(prepared, requested):
+    """``prepared`` with an engine that gives causal partial sums, or the causal layout's ``ValueError``.
+
+    Raised after the agreement step: the ranks agree on the shapes, the options and (by the same
+    code on equal arguments) the engine, so every rank raises the same error.
+    """
+    xp, spec, engine, inputs, names, out_dtype = prepared
+    if not spec.causal:
+        return prepared
+    q, k = inputs[:2]
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"argument 'causal': sequence-parallel causal attention needs as many queries as keys "
+                         f"on every rank (q.shape[-1] == k.shape[-1]), got {q.shape[-1]} and {k.shape[-1]}")
+    if not hasattr(engine, "causal_profile_sums"):
+        if requested not in (None, "auto"):
+            raise ValueError(f"argument 'engine': the {engine.name!r} engine gives no causal partial sums, "
+                             "which sequence-parallel causal attention adds across ranks; use engine='scan'")
+        engine = get_engine("scan")
+    return xp, spec, engine, inputs, names, out_dtype
+
+
 def _sharded(q, k, v, hats, *, group, axis_name, **options):  # options: those of ops.attention.prepare
     """Validate on every rank, check that the ranks agree (torch), then run the sharded op."""
     if axis_name is not None:
@@ -70,7 +93,7 @@ def _sharded(q, k, v, hats, *, group, axis_name, **options):  # options: those o
         if ops_for(prepared[0]).library != "jax":
             raise TypeError("argument 'axis_name' names a JAX mesh axis: q, k and v must be JAX arrays "
                             "(inside jax.shard_map); torch tensors take group= instead")
-        return _jax().apply(prepared, axis_name)
+        return _jax().apply(_causal_ready(prepared, options.get("engine")), axis_name)
     if backend_of(q).library != "torch":
         raise TypeError(f"argument 'q': slicedkern.distributed runs on torch tensors over a process group "
                         f"(group=) or on JAX arrays inside shard_map (axis_name=), got {type(q).__name__}")
@@ -84,12 +107,12 @@ def _sharded(q, k, v, hats, *, group, axis_name, **options):  # options: those o
     except (TypeError, ValueError) as exc:
         error = exc                      # raised after the agreement step, so that no rank waits
     module.agree(prepared, error, group, _log.get())
-    return module.apply(prepared, group, _log.get())
+    return module.apply(_causal_ready(prepared, options.get("engine")), group, _log.get())
 
 
 def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = None, center: bool = True,
-                   normalize: str | None = "abs", eps: float = 1e-6, engine: str | None = None,
-                   group=None, axis_name: str | None = None, xp=None) -> Array:
+                   normalize: str | None = "abs", eps: float = 1e-6, causal: bool = False,
+                   engine: str | None = None, group=None, axis_name: str | None = None, xp=None) -> Array:
     """Sequence-parallel :func:`slicedkern.relu_attention`: this rank's shard of the output.
 
     Parameters
@@ -104,6 +127,13 @@ def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = Non
         This rank's part of the key mask.
     center, normalize, eps, engine, xp
         As in :func:`slicedkern.relu_attention`.
+    causal : bool, default False
+        Causal attention on the whole sequence: global query ``i`` sees the valid keys ``j <= i``, the
+        normaliser and the centring mean running over them, and a query that sees no key gets 0
+        (:func:`slicedkern.relu_attention` with ``causal=True`` on the concatenated sequence). Every
+        rank must then hold as many queries as keys (``q.shape[-1] == k.shape[-1]``), else every
+        rank raises ``ValueError``. The engine must give causal partial sums (the scan does; an
+        unset ``engine`` picks it).
     group : torch.distributed.ProcessGroup, optional
         torch: the ranks sharing the sequence, in sequence order (default: the world group). Every
         rank must hold shards of equal length, dtype and batch shape and pass the same options;
@@ -122,7 +152,9 @@ def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = Non
     array parameters of the other ops receive that gradient summed over the group, so they must be
     equal on every rank. Communication (docs/scaling.rst): an all-gather of the query scores and a
     reduce-scatter of ``Dv + 2`` columns per query forward; an all-gather of ``Dv + 2`` columns
-    and a reduce-scatter of one per query backward.
+    and a reduce-scatter of one per query backward. Causal: the same, plus the causal sums of the
+    rank's own triangle computed locally, and the per-row totals all-gathered (an exclusive scan
+    over the ranks) instead of all-reduced.
 
     Examples
     --------
@@ -132,18 +164,18 @@ def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = Non
     >>> out = skd.relu_attention(q_shard, k_shard, v_shard)   # doctest: +SKIP
     """
     return _sharded(q, k, v, None, kernel=ReLU(), key_mask=key_mask, center=center, normalize=normalize,
-                    eps=eps, engine=engine, xp=xp, group=group, axis_name=axis_name)
+                    eps=eps, causal=causal, engine=engine, xp=xp, group=group, axis_name=axis_name)
 
 
 def hat_attention(q: Array, k: Array, v: Array, bandwidth: ArrayOrFloat = 1.0, *, key_mask: Array | None = None,
-                  normalize: str | None = "count", eps: float = 1e-6, engine: str | None = None, group=None,
-                  axis_name: str | None = None, xp=None) -> Array:
+                  normalize: str | None = "count", eps: float = 1e-6, causal: bool = False,
+                  engine: str | None = None, group=None, axis_name: str | None = None, xp=None) -> Array:
     """Sequence-parallel :func:`slicedkern.hat_attention`; shards, ``group`` and ``axis_name`` as in
     :func:`relu_attention`.
 
     Parameters
     ----------
-    q, k, v, key_mask, group, axis_name
+    q, k, v, key_mask, causal, group, axis_name
         As in :func:`relu_attention`.
     bandwidth, normalize, eps, engine, xp
         As in :func:`slicedkern.hat_attention` (an array bandwidth: equal on every rank).
@@ -158,19 +190,19 @@ def hat_attention(q: Array, k: Array, v: Array, bandwidth: ArrayOrFloat = 1.0, *
     >>> out = skd.hat_attention(q_shard, k_shard, v_shard, bandwidth=0.5)   # doctest: +SKIP
     """
     return _sharded(q, k, v, hat_spec(bandwidth, None, ("bandwidth", "weights")), key_mask=key_mask,
-                    center=False, normalize=normalize, eps=eps, engine=engine, xp=xp, group=group,
-                    axis_name=axis_name)
+                    center=False, normalize=normalize, eps=eps, causal=causal, engine=engine, xp=xp,
+                    group=group, axis_name=axis_name)
 
 
 def hat_mixture_attention(q: Array, k: Array, v: Array, bandwidths: ArrayOrFloat, weights: ArrayOrFloat, *,
                           key_mask: Array | None = None, normalize: str | None = "count", eps: float = 1e-6,
-                          engine: str | None = None, group=None, axis_name: str | None = None,
+                          causal: bool = False, engine: str | None = None, group=None, axis_name: str | None = None,
                           xp=None) -> Array:
     """Sequence-parallel :func:`slicedkern.hat_mixture_attention`.
 
     Parameters
     ----------
-    q, k, v, key_mask, group, axis_name
+    q, k, v, key_mask, causal, group, axis_name
         As in :func:`relu_attention`.
     bandwidths, weights, normalize, eps, engine, xp
         As in :func:`slicedkern.hat_mixture_attention` (arrays: equal on every rank).
@@ -185,18 +217,19 @@ def hat_mixture_attention(q: Array, k: Array, v: Array, bandwidths: ArrayOrFloat
     >>> out = skd.hat_mixture_attention(q_shard, k_shard, v_shard, [0.5, 2.0], [1.0, -0.5])  # doctest: +SKIP
     """
     return _sharded(q, k, v, hat_spec(bandwidths, weights, ("bandwidths", "weights")), key_mask=key_mask,
-                    center=False, normalize=normalize, eps=eps, engine=engine, xp=xp, group=group,
-                    axis_name=axis_name)
+                    center=False, normalize=normalize, eps=eps, causal=causal, engine=engine, xp=xp,
+                    group=group, axis_name=axis_name)
 
 
 def kernel_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, key_mask: Array | None = None,
                      center: bool = False, normalize: str | None = "count", eps: float = 1e-6,
-                     engine: str | None = None, group=None, axis_name: str | None = None, xp=None) -> Array:
+                     causal: bool = False, engine: str | None = None, group=None, axis_name: str | None = None,
+                     xp=None) -> Array:
     """Sequence-parallel :func:`slicedkern.kernel_attention`.
 
     Parameters
     ----------
-    q, k, v, key_mask, group, axis_name
+    q, k, v, key_mask, causal, group, axis_name
         As in :func:`relu_attention`.
     kernel, center, normalize, eps, engine, xp
         As in :func:`slicedkern.kernel_attention`.
@@ -212,4 +245,4 @@ def kernel_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, k
     >>> out = skd.kernel_attention(q_shard, k_shard, v_shard, Hat(1.0))   # doctest: +SKIP
     """
     return _sharded(q, k, v, None, kernel=kernel, key_mask=key_mask, center=center, normalize=normalize,
-                    eps=eps, engine=engine, xp=xp, group=group, axis_name=axis_name)
+                    eps=eps, causal=causal, engine=engine, xp=xp, group=group, axis_name=axis_name)

@@ -32,7 +32,7 @@ def ring_bytes(log, ranks: int) -> int:
 
 def sequence_parallel_bytes(ranks: int, batch: int, n: int, dv: int, itemsize: int = 8, *, center: bool = True,
                             profile_normalizer: bool = True, params: int = 0, backward: bool = True,
-                            agreement: bool = True) -> int:
+                            agreement: bool = True, causal: bool = False) -> int:
     """Bytes one rank sends per call of :mod:`slicedkern.distributed` attention.
 
     Parameters
@@ -54,6 +54,10 @@ def sequence_parallel_bytes(ranks: int, batch: int, n: int, dv: int, itemsize: i
         Array-parameter entries (per-head bandwidths and weights), all-reduced backward.
     backward, agreement : bool
         Include the backward; include the torch side's agreement check.
+    causal : bool
+        ``causal=True``: the per-row totals (and, backward, the centring mean's gradient) are
+        all-gathered per rank for an exclusive scan over the ranks instead of all-reduced; the rest
+        is the same (the partial sums for the earlier ranks' queries travel as zeros).
 
     Returns
     -------
@@ -68,13 +72,14 @@ def sequence_parallel_bytes(ranks: int, batch: int, n: int, dv: int, itemsize: i
     p, row = ranks, batch * itemsize
     cols = dv + 1 + int(profile_normalizer)
     sent = (p - 1) * n * row                         # the query scores, all-gathered
-    sent += 2 * (p - 1) * row * (dv + 2) / p         # value totals, valid count, bad-key count
+    # value totals, valid count, bad-key count: all-reduced, or all-gathered for the scan over ranks
+    sent += (p - 1) * row * (dv + 2) if causal else 2 * (p - 1) * row * (dv + 2) / p
     sent += (p - 1) * n * row * cols                 # the partial sums, reduce-scattered (P n rows in)
     if backward:
         sent += (p - 1) * n * row * (dv + int(center) + int(profile_normalizer))   # the cotangents
         sent += (p - 1) * n * row                    # the query gradients, reduce-scattered
-        if center:
-            sent += 2 * (p - 1) * row * dv / p       # the gradient of the mean value
+        if center:                                   # the gradient of the mean value
+            sent += (p - 1) * row * dv if causal else 2 * (p - 1) * row * dv / p
         sent += 2 * (p - 1) * params * itemsize / p
     if agreement:
         sent += (p - 1) * AGREEMENT_BYTES

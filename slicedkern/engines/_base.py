@@ -16,6 +16,10 @@ an engine with a causal mode (``supports_causal = True``) also provides
   residuals)`` with the residuals ``(take, relu_count[, den])`` per query over the keys it sees;
 * ``causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True)``: ``profiles_vjp``
   over the keys ``j <= i + m - n`` of each query ``i`` (docs/mathematics.rst, "Causal attention");
+* optionally ``causal_profile_sums(x, y, w, profiles, *, xp)``: its forward, the per-query profile
+  sums over those keys, uncombined (one (..., n, c_p) array per profile), which
+  :mod:`slicedkern.distributed` adds across ranks; an engine without it is not used there for
+  causal calls;
 
 and :class:`Engine` turns them into ``forward(spec, arrays)`` / ``backward(spec, arrays, out,
 residuals, g)``, the two calls the adapters make.

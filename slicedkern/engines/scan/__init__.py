@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..._spec import normalizer_profile
 from .._base import Engine
 from ._backward import indicator_sums, profiles_vjp
-from ._causal import causal_attention, causal_profiles_vjp
+from ._causal import causal_attention, causal_profile_sums, causal_profiles_vjp
 from ._compose import attention, kernel_sum
 
 __all__ = ["ScanEngine"]
@@ -36,6 +36,9 @@ class ScanEngine(Engine):
                                     normalizer=normalizer_profile(normalize), eps=eps, xp=xp)
         residuals = (aux["take"], aux["relu_count"]) + ((aux["den"],) if "den" in aux else ())
         return out, residuals
+
+    def causal_profile_sums(self, x, y, w, profiles, *, xp):
+        return causal_profile_sums(x, y, w, profiles, xp=xp)
 
     def causal_profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
         return causal_profiles_vjp(x, y, w, profiles, cotangents, xp=xp, param_grads=param_grads)

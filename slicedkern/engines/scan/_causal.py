@@ -33,7 +33,7 @@ from ._leaf import leaf_sums, leaf_vjp
 from ._scan import profile_sums, queries, sort_keys
 from ._wide import Pair, Plain, arithmetic
 
-__all__ = ["causal_attention", "causal_profiles_vjp", "compose", "each"]
+__all__ = ["causal_attention", "causal_profile_sums", "causal_profiles_vjp", "compose", "each"]
 
 #: Positions per dense leaf block in float64 work (a (16, 16) block product costs less than sorting
 #: four levels of blocks of 1 to 8 keys). Double-float work keeps every sum in wide arithmetic: its
@@ -230,6 +230,31 @@ def causal_attention(q, k, v, profile: Profile, *, key_mask, center: bool, norma
     if raw_den is not None:
         aux["den"] = raw_den
     return _unscaled(out, unscale), aux
+
+
+def causal_profile_sums(x, y, w, profiles, *, xp):
+    """Per query ``i`` of ``lq``, ``sum_{j <= i + lk - lq} f(x_i - y_j) w_j`` over each profile's columns.
+
+    The forward of :func:`causal_profiles_vjp` (same arguments): ``x`` (..., lq) and ``y`` (..., lk)
+    finite, ``w`` (..., lk, c) in the work dtype and zero on the keys that take no part. Returns one
+    plain (..., lq, c_p) array per profile, in the work dtype. Unlike :func:`causal_attention` it
+    combines nothing: the sums are additive over key ranges, so :mod:`slicedkern.distributed` adds
+    them to other ranks' partial sums before combining.
+    """
+    lq, lk, c = x.shape[-1], y.shape[-1], w.shape[-1]
+    spans = [range(c)[p.columns] for p in profiles]
+    profiles = [p.with_(columns=slice(r.start, r.stop, r.step)) for p, r in zip(profiles, spans)]
+    if lq == 0 or lk == 0:
+        return [xp.zeros(x.shape + (len(r),), dtype=x.dtype, device=compat.device(x)) for r in spans]
+    ar = arithmetic(xp, x.dtype)
+    w, unscale = _power_of_two_scaled(xp, ar, w)
+    grid = CausalGrid(lq, lk)
+    fill = y[..., -1:]
+    xq, yk = grid.queries(xp, x, fill), grid.keys(xp, y, fill)
+    wk = grid.keys(xp, xp.astype(w, x.dtype), 0.0, axis=-2)
+    take = grid.keys(xp, xp.ones(y.shape, dtype=xp.bool, device=compat.device(y)), False)
+    sums = causal_sums(xp, ar, xq, yk, wk, take, profiles)
+    return [_unscaled(grid.at_queries(xp, ar.value(s), axis=-2), unscale) for s in sums]
 
 
 def _add_params(total, part, reduce):

@@ -7,15 +7,18 @@ and returns a :class:`~slicedkern.sliced.plan.SlicePlan`; the op runs the plan's
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 from .._lib.namespace import as_work, broadcast_shapes, shape_str
 from .._lib.typing import Array, Namespace
 from ..adapters.vjp import composite
+from ..backends import is_chunked
 from ..kernels import PiecewiseLinear
 from ..ops import kernel_attention, kernel_sum
 from ..ops._validate import check_bool, check_eps, check_kernel, check_normalize, need_ndim, setup
+from ._chunked import ChunkedPlan, chunked_kernel_sum, chunked_points, host_directions
 from .directions import Seed, resolve_directions, same_dim
 from .plan import SlicePlan, check_chunk, chunk_for, lift, project, unproject
 
@@ -73,9 +76,15 @@ class _AttentionPlan(_SliceMean):
 
 
 # ----------------------------------------------------------------------------------- kernel sums
+def _kernel_sum_block(xb: Array, yb: Array, w: Array, *, kernel: PiecewiseLinear) -> Array:
+    """The in-memory kernel sums of projections (P_block, n), (P_block, m) with weights (m,) or
+    (m, c), summed over the block's directions: (1, n) or (1, n, c)."""
+    return kernel_sum(xb, yb, w[None, ...], kernel).sum(axis=0, keepdims=True)
+
+
 def _plan_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, directions: int | Array,
                      chunk_size: int | None = None, seed: Seed = None, xp: Namespace | None = None
-                     ) -> _KernelSumPlan:
+                     ) -> _KernelSumPlan | ChunkedPlan:
     """The plan of :func:`sliced_kernel_sum` (same arguments), after validating them."""
     xp, device, out_dtype, work = setup({"x": x, "y": y, "w": w}, xp)
     check_kernel(kernel)
@@ -95,6 +104,12 @@ def _plan_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, d
     batch = broadcast_shapes(tuple(x.shape[:-2]), tuple(y.shape[:-2]), tuple(w.shape[:w.ndim - w_core]),
                              names=("x", "y", "w"))
     chunk_size = check_chunk(chunk_size)
+    if is_chunked(xp):                  # Dask: a lazy plan over whole projected columns
+        block = functools.partial(_kernel_sum_block, kernel=kernel)
+        return chunked_kernel_sum(xp, chunked_points(x, "x", False), chunked_points(y, "y", False), w, block,
+                                  theta=host_directions(directions, dim, seed),
+                                  per_point=2 + (1 if vector else w.shape[-1]), chunk_size=chunk_size,
+                                  out_dtype=out_dtype, work=work)
     theta = resolve_directions(directions, dim, xp=xp, device=device, work=work, seed=seed)
 
     rank = len(batch)

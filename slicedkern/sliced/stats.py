@@ -8,15 +8,19 @@ themselves).
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+
+import numpy as np
 
 from .._lib.namespace import as_work, broadcast_shapes, shape_str
 from .._lib.typing import Array, Namespace
 from ..adapters.vjp import composite
-from ..backends import has_autograd, holds_everywhere, is_traced
+from ..backends import has_autograd, holds_everywhere, is_chunked, is_traced
 from ..kernels import PiecewiseLinear
 from ..ops._validate import check_kernel, setup
+from ._chunked import ChunkedPlan, chunked_points, chunked_statistic, chunked_weights, host_directions
 from ._dense import DenseEnergyPlan, DenseMMDPlan, dense_cost
 from ._stat_plans import EnergyPlan, MMDPlan
 from .directions import Seed, resolve_directions, same_dim
@@ -120,11 +124,31 @@ def _method(method: str, directions, n: int, m: int, dim: int, *, values_only: b
     return "exact" if dense_cost(n, m, dim) <= sliced else "sliced"
 
 
+# ------------------------------------------------------------------------------ chunked (Dask)
+def _chunked_layout(x: Array, y: Array, exact: bool, dim: int, directions, method: str, seed: Seed):
+    """Points (n, d), (m, d) and host directions of Dask samples; ``method="exact"`` in R^d refused."""
+    if not exact and method == "exact":
+        raise ValueError("argument 'method': 'exact' is not offered for Dask arrays in R^d (it sums all n m "
+                         "pairs); use 'sliced' (what 'auto' takes for Dask arrays)")
+    theta = np.ones((1, 1)) if exact else host_directions(directions, dim, seed)
+    return chunked_points(x, "x", exact), chunked_points(y, "y", exact), theta
+
+
+def _energy_block(xb, yb, a, b):
+    """The in-memory energy distances of projections (P_block, n) and (P_block, m): (P_block,)."""
+    return energy_distance(xb[..., None], yb[..., None], x_weights=a, y_weights=b)
+
+
+def _mmd_block(xb, yb, a, b, *, kernel, estimator):
+    """The in-memory MMDs of projections (P_block, n) and (P_block, m): (P_block,)."""
+    return mmd(xb[..., None], yb[..., None], kernel, estimator=estimator)
+
+
 # ------------------------------------------------------------------------------- energy distance
 def _plan_energy_distance(x: Array, y: Array, *, directions: int | Array | None = None,
                           x_weights: Array | None = None, y_weights: Array | None = None,
                           chunk_size: int | None = None, seed: Seed = None, method: str = "auto",
-                          xp: Namespace | None = None) -> EnergyPlan | DenseEnergyPlan:
+                          xp: Namespace | None = None) -> EnergyPlan | DenseEnergyPlan | ChunkedPlan:
     """The plan of :func:`energy_distance` (same arguments), after validating them."""
     named = {"x": x, "y": y, "x_weights": x_weights, "y_weights": y_weights}
     xp, device, out_dtype, work = setup(named, xp)
@@ -136,6 +160,12 @@ def _plan_energy_distance(x: Array, y: Array, *, directions: int | Array | None 
         raise ValueError(f"arguments 'x' and 'y' must hold at least one sample each, got {shape_str(x)} and "
                          f"{shape_str(y)}")
     chunk_size = check_chunk(chunk_size)
+    if is_chunked(xp):                  # Dask: a lazy plan over whole projected columns
+        xs, ys, theta = _chunked_layout(x, y, exact, dim, directions, method, seed)
+        weights = chunked_weights(x_weights, "x_weights", n), chunked_weights(y_weights, "y_weights", m)
+        return chunked_statistic(xp, xs, ys, weights, _energy_block, theta=theta,
+                                 scale=1.0 if exact else 1.0 / (_kappa(dim) * theta.shape[0]), per_point=4,
+                                 chunk_size=chunk_size, out_dtype=out_dtype, work=work)
     a = _probability_weights(xp, x_weights, n, "x_weights", device=device, work=work)
     b = _probability_weights(xp, y_weights, m, "y_weights", device=device, work=work)
     xs, ys, batch = _samples(xp, x, y, exact, work, tuple(a.shape[:-1]), tuple(b.shape[:-1]),
@@ -239,7 +269,7 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
 # ------------------------------------------------------------------------------------------- MMD
 def _plan_mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | Array | None = None,
               estimator: str = "v", chunk_size: int | None = None, seed: Seed = None,
-              method: str = "auto", xp: Namespace | None = None) -> MMDPlan | DenseMMDPlan:
+              method: str = "auto", xp: Namespace | None = None) -> MMDPlan | DenseMMDPlan | ChunkedPlan:
     """The plan of :func:`mmd` (same arguments), after validating them."""
     xp, device, out_dtype, work = setup({"x": x, "y": y}, xp)
     check_kernel(kernel)
@@ -254,6 +284,11 @@ def _plan_mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | 
         raise ValueError(f"arguments 'x' and 'y' must hold at least {least} samples each for "
                          f"estimator={estimator!r}, got {shape_str(x)} and {shape_str(y)}")
     chunk_size = check_chunk(chunk_size)
+    if is_chunked(xp):                  # Dask: a lazy plan over whole projected columns
+        xs, ys, theta = _chunked_layout(x, y, exact, dim, directions, method, seed)
+        block = functools.partial(_mmd_block, kernel=kernel, estimator=estimator)
+        return chunked_statistic(xp, xs, ys, (None, None), block, theta=theta, scale=1.0 / theta.shape[0],
+                                 per_point=8, chunk_size=chunk_size, out_dtype=out_dtype, work=work)
     kernel = _symmetric(kernel)
     xs, ys, batch = _samples(xp, x, y, exact, work)
     if estimator == "v":

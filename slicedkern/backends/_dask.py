@@ -29,7 +29,7 @@ def _worker_memory_limit() -> int | None:
     """The memory limit of the ``dask.distributed`` worker running this task (None elsewhere)."""
     try:
         from distributed import get_worker  # optional: only under a distributed scheduler
-        limit = get_worker().memory_limit
+        limit = get_worker().memory_manager.memory_limit
     except (ImportError, ValueError, AttributeError):
         return None
     return int(limit) if limit else None

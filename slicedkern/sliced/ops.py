@@ -86,7 +86,7 @@ def _plan_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, d
                      chunk_size: int | None = None, seed: Seed = None, xp: Namespace | None = None
                      ) -> _KernelSumPlan | ChunkedPlan:
     """The plan of :func:`sliced_kernel_sum` (same arguments), after validating them."""
-    xp, device, out_dtype, work = setup({"x": x, "y": y, "w": w}, xp)
+    xp, device, out_dtype, work = setup({"x": x, "y": y, "w": w}, xp, chunked=True)
     check_kernel(kernel)
     need_ndim(x, "x", 2, "(..., n, d)")
     need_ndim(y, "y", 2, "(..., m, d)")

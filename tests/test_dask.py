@@ -155,11 +155,11 @@ def test_invalid_weights_raise_on_compute(data):
 
 def test_a_direction_larger_than_the_limit_is_refused(data):
     x, y, _, _ = data
-    # one direction of the energy distance works on 4 (n + m) float64 numbers: 13,440 bytes here
+    # one direction of the energy distance works on 6 (n + m) float64 numbers: 20,160 bytes here
     with dask.config.set({"slicedkern.max-column-bytes": "10kB"}):
         with pytest.raises(ValueError, match="420 projections.*slicedkern.max-column-bytes"):
             slicedkern.energy_distance(lazy(x, 60), lazy(y, 60), directions=4)
-    with dask.config.set({"slicedkern.max-column-bytes": "20kB"}):
+    with dask.config.set({"slicedkern.max-column-bytes": "30kB"}):
         slicedkern.energy_distance(lazy(x, 60), lazy(y, 60), directions=4)
 
 
@@ -195,8 +195,8 @@ def test_local_cluster(data, client):
 
 def test_worker_memory_limit(client):
     rng = da.random.default_rng(0)
-    # 8 float64 numbers per pooled point for the MMD: 2 x 400,000 points need 51 MB > the 32 MiB limit
-    x, y = (rng.standard_normal((400_000, 2), chunks=(100_000, 2)) for _ in range(2))
+    # 24 float64 numbers per pooled point for the MMD: 2 x 100,000 points need 38 MB > the 32 MiB limit
+    x, y = (rng.standard_normal((100_000, 2), chunks=(25_000, 2)) for _ in range(2))
     out = slicedkern.mmd(x, y, Hat(1.0), directions=2, seed=0, chunk_size=1)
     with pytest.raises(MemoryError, match="worker's limit"):
         client.compute(out, sync=True)

@@ -18,7 +18,7 @@ from ..backends import is_chunked
 from ..kernels import PiecewiseLinear
 from ..ops import kernel_attention, kernel_sum
 from ..ops._validate import check_bool, check_eps, check_kernel, check_normalize, need_ndim, setup
-from ._chunked import ChunkedPlan, chunked_kernel_sum, chunked_points, host_directions
+from ._chunked import ChunkedPlan, chunked_kernel_sum, chunked_points, host_directions, kernel_sum_floats
 from .directions import Seed, resolve_directions, same_dim
 from .plan import SlicePlan, check_chunk, chunk_for, lift, project, unproject
 
@@ -108,7 +108,7 @@ def _plan_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, d
         block = functools.partial(_kernel_sum_block, kernel=kernel)
         return chunked_kernel_sum(xp, chunked_points(x, "x", False), chunked_points(y, "y", False), w, block,
                                   theta=host_directions(directions, dim, seed),
-                                  per_point=2 + (1 if vector else w.shape[-1]), chunk_size=chunk_size,
+                                  per_point=kernel_sum_floats(1 if vector else w.shape[-1]), chunk_size=chunk_size,
                                   out_dtype=out_dtype, work=work)
     theta = resolve_directions(directions, dim, xp=xp, device=device, work=work, seed=seed)
 

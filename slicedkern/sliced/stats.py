@@ -20,7 +20,7 @@ from ..adapters.vjp import composite
 from ..backends import has_autograd, holds_everywhere, is_chunked, is_traced
 from ..kernels import PiecewiseLinear
 from ..ops._validate import check_kernel, setup
-from ._chunked import ChunkedPlan, chunked_points, chunked_statistic, chunked_weights, host_directions
+from ._chunked import COLUMN_FLOATS, ChunkedPlan, chunked_points, chunked_statistic, chunked_weights, host_directions
 from ._dense import DenseEnergyPlan, DenseMMDPlan, dense_cost
 from ._stat_plans import EnergyPlan, MMDPlan
 from .directions import Seed, resolve_directions, same_dim
@@ -164,7 +164,8 @@ def _plan_energy_distance(x: Array, y: Array, *, directions: int | Array | None 
         xs, ys, theta = _chunked_layout(x, y, exact, dim, directions, method, seed)
         weights = chunked_weights(x_weights, "x_weights", n), chunked_weights(y_weights, "y_weights", m)
         return chunked_statistic(xp, xs, ys, weights, _energy_block, theta=theta,
-                                 scale=1.0 if exact else 1.0 / (_kappa(dim) * theta.shape[0]), per_point=4,
+                                 scale=1.0 if exact else 1.0 / (_kappa(dim) * theta.shape[0]),
+                                 per_point=COLUMN_FLOATS["energy_distance"],
                                  chunk_size=chunk_size, out_dtype=out_dtype, work=work)
     a = _probability_weights(xp, x_weights, n, "x_weights", device=device, work=work)
     b = _probability_weights(xp, y_weights, m, "y_weights", device=device, work=work)
@@ -288,7 +289,8 @@ def _plan_mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | 
         xs, ys, theta = _chunked_layout(x, y, exact, dim, directions, method, seed)
         block = functools.partial(_mmd_block, kernel=kernel, estimator=estimator)
         return chunked_statistic(xp, xs, ys, (None, None), block, theta=theta, scale=1.0 / theta.shape[0],
-                                 per_point=8, chunk_size=chunk_size, out_dtype=out_dtype, work=work)
+                                 per_point=COLUMN_FLOATS["mmd"], chunk_size=chunk_size, out_dtype=out_dtype,
+                                 work=work)
     kernel = _symmetric(kernel)
     xs, ys, batch = _samples(xp, x, y, exact, work)
     if estimator == "v":

@@ -159,7 +159,8 @@ def sliced_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, 
     Returns
     -------
     array, shape (..., n) or (..., n, c)
-        Leading dims broadcast; namespace, device and floating dtype of the inputs.
+        Leading dims broadcast; namespace, device and floating dtype of the inputs. For Dask
+        arrays, a lazy Dask array chunked by rows like ``x`` (see Notes), with no gradient.
 
     Raises
     ------
@@ -168,12 +169,25 @@ def sliced_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, 
         :class:`~slicedkern.kernels.PiecewiseLinear`.
     ValueError
         Incompatible shapes (``d`` of ``x``, ``y`` and ``directions``, ``m`` of ``y`` and ``w``), missing
-        ``directions``, a non-positive ``chunk_size``.
+        ``directions``, a non-positive ``chunk_size``; for Dask arrays also batch axes, a direction
+        larger than ``slicedkern.max-column-bytes``.
+    MemoryError
+        Dask on a ``dask.distributed`` cluster: a block of directions larger than its worker's
+        memory limit (on ``.compute()``).
 
     Notes
     -----
     Projections and sums are computed in float64 where the backend has it (half precision in float32
     or better) and returned in the input dtype. Non-finite inputs give NaN as in ``kernel_sum``.
+
+    **Dask arrays** ``x`` (n, d), ``y`` (m, d) and ``w`` (m,) or (m, c), chunked by rows (no batch
+    axes; chunks along the feature axis are merged), give a lazy result equal to the NumPy call to
+    rounding: the points are projected blockwise, regrouped so that each block holds all ``n + m``
+    projections on ``chunk_size`` directions, each block runs the in-memory sums of its
+    directions on one worker, and the blocks' sums are added (docs/scaling.rst, "Dask"). Memory
+    model: about ``(2 c + 4) (n + m)`` float64 numbers per direction on one worker (``c = 1`` for a
+    vector ``w``), refused beyond the Dask configuration ``slicedkern.max-column-bytes`` (default
+    4 GiB). Dask has no autograd: no gradients.
 
     Examples
     --------

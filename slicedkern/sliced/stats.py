@@ -227,7 +227,8 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
         is what they estimate) and ``(n^2 + n m + m^2) (d + 3) <= SLICE_COST P N (log2 N + d)``
         (``SLICE_COST = 1.5``, measured on NumPy), else ``"sliced"``; with a directions array it
         is ``"sliced"``. For example ``d = 3``: exact up to ``n = m`` of about 550 at ``P = 256``,
-        110 at ``P = 64``.
+        110 at ``P = 64``. For Dask arrays ``"exact"`` in R^d is refused (all ``n m`` pairs) and
+        ``"auto"`` is ``"sliced"``.
         Ignored for 1-D samples (always exact).
     xp : array namespace, optional
 
@@ -237,7 +238,7 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
         The batch shape (0-d for one pair of samples); namespace, device and floating dtype of the
         inputs. Differentiable w.r.t. ``x``, ``y`` and the weights under torch autograd and
         ``jax.grad``; :func:`slicedkern.vjp` pulls back the sort-scan form of the same statistic
-        (``x`` and ``y``).
+        (``x`` and ``y``). For Dask arrays, a lazy 0-d Dask array (see Notes), with no gradient.
 
     Raises
     ------
@@ -245,7 +246,12 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
         Arrays from different libraries or devices, non-floating dtypes.
     ValueError
         Mismatched layouts or dimensions, missing ``directions`` when ``d > 1``, empty samples,
-        weights of the wrong length, negative or all-zero weights (checked when not traced).
+        weights of the wrong length, negative or all-zero weights (checked when not traced; for
+        Dask arrays on ``.compute()``). For Dask arrays also: batch axes, ``method="exact"`` in
+        R^d, a direction larger than ``slicedkern.max-column-bytes``.
+    MemoryError
+        Dask on a ``dask.distributed`` cluster: a block of directions larger than its worker's
+        memory limit (on ``.compute()``, before the block runs).
 
     Notes
     -----
@@ -254,6 +260,18 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
     samples sorted separately; other libraries the same arithmetic in array-API operations. The
     exact statistic in R^d is a difference of sums; for nearly equal samples its relative error
     grows like ``eps E|X - Y| / ED``.
+
+    **Dask arrays** ``x`` (n, d), ``y`` (m, d) and the weights (n,), (m,), chunked by rows in any
+    way (no batch axes), give a lazy result equal to the NumPy call to rounding: the points are
+    projected blockwise, regrouped so that each block holds all ``n + m`` projections on
+    ``chunk_size`` directions (default: as many as fit Dask's ``array.chunk-size``), and each block
+    runs the in-memory 1-D statistic on one worker; the values are averaged over the directions
+    (docs/scaling.rst, "Dask"). Memory model: one direction's column is sorted whole, so a worker
+    needs about ``6 (n + m)`` float64 numbers per direction of its block. A direction needing more
+    than the Dask configuration ``slicedkern.max-column-bytes`` (default 4 GiB) is refused when the
+    graph is built; never a silent wrong answer. Chunks along the feature axis are merged first
+    (each row chunk then holds whole points). 1-D samples are one column, sorted on one worker.
+    Dask has no autograd: :func:`slicedkern.vjp` refuses Dask arrays.
 
     Examples
     --------
@@ -348,7 +366,8 @@ def mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | Array 
         autograd and ``jax.grad`` do not see through it, and it cannot be traced. ``"auto"`` takes
         ``"exact"`` under the rule of :func:`energy_distance` (``directions`` an integer and the
         dense sums cheaper), and only for libraries without autograd (NumPy, CuPy, array-api-strict)
-        outside traces; otherwise ``"sliced"``. Ignored for 1-D samples (always exact).
+        outside traces; otherwise ``"sliced"``. For Dask arrays ``"exact"`` in R^d is refused and
+        ``"auto"`` is ``"sliced"``. Ignored for 1-D samples (always exact).
     xp : array namespace, optional
 
     Returns
@@ -356,7 +375,8 @@ def mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | Array 
     array, shape (...)
         The batch shape (0-d for one pair of samples); namespace, device and floating dtype of the
         inputs. The sliced and 1-D statistics are differentiable w.r.t. ``x`` and ``y`` under torch
-        autograd and ``jax.grad`` (sliced-MMD flows) and with :func:`slicedkern.vjp`.
+        autograd and ``jax.grad`` (sliced-MMD flows) and with :func:`slicedkern.vjp`. For Dask
+        arrays, a lazy 0-d Dask array (see Notes), with no gradient.
 
     Raises
     ------
@@ -365,7 +385,11 @@ def mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | Array 
         :class:`~slicedkern.kernels.PiecewiseLinear`.
     ValueError
         Mismatched layouts or dimensions, missing ``directions`` when ``d > 1``, an unknown
-        ``estimator``, too few samples.
+        ``estimator``, too few samples; for Dask arrays also batch axes, ``method="exact"`` in
+        R^d, a direction larger than ``slicedkern.max-column-bytes``.
+    MemoryError
+        Dask on a ``dask.distributed`` cluster: a block of directions larger than its worker's
+        memory limit (on ``.compute()``).
 
     Notes
     -----
@@ -376,6 +400,12 @@ def mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | Array 
     ``[x, y]`` with two weight columns (membership of ``x`` and of ``y``). In every slice
     ``K(x_i, x_i) = f(0)``, so the U-statistic subtracts ``n f(0)`` from the within-sample sums. The
     V-statistic is non-negative for positive-definite kernels (e.g. hats); the U-statistic can be negative.
+
+    **Dask arrays** ``x`` (n, d) and ``y`` (m, d), chunked by rows, give a lazy result equal to the
+    NumPy call to rounding, laid out as for :func:`energy_distance` (whole projected columns per
+    block, the in-memory 1-D MMD on each). Memory model: about ``24 (n + m)`` float64 numbers per
+    direction on one worker (the column and the 1-D MMD's working arrays), refused beyond the Dask
+    configuration ``slicedkern.max-column-bytes``. No gradients.
 
     Examples
     --------

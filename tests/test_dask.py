@@ -90,6 +90,20 @@ def test_sliced_kernel_sum(data, kernel, columns):
     close(out, slicedkern.sliced_kernel_sum(x, y, w, KERNELS[kernel], directions=theta))
 
 
+@pytest.mark.parametrize("n_slices", [2, 3])
+def test_no_more_directions_than_coordinates(data, n_slices):
+    # P <= d: the points are projected on every direction first, then regrouped (the other layout)
+    x, y, a, b = data
+    cx, cy, cw = CHUNKINGS["features"]
+    theta = slicedkern.directions(n_slices, D, seed=6)
+    close(slicedkern.energy_distance(lazy(x, cx), lazy(y, cy), directions=theta, x_weights=lazy(a, 70)),
+          slicedkern.energy_distance(x, y, directions=theta, x_weights=a))
+    close(slicedkern.mmd(lazy(x, cx), lazy(y, cy), Hat(0.6), directions=theta, chunk_size=1),
+          slicedkern.mmd(x, y, Hat(0.6), directions=theta), rtol=1e-10)
+    close(slicedkern.sliced_kernel_sum(lazy(x, cx), lazy(y, cy), lazy(b, cw), Hat(0.6), directions=theta),
+          slicedkern.sliced_kernel_sum(x, y, b, Hat(0.6), directions=theta))
+
+
 def test_float32(data):
     x, y, _, _ = (np.asarray(v, dtype=np.float32) for v in data)
     cx, cy, _ = CHUNKINGS["rows"]
@@ -110,6 +124,13 @@ def test_one_dimensional_samples_are_exact(data, shape):
     close(out, slicedkern.energy_distance(x, y, x_weights=a, y_weights=b))
     out = slicedkern.mmd(lazy(x, 50), lazy(y, 70), Hat(0.5), estimator="u", method="exact")
     close(out, slicedkern.mmd(x, y, Hat(0.5), estimator="u"))
+
+
+def test_many_blocks_warn_nothing(data):
+    x, y, _, _ = data
+    # 64 blocks of one direction against 4 row chunks each (warnings are errors in this suite)
+    out = slicedkern.energy_distance(lazy(x, 60), lazy(y, 45), directions=64, seed=0, chunk_size=1)
+    assert out.dask is not None
 
 
 def test_nothing_runs_before_compute(data):
@@ -155,11 +176,16 @@ def test_invalid_weights_raise_on_compute(data):
 
 def test_a_direction_larger_than_the_limit_is_refused(data):
     x, y, _, _ = data
-    # one direction of the energy distance works on 6 (n + m) float64 numbers: 20,160 bytes here
+    # one direction of the energy distance works on 6 (n + m) float64 numbers, 20,160 bytes here, and
+    # with more directions than coordinates every block reads the points, (n + m) d numbers: 30,240
     with dask.config.set({"slicedkern.max-column-bytes": "10kB"}):
         with pytest.raises(ValueError, match="420 projections.*slicedkern.max-column-bytes"):
             slicedkern.energy_distance(lazy(x, 60), lazy(y, 60), directions=4)
-    with dask.config.set({"slicedkern.max-column-bytes": "30kB"}):
+    with dask.config.set({"slicedkern.max-column-bytes": "25kB"}):
+        with pytest.raises(ValueError, match="for the points"):
+            slicedkern.energy_distance(lazy(x, 60), lazy(y, 60), directions=4)
+        slicedkern.energy_distance(lazy(x, 60), lazy(y, 60), directions=3)      # P <= d: the points stay put
+    with dask.config.set({"slicedkern.max-column-bytes": "31kB"}):
         slicedkern.energy_distance(lazy(x, 60), lazy(y, 60), directions=4)
 
 

@@ -9,10 +9,13 @@ call and the memory checks. It is imported only once a Dask array has arrived.
 
 from __future__ import annotations
 
+import warnings
+
 import array_api_compat as compat
 import dask
 import dask.array as da
 import numpy as np
+from dask.array.core import PerformanceWarning
 from dask.utils import format_bytes, parse_bytes
 
 from ._generic import ArrayBackend
@@ -35,25 +38,47 @@ def _worker_memory_limit() -> int | None:
     return int(limit) if limit else None
 
 
-class _Guarded:
-    """A block function that first checks that its directions' columns fit the worker.
+def _flat(blocks) -> list:
+    """The NumPy blocks of a contracted index, in order (blockwise nests one list per index)."""
+    return [b for item in blocks for b in _flat(item)] if isinstance(blocks, list) else [blocks]
 
-    ``column_bytes`` is one direction's working memory; the block's first argument holds one row
-    per direction. A class rather than a closure, so that process-based workers can unpickle it.
+
+def _whole(blocks):
+    """One array from the blocks of a contracted index (None stays None)."""
+    if blocks is None:
+        return None
+    parts = _flat(blocks)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+
+class _Block:
+    """The task of one block of directions: its projections, a memory check, then ``fn``.
+
+    Called with the block's directions (P_b, d), the blocks of ``x`` and ``y`` (their row chunks
+    when ``project``, else their whole projected columns) and the extra arrays. ``need`` is the
+    block's working memory per direction, ``fixed`` what it needs besides (the points it reads).
+    A class rather than a closure, so that process-based workers can unpickle it.
     """
 
-    def __init__(self, fn, column_bytes: int):
-        self.fn, self.column_bytes = fn, column_bytes
+    def __init__(self, fn, need: int, fixed: int, project: bool):
+        self.fn, self.need, self.fixed, self.project = fn, need, fixed, project
 
-    def __call__(self, *blocks):
+    def columns(self, theta, blocks):
+        parts = _flat(blocks)
+        if not self.project:
+            return _whole(parts)
+        return np.concatenate([theta @ part.T for part in parts], axis=1)
+
+    def __call__(self, theta, xs, ys, *extras):
+        theta = _whole(theta)                       # (P_b, d): the feature axis is one chunk
         limit = _worker_memory_limit()
-        need = self.column_bytes * blocks[0].shape[0]
+        need = self.need * theta.shape[0] + self.fixed
         if limit is not None and need > limit:
-            raise MemoryError(f"a block of {blocks[0].shape[0]} direction(s) needs about {format_bytes(need)} "
+            raise MemoryError(f"a block of {theta.shape[0]} direction(s) needs about {format_bytes(need)} "
                               f"of working memory, more than this worker's limit of {format_bytes(limit)}; "
                               "pass a smaller chunk_size (directions per block), or give the workers more "
                               "memory: one direction's projections cannot be split across workers")
-        return self.fn(*blocks)
+        return self.fn(self.columns(theta, xs), self.columns(theta, ys), *(_whole(e) for e in extras))
 
 
 class DaskBackend(ArrayBackend):
@@ -75,40 +100,67 @@ class DaskBackend(ArrayBackend):
         return None
 
     # -- the layout of the chunked sliced ops ------------------------------------------------------
-    def check_column(self, column_bytes: int, points: int) -> None:
-        """``ValueError`` when one direction's working memory exceeds the configured limit."""
-        limit = parse_bytes(dask.config.get(LIMIT_KEY, DEFAULT_LIMIT))
-        if column_bytes > limit:
-            raise ValueError(f"one direction's {points} projections need about {format_bytes(column_bytes)} of "
-                             f"working memory on one worker, more than the {format_bytes(limit)} allowed by the "
-                             f"Dask configuration {LIMIT_KEY!r}; a direction's column is sorted as a whole and "
-                             f"cannot be split, so raise the limit (dask.config.set({{{LIMIT_KEY!r}: ...}})) if "
-                             "your workers have the memory, or subsample the points")
-
     def directions_per_block(self, n_directions: int, column_bytes: int) -> int:
         """Directions per block: as many as fit Dask's target chunk size (``array.chunk-size``)."""
         target = parse_bytes(dask.config.get("array.chunk-size"))
         return max(1, min(n_directions, target // max(column_bytes, 1)))
 
-    def columns(self, points, theta: np.ndarray, per_block: int, dtype):
-        """Projections (P, n) of ``points`` (n, d) on ``theta`` (P, d), ``per_block`` whole columns a chunk.
+    def map_directions(self, fn, x, y, theta: np.ndarray, extras: list, *, per_block: int, column_bytes: int,
+                       dtype, rows: tuple | None = None):
+        """``fn(xb, yb, *extras)`` on every block of ``per_block`` directions, lazily.
 
-        A chunking along the feature axis is undone first (each row chunk then holds whole points,
-        so the projection is blockwise); the rechunk to whole columns is the all-to-all step.
+        ``x`` (n, d), ``y`` (m, d) are Dask points, ``theta`` (P, d) the directions, ``xb`` (P_b, n)
+        and ``yb`` (P_b, m) a block's whole projected columns; ``extras`` are ``(array, side)``
+        pairs, ``side`` ``"x"`` or ``"y"`` for arrays along the points of that sample (given whole
+        to every block), or ``(None, None)``. ``fn`` returns one value per direction (P_b,), or, with
+        ``rows = (n, c)``, a (1, n[, c]) sum over its directions (``c`` None: no column axis).
+
+        A chunking along the feature axis is undone first. Regrouping the rows by direction is an
+        all-to-all: every block needs every row chunk. What waits in memory until the last block has
+        read it is the smaller of two: with more directions than coordinates (``P > d``) the row
+        chunks of the points, each block projecting them on its own directions; otherwise their
+        projections on all ``P`` directions, regrouped by ``rechunk``. (Projecting every row chunk
+        on every direction first and regrouping would keep all ``(n + m) P`` projections at once
+        when ``P > d``: Dask computes a chunk's dependents together to release the chunk.)
         """
-        points = points.rechunk({1: -1}).astype(dtype)
-        projected = da.matmul(points, np.asarray(theta.T, dtype=dtype))        # (n, P), rows as points
-        return projected.T.rechunk((per_block, -1))
+        d = x.shape[1]
+        itemsize = np.dtype(dtype).itemsize
+        project = theta.shape[0] > d
+        fixed = (x.shape[0] + y.shape[0]) * d * itemsize if project else 0
+        self._check(column_bytes, fixed, x.shape[0] + y.shape[0])
+        theta = np.asarray(theta, dtype=dtype)
+        x, y = (a.rechunk({1: -1}).astype(dtype) for a in (x, y))
+        if project:
+            samples = [x, "se", y, "te"]
+        else:
+            samples = [da.matmul(a, theta.T).T.rechunk((per_block, -1)) for a in (x, y)]
+            samples = [samples[0], "ps", samples[1], "pt"]
+        args = [da.from_array(theta, chunks=(per_block, -1)), "pe", *samples]
+        for a, side in extras:
+            index = None if a is None else {"x": "s", "y": "t"}[side] + "c" * (a.ndim - 1)
+            args += [None if a is None else a.rechunk(-1), index]
+        out, new_axes, adjust = "p", None, None
+        if rows is not None:
+            out, new_axes, adjust = "pq" + ("" if rows[1] is None else "c"), {"q": rows[0]}, {"p": 1}
+        with warnings.catch_warnings():
+            # Dask counts the blocks of every index, the contracted ones (the row chunks) too, and
+            # warns of "increasing the number of chunks": there is one task per block of directions
+            warnings.simplefilter("ignore", PerformanceWarning)
+            return da.blockwise(_Block(fn, column_bytes, fixed, project), out, *args, dtype=dtype,
+                                concatenate=False, new_axes=new_axes, adjust_chunks=adjust,
+                                meta=np.empty((0,) * len(out), dtype=dtype))
 
-    def whole(self, a):
-        """``a`` as a single chunk (None stays None)."""
-        return None if a is None else a.rechunk(-1)
+    def _check(self, column_bytes: int, fixed: int, points: int) -> None:
+        """``ValueError`` when one direction's working memory exceeds the configured limit."""
+        limit = parse_bytes(dask.config.get(LIMIT_KEY, DEFAULT_LIMIT))
+        if column_bytes + fixed > limit:
+            also = f" (and {format_bytes(fixed)} for the points, which every block reads)" if fixed else ""
+            raise ValueError(f"one direction's {points} projections need about {format_bytes(column_bytes)} of "
+                             f"working memory on one worker{also}, more than the {format_bytes(limit)} allowed "
+                             f"by the Dask configuration {LIMIT_KEY!r}; a direction's column is sorted as a "
+                             f"whole and cannot be split, so raise the limit (dask.config.set({{{LIMIT_KEY!r}: "
+                             "...})) if your workers have the memory, or subsample the points")
 
     def rows_like(self, a, like):
         """``a`` rechunked along its first axis like ``like``'s first axis."""
         return a.rechunk({0: like.chunks[0]})
-
-    def per_block(self, fn, out_index: str, args: list, *, column_bytes: int, dtype, adjust_chunks=None):
-        """``da.blockwise`` of ``fn`` on NumPy blocks, checked against the worker's memory limit."""
-        return da.blockwise(_Guarded(fn, column_bytes), out_index, *args, dtype=dtype, concatenate=True,
-                            adjust_chunks=adjust_chunks, meta=np.empty((0,) * len(out_index), dtype=dtype))

@@ -101,14 +101,11 @@ def chunked_statistic(xp: Namespace, x: Array, y: Array, weights: tuple, block: 
     projections ``xb`` (P_block, n), ``yb`` (P_block, m), one value per direction (P_block,).
     """
     row = ops_for(xp)
-    n, m = x.shape[0], y.shape[0]
-    column_bytes = _column_bytes(per_point, n + m, work)
-    row.check_column(column_bytes, n + m)
+    column_bytes = _column_bytes(per_point, x.shape[0] + y.shape[0], work)
     per_block = chunk_size or row.directions_per_block(theta.shape[0], column_bytes)
-    args = [row.columns(x, theta, per_block, work), "pi", row.columns(y, theta, per_block, work), "pj"]
-    for w, index in zip(weights, "ij"):
-        args += [None, None] if w is None else [row.whole(w), index]
-    values = row.per_block(block, "p", args, column_bytes=column_bytes, dtype=work)
+    extras = [(None, None) if w is None else (w, side) for w, side in zip(weights, "xy")]
+    values = row.map_directions(block, x, y, theta, extras, per_block=per_block, column_bytes=column_bytes,
+                                dtype=work)
     return ChunkedPlan(xp, xp.astype(xp.sum(values) * scale, out_dtype), work)
 
 
@@ -120,14 +117,9 @@ def chunked_kernel_sum(xp: Namespace, x: Array, y: Array, w: Array, block: Calla
     (1, n) or (1, n, c).
     """
     row = ops_for(xp)
-    n, m = x.shape[0], y.shape[0]
-    column_bytes = _column_bytes(per_point, n + m, work)
-    row.check_column(column_bytes, n + m)
+    column_bytes = _column_bytes(per_point, x.shape[0] + y.shape[0], work)
     per_block = chunk_size or row.directions_per_block(theta.shape[0], column_bytes)
-    out_index, w_index = ("pi", "j") if w.ndim == 1 else ("pic", "jc")
-    args = [row.columns(x, theta, per_block, work), "pi", row.columns(y, theta, per_block, work), "pj",
-            row.whole(w), w_index]
-    partial = row.per_block(block, out_index, args, column_bytes=column_bytes, dtype=work,
-                            adjust_chunks={"p": 1})
+    partial = row.map_directions(block, x, y, theta, [(w, "y")], per_block=per_block, column_bytes=column_bytes,
+                                 dtype=work, rows=(x.shape[0], None if w.ndim == 1 else w.shape[1]))
     total = xp.sum(partial, axis=0) / theta.shape[0]
     return ChunkedPlan(xp, row.rows_like(xp.astype(total, out_dtype), x), work)

@@ -1,19 +1,21 @@
 """Sliced ops on lazy chunked arrays (Dask): the layout and the lazy plan (docs/scaling.rst, "Dask").
 
-The points arrive chunked by rows. Their projection on the ``P`` directions is blockwise (each row
-chunk times the (P, d) directions); the projections are then rechunked so that each chunk holds
-whole columns -- all ``n`` projections -- of a subset of the directions. Each such chunk is handed,
-as NumPy arrays, to the in-memory op, which sorts each column as it would in one process; the
-per-direction results are summed lazily into the mean over directions. Nothing runs before
-``.compute()``.
+The points arrive chunked by rows. Each block of directions gets the whole projected columns of its
+directions -- all ``n`` projections -- either by projecting every row chunk itself (``P > d``: the
+points wait in memory until the last block has read them) or from the projections on all
+directions regrouped by a rechunk (``P <= d``: the projections wait); the row method
+``map_directions`` chooses. The block hands its columns, as NumPy arrays, to the in-memory op,
+which sorts each column as it would in one process; the per-direction results are summed lazily
+into the mean over directions. Nothing runs before ``.compute()``.
 
 Memory model. A block of ``P_b`` directions needs ``per_point * (n + m) * P_b`` float64 numbers on
 its worker (:data:`COLUMN_FLOATS`: the columns and the 1-D op's working arrays). One direction's
 column cannot be split: the sort is global. A direction that needs more than the Dask
 configuration ``slicedkern.max-column-bytes`` (default 4 GiB) is refused when the graph is built
 (``ValueError``), and a block larger than a ``dask.distributed`` worker's memory limit fails on the
-worker with ``MemoryError`` before it runs: never a silent wrong answer. The regrouping by
-direction is an all-to-all, during which the ``(n + m) P`` projections are spread over the workers.
+worker with ``MemoryError`` before it runs: never a silent wrong answer. When ``P > d`` a block also
+reads the ``(n + m) d`` points; when ``P <= d`` the ``(n + m) P`` projections are spread over the
+workers while they are regrouped.
 
 1-D samples are one direction, ``theta = [1]``: their exact statistic sorts the whole pooled sample
 on one worker, under the same memory model.

@@ -267,7 +267,8 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
     ``chunk_size`` directions (default: as many as fit Dask's ``array.chunk-size``), and each block
     runs the in-memory 1-D statistic on one worker; the values are averaged over the directions
     (docs/scaling.rst, "Dask"). Memory model: one direction's column is sorted whole, so a worker
-    needs about ``6 (n + m)`` float64 numbers per direction of its block. A direction needing more
+    needs about ``6 (n + m)`` float64 numbers per direction of its block, and reads the ``(n + m) d``
+    points when ``P > d`` (else the projections are regrouped). A direction needing more
     than the Dask configuration ``slicedkern.max-column-bytes`` (default 4 GiB) is refused when the
     graph is built; never a silent wrong answer. Chunks along the feature axis are merged first
     (each row chunk then holds whole points). 1-D samples are one column, sorted on one worker.
@@ -404,7 +405,8 @@ def mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | Array 
     **Dask arrays** ``x`` (n, d) and ``y`` (m, d), chunked by rows, give a lazy result equal to the
     NumPy call to rounding, laid out as for :func:`energy_distance` (whole projected columns per
     block, the in-memory 1-D MMD on each). Memory model: about ``24 (n + m)`` float64 numbers per
-    direction on one worker (the column and the 1-D MMD's working arrays), refused beyond the Dask
+    direction on one worker (the column and the 1-D MMD's working arrays; the points too when
+    ``P > d``), refused beyond the Dask
     configuration ``slicedkern.max-column-bytes``. No gradients.
 
     Examples

@@ -186,8 +186,9 @@ def sliced_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, 
     projections on ``chunk_size`` directions, each block runs the in-memory sums of its
     directions on one worker, and the blocks' sums are added (docs/scaling.rst, "Dask"). Memory
     model: about ``(2 c + 4) (n + m)`` float64 numbers per direction on one worker (``c = 1`` for a
-    vector ``w``; the ``(n + m) d`` points too when ``P > d``), refused beyond the Dask configuration ``slicedkern.max-column-bytes`` (default
-    4 GiB). Dask has no autograd: no gradients.
+    vector ``w``; the ``(n + m) d`` points too when ``P > d``), refused beyond the Dask
+    configuration ``slicedkern.max-column-bytes`` (default 4 GiB). Dask has no autograd: no
+    gradients.
 
     Examples
     --------

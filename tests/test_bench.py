@@ -157,7 +157,8 @@ def test_cli_help():
     proc = subprocess.run([sys.executable, "-m", "slicedkern", "bench", "--help"], cwd=ROOT,
                           env=_subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    for option in ("--backend", "--sizes", "--device", "--batch", "--dim", "--repeats", "--plot"):
+    for option in ("--backend", "--sizes", "--device", "--batch", "--dim", "--repeats", "--plot", "--causal",
+                   "--decode-sizes"):
         assert option in proc.stdout
 
 
@@ -170,6 +171,55 @@ def test_cli_imports_no_framework():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"
 
+
+
+# ------------------------------------------------------------------------- the causal section
+def _table_rows(text, header):
+    """The cells of the Markdown table that follows the line starting with ``header``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 4:]:                  # title, blank, header, rule
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_bench_causal_tables():
+    pytest.importorskip("torch")
+    from slicedkern.bench import causal
+    text = causal.run_causal(sizes=[64, 128], decode_sizes=[32, 64], batch=2, dim=8, repeats=1, steps=3,
+                             budget=math.inf)
+    attention = _table_rows(text, "Causal attention")
+    engines = causal.causal_engines()
+    assert "scan" in engines and "triton" not in engines
+    labels = [f"relu causal, engine={e}" for e in engines] + ["relu, not causal (default engine)",
+                                                               "SDPA is_causal"]
+    assert [(int(r[0]), r[1]) for r in attention] == [(n, label) for n in (64, 128) for label in labels]
+    for row in attention:
+        assert float(row[2]) > 0 and float(row[3]) > 0 and float(row[4]) > 0   # nothing extrapolated
+    decode = _table_rows(text, "Decoding")
+    assert [int(r[0]) for r in decode] == [32, 64]
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in decode)
+
+
+def test_bench_causal_extrapolates_sdpa():
+    pytest.importorskip("torch")
+    from slicedkern.bench import causal
+    text = causal.run_causal(sizes=[2048], decode_sizes=[], batch=1, dim=4, repeats=1, budget=0.0)
+    sdpa = [r for r in _table_rows(text, "Causal attention") if r[1] == "SDPA is_causal"]
+    assert sdpa[0][2].startswith("~") and sdpa[0][3].startswith("~")      # timed at 1024, x 4
+    assert "Decoding" not in text
+
+
+def test_cli_bench_causal(capsys):
+    pytest.importorskip("torch")
+    status = cli.main(["bench", "--causal", "--causal-sizes", "64", "--decode-sizes", "32", "--repeats", "1",
+                       "--batch", "2", "--dim", "8"])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "SDPA is_causal" in out and "DecodeCache" in out
 
 # ---------------------------------------------------------------------------------- asv suite
 @pytest.fixture(scope="module")
@@ -263,6 +313,8 @@ def test_asv_benchmarks_run(asv_modules, backend, request):
     engines = ["scan"] + (["sweep"] if bench_run.sweep_serves(
         bench_backends.make_backend(backend, "cpu", 1, 1))[0] else [])
     missing = {(name, e) for name in expected for e in engines} - ran
+    if backend == "torch":                  # causal attention and decoding: torch only, the scan at least
+        missing |= {("CausalAttention", "scan"), ("Decode", "scan")} - ran
     assert not missing, missing
 
 

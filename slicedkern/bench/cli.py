@@ -8,6 +8,7 @@ import sys
 from typing import TextIO
 
 from .backends import BACKEND_NAMES, default_backend, installed_backends
+from .causal import CAUSAL_SIZES, DECODE_SIZES, run_causal
 from .results import plot
 from .run import DEFAULT_SIZES, HEADLINE_FACTOR, run_bench
 from .stats import STATS_SIZES, run_stats
@@ -69,6 +70,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "energy distance in R^3 (sliced, exact, auto, SciPy cdist)")
     parser.add_argument("--stats-sizes", type=_sizes_arg, default=list(STATS_SIZES), metavar="N,N,...",
                         help=f"n = m of the 1-D statistics (default: {','.join(map(str, STATS_SIZES))})")
+    parser.add_argument("--causal", action="store_true",
+                        help="instead, time causal attention next to SDPA(is_causal=True) and per-token "
+                             "decoding (DecodeCache) next to a softmax KV-cache step (torch, CPU); "
+                             "--batch, --dim, --repeats and --budget apply")
+    parser.add_argument("--causal-sizes", type=_sizes_arg, default=list(CAUSAL_SIZES), metavar="L,L,...",
+                        help=f"sequence lengths of --causal (default: {','.join(map(str, CAUSAL_SIZES))})")
+    parser.add_argument("--decode-sizes", type=_sizes_arg, default=list(DECODE_SIZES), metavar="N,N,...",
+                        help=f"cache lengths of --causal's decoding table "
+                             f"(default: {','.join(map(str, DECODE_SIZES))})")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bar on stderr (default: when stderr is a terminal)")
 
@@ -94,6 +104,15 @@ def main(args: argparse.Namespace, *, stdout: TextIO | None = None,
     stderr = sys.stderr if stderr is None else stderr
     if getattr(args, "stats", False):
         print(run_stats(sizes=args.stats_sizes, repeats=args.repeats), file=stdout)
+        return 0
+    if getattr(args, "causal", False):
+        try:
+            table = run_causal(sizes=args.causal_sizes, decode_sizes=args.decode_sizes, batch=args.batch,
+                               dim=args.dim, repeats=args.repeats, budget=args.budget)
+        except ValueError as exc:
+            print(f"error: {exc}", file=stderr)
+            return 2
+        print(table, file=stdout)
         return 0
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         # said before the run, not after minutes of timing

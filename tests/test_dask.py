@@ -102,6 +102,9 @@ def test_no_more_directions_than_coordinates(data, n_slices):
           slicedkern.mmd(x, y, Hat(0.6), directions=theta), rtol=1e-10)
     close(slicedkern.sliced_kernel_sum(lazy(x, cx), lazy(y, cy), lazy(b, cw), Hat(0.6), directions=theta),
           slicedkern.sliced_kernel_sum(x, y, b, Hat(0.6), directions=theta))
+    # directions given as a Dask array (small: computed when the graph is built)
+    close(slicedkern.mmd(lazy(x, cx), lazy(y, cy), Hat(0.6), directions=lazy(theta, 1)),
+          slicedkern.mmd(x, y, Hat(0.6), directions=theta), rtol=1e-10)
 
 
 def test_float32(data):

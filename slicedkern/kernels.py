@@ -79,6 +79,15 @@ class PiecewiseLinear:
     def __setattr__(self, name, value):
         raise AttributeError(f"{type(self).__name__} is immutable")
 
+    # Pickling (Dask ships kernels to its workers, multiprocessing to its processes) restores the
+    # slots past the immutability guard.
+    def __getstate__(self):
+        return self._knots, self._coeffs, self._slope, self._intercept
+
+    def __setstate__(self, state):
+        for name, value in zip(PiecewiseLinear.__slots__, state):
+            object.__setattr__(self, name, value)
+
     # -- representation -------------------------------------------------------------------
     @property
     def knots(self) -> tuple[float, ...]:

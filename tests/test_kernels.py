@@ -300,3 +300,14 @@ def test_non_numbers_are_type_errors():
         HatMixture([1.0], [None])
     with pytest.raises(TypeError):
         PiecewiseLinear((0.0,), (1j,))
+
+
+@pytest.mark.parametrize("kernel", [Hat(0.5), HatMixture([0.5, 2.0], [1.0, -0.3]), ReLU(), Abs(),
+                                    PiecewiseLinear((0.0, 1.0), (1.0, -2.0), slope=0.5, intercept=1.0)])
+def test_kernels_pickle(kernel):
+    import pickle
+
+    back = pickle.loads(pickle.dumps(kernel))
+    assert type(back) is type(kernel) and back == kernel and repr(back) == repr(kernel)
+    with pytest.raises(AttributeError, match="immutable"):
+        back._slope = 2.0

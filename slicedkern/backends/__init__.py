@@ -19,7 +19,7 @@ from ._generic import ArrayBackend
 __all__ = ["ArrayBackend", "ops_for", "backend_of", "same_library", "holds_everywhere", "is_traced",
            "is_numpy_namespace", "to_host", "searchsorted_right", "take_rows", "finite_rows",
            "sorted_weights", "prefix_table", "combine_rows", "materialize", "quiet_nonfinite",
-           "quiet", "accurate_sum", "energy_distance_rows", "has_autograd"]
+           "quiet", "accurate_sum", "energy_distance_rows", "has_autograd", "is_chunked"]
 
 def _numpy_row():
     from ._numpy import NumpyBackend
@@ -29,6 +29,11 @@ def _numpy_row():
 def _torch_row():
     from ._torch import TorchBackend  # imports torch: only once a torch array has arrived
     return TorchBackend()
+
+
+def _dask_row():
+    from ._dask import DaskBackend  # imports dask: only once a Dask array has arrived
+    return DaskBackend()
 
 
 def _jax_row():
@@ -41,6 +46,7 @@ _ROWS = (
     ("numpy", compat.is_numpy_namespace, compat.is_numpy_array, _numpy_row),
     ("torch", compat.is_torch_namespace, compat.is_torch_array, _torch_row),
     ("jax", compat.is_jax_namespace, compat.is_jax_array, _jax_row),
+    ("dask", compat.is_dask_namespace, compat.is_dask_array, _dask_row),
 )
 _GENERIC = ArrayBackend()
 _loaded: dict = {}
@@ -146,3 +152,9 @@ def energy_distance_rows(xp, x, y, a, b, batch):
 def has_autograd(xp) -> bool:
     """Whether ``xp``'s library differentiates array code itself (torch autograd, ``jax.grad``)."""
     return ops_for(xp).autograd
+
+
+def is_chunked(xp) -> bool:
+    """Whether ``xp``'s arrays are lazy and split into chunks (Dask): the sliced ops then build a
+    chunked plan (slicedkern/sliced/_chunked.py) whose primitives are the row's methods."""
+    return ops_for(xp).chunked

@@ -29,6 +29,9 @@ class ArrayBackend:
     quiet_nonfinite = False
     #: whether the library differentiates array code itself (torch autograd, jax.grad)
     autograd = False
+    #: whether arrays are lazy and split into chunks (Dask): the sliced ops then lay the points out
+    #: by whole projected columns (slicedkern/sliced/_chunked.py) instead of running in memory
+    chunked = False
 
     # -- which arrays are ours ------------------------------------------------------------------
     def owns_namespace(self, xp) -> bool:

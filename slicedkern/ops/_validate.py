@@ -20,7 +20,7 @@ from .._lib.namespace import (
     shape_str,
 )
 from .._spec import NORMALIZERS
-from ..backends import holds_everywhere, same_library
+from ..backends import holds_everywhere, is_chunked, same_library
 from ..kernels import PiecewiseLinear
 
 __all__ = ["setup", "namespace_of", "need_ndim", "check_kernel", "check_normalize", "check_eps",
@@ -70,12 +70,21 @@ def namespace_of(named_arrays: dict, xp=None, *, required=()):
     return first
 
 
-def setup(named: dict, xp, required=()):
+#: The ops that take lazy chunked (Dask) arrays (docs/scaling.rst, "Dask").
+CHUNKED_OPS = "sliced_kernel_sum, energy_distance and mmd"
+
+
+def setup(named: dict, xp, required=(), *, chunked: bool = False):
     """Namespace, device and dtypes of the array arguments, with errors that name them.
 
-    ``required`` names the arguments that must be arrays (the others may be ``None``).
+    ``required`` names the arguments that must be arrays (the others may be ``None``); ``chunked``
+    says whether the op has a plan for lazy chunked (Dask) arrays.
     """
     xp = namespace_of(named, xp, required=required)
+    if not chunked and is_chunked(xp):
+        name = next(k for k, a in named.items() if a is not None and not is_scalar(a))
+        raise TypeError(f"argument {name!r} is a Dask array: of slicedkern's ops only {CHUNKED_OPS} take Dask "
+                        "arrays; compute it first (np.asarray(a)) to use this op in memory")
     device = check_same_device(named)
     floats = {k: a for k, a in named.items() if k != "key_mask"}
     check_floating(xp, floats)

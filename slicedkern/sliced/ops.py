@@ -7,15 +7,18 @@ and returns a :class:`~slicedkern.sliced.plan.SlicePlan`; the op runs the plan's
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 from .._lib.namespace import as_work, broadcast_shapes, shape_str
 from .._lib.typing import Array, Namespace
 from ..adapters.vjp import composite
+from ..backends import is_chunked
 from ..kernels import PiecewiseLinear
 from ..ops import kernel_attention, kernel_sum
 from ..ops._validate import check_bool, check_eps, check_kernel, check_normalize, need_ndim, setup
+from ._chunked import ChunkedPlan, chunked_kernel_sum, chunked_points, host_directions, kernel_sum_floats
 from .directions import Seed, resolve_directions, same_dim
 from .plan import SlicePlan, check_chunk, chunk_for, lift, project, unproject
 
@@ -73,11 +76,17 @@ class _AttentionPlan(_SliceMean):
 
 
 # ----------------------------------------------------------------------------------- kernel sums
+def _kernel_sum_block(xb: Array, yb: Array, w: Array, *, kernel: PiecewiseLinear) -> Array:
+    """The in-memory kernel sums of projections (P_block, n), (P_block, m) with weights (m,) or
+    (m, c), summed over the block's directions: (1, n) or (1, n, c)."""
+    return kernel_sum(xb, yb, w[None, ...], kernel).sum(axis=0, keepdims=True)
+
+
 def _plan_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, directions: int | Array,
                      chunk_size: int | None = None, seed: Seed = None, xp: Namespace | None = None
-                     ) -> _KernelSumPlan:
+                     ) -> _KernelSumPlan | ChunkedPlan:
     """The plan of :func:`sliced_kernel_sum` (same arguments), after validating them."""
-    xp, device, out_dtype, work = setup({"x": x, "y": y, "w": w}, xp)
+    xp, device, out_dtype, work = setup({"x": x, "y": y, "w": w}, xp, chunked=True)
     check_kernel(kernel)
     need_ndim(x, "x", 2, "(..., n, d)")
     need_ndim(y, "y", 2, "(..., m, d)")
@@ -95,6 +104,12 @@ def _plan_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, d
     batch = broadcast_shapes(tuple(x.shape[:-2]), tuple(y.shape[:-2]), tuple(w.shape[:w.ndim - w_core]),
                              names=("x", "y", "w"))
     chunk_size = check_chunk(chunk_size)
+    if is_chunked(xp):                  # Dask: a lazy plan over whole projected columns
+        block = functools.partial(_kernel_sum_block, kernel=kernel)
+        return chunked_kernel_sum(xp, chunked_points(x, "x", False), chunked_points(y, "y", False), w, block,
+                                  theta=host_directions(directions, dim, seed),
+                                  per_point=kernel_sum_floats(1 if vector else w.shape[-1]), chunk_size=chunk_size,
+                                  out_dtype=out_dtype, work=work)
     theta = resolve_directions(directions, dim, xp=xp, device=device, work=work, seed=seed)
 
     rank = len(batch)
@@ -144,7 +159,8 @@ def sliced_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, 
     Returns
     -------
     array, shape (..., n) or (..., n, c)
-        Leading dims broadcast; namespace, device and floating dtype of the inputs.
+        Leading dims broadcast; namespace, device and floating dtype of the inputs. For Dask
+        arrays, a lazy Dask array chunked by rows like ``x`` (see Notes), with no gradient.
 
     Raises
     ------
@@ -153,12 +169,26 @@ def sliced_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, 
         :class:`~slicedkern.kernels.PiecewiseLinear`.
     ValueError
         Incompatible shapes (``d`` of ``x``, ``y`` and ``directions``, ``m`` of ``y`` and ``w``), missing
-        ``directions``, a non-positive ``chunk_size``.
+        ``directions``, a non-positive ``chunk_size``; for Dask arrays also batch axes, a direction
+        larger than ``slicedkern.max-column-bytes``.
+    MemoryError
+        Dask on a ``dask.distributed`` cluster: a block of directions larger than its worker's
+        memory limit (on ``.compute()``).
 
     Notes
     -----
     Projections and sums are computed in float64 where the backend has it (half precision in float32
     or better) and returned in the input dtype. Non-finite inputs give NaN as in ``kernel_sum``.
+
+    **Dask arrays** ``x`` (n, d), ``y`` (m, d) and ``w`` (m,) or (m, c), chunked by rows (no batch
+    axes; chunks along the feature axis are merged), give a lazy result equal to the NumPy call to
+    rounding: the points are projected blockwise, regrouped so that each block holds all ``n + m``
+    projections on ``chunk_size`` directions, each block runs the in-memory sums of its
+    directions on one worker, and the blocks' sums are added (docs/scaling.rst, "Dask"). Memory
+    model: about ``(2 c + 4) (n + m)`` float64 numbers per direction on one worker (``c = 1`` for a
+    vector ``w``; the ``(n + m) d`` points too when ``P > d``), refused beyond the Dask
+    configuration ``slicedkern.max-column-bytes`` (default 4 GiB). Dask has no autograd: no
+    gradients.
 
     Examples
     --------

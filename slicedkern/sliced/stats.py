@@ -8,15 +8,19 @@ themselves).
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+
+import numpy as np
 
 from .._lib.namespace import as_work, broadcast_shapes, shape_str
 from .._lib.typing import Array, Namespace
 from ..adapters.vjp import composite
-from ..backends import has_autograd, holds_everywhere, is_traced
+from ..backends import has_autograd, holds_everywhere, is_chunked, is_traced
 from ..kernels import PiecewiseLinear
 from ..ops._validate import check_kernel, setup
+from ._chunked import COLUMN_FLOATS, ChunkedPlan, chunked_points, chunked_statistic, chunked_weights, host_directions
 from ._dense import DenseEnergyPlan, DenseMMDPlan, dense_cost
 from ._stat_plans import EnergyPlan, MMDPlan
 from .directions import Seed, resolve_directions, same_dim
@@ -120,14 +124,34 @@ def _method(method: str, directions, n: int, m: int, dim: int, *, values_only: b
     return "exact" if dense_cost(n, m, dim) <= sliced else "sliced"
 
 
+# ------------------------------------------------------------------------------ chunked (Dask)
+def _chunked_layout(x: Array, y: Array, exact: bool, dim: int, directions, method: str, seed: Seed):
+    """Points (n, d), (m, d) and host directions of Dask samples; ``method="exact"`` in R^d refused."""
+    if not exact and method == "exact":
+        raise ValueError("argument 'method': 'exact' is not offered for Dask arrays in R^d (it sums all n m "
+                         "pairs); use 'sliced' (what 'auto' takes for Dask arrays)")
+    theta = np.ones((1, 1)) if exact else host_directions(directions, dim, seed)
+    return chunked_points(x, "x", exact), chunked_points(y, "y", exact), theta
+
+
+def _energy_block(xb, yb, a, b):
+    """The in-memory energy distances of projections (P_block, n) and (P_block, m): (P_block,)."""
+    return energy_distance(xb[..., None], yb[..., None], x_weights=a, y_weights=b)
+
+
+def _mmd_block(xb, yb, a, b, *, kernel, estimator):
+    """The in-memory MMDs of projections (P_block, n) and (P_block, m): (P_block,)."""
+    return mmd(xb[..., None], yb[..., None], kernel, estimator=estimator)
+
+
 # ------------------------------------------------------------------------------- energy distance
 def _plan_energy_distance(x: Array, y: Array, *, directions: int | Array | None = None,
                           x_weights: Array | None = None, y_weights: Array | None = None,
                           chunk_size: int | None = None, seed: Seed = None, method: str = "auto",
-                          xp: Namespace | None = None) -> EnergyPlan | DenseEnergyPlan:
+                          xp: Namespace | None = None) -> EnergyPlan | DenseEnergyPlan | ChunkedPlan:
     """The plan of :func:`energy_distance` (same arguments), after validating them."""
     named = {"x": x, "y": y, "x_weights": x_weights, "y_weights": y_weights}
-    xp, device, out_dtype, work = setup(named, xp)
+    xp, device, out_dtype, work = setup(named, xp, chunked=True)
     if method not in _METHODS:
         raise ValueError(f"argument 'method' must be one of {_METHODS}, got {method!r}")
     exact, dim = _layout(x, y, directions, method)
@@ -136,6 +160,13 @@ def _plan_energy_distance(x: Array, y: Array, *, directions: int | Array | None 
         raise ValueError(f"arguments 'x' and 'y' must hold at least one sample each, got {shape_str(x)} and "
                          f"{shape_str(y)}")
     chunk_size = check_chunk(chunk_size)
+    if is_chunked(xp):                  # Dask: a lazy plan over whole projected columns
+        xs, ys, theta = _chunked_layout(x, y, exact, dim, directions, method, seed)
+        weights = chunked_weights(x_weights, "x_weights", n), chunked_weights(y_weights, "y_weights", m)
+        return chunked_statistic(xp, xs, ys, weights, _energy_block, theta=theta,
+                                 scale=1.0 if exact else 1.0 / (_kappa(dim) * theta.shape[0]),
+                                 per_point=COLUMN_FLOATS["energy_distance"],
+                                 chunk_size=chunk_size, out_dtype=out_dtype, work=work)
     a = _probability_weights(xp, x_weights, n, "x_weights", device=device, work=work)
     b = _probability_weights(xp, y_weights, m, "y_weights", device=device, work=work)
     xs, ys, batch = _samples(xp, x, y, exact, work, tuple(a.shape[:-1]), tuple(b.shape[:-1]),
@@ -196,7 +227,8 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
         is what they estimate) and ``(n^2 + n m + m^2) (d + 3) <= SLICE_COST P N (log2 N + d)``
         (``SLICE_COST = 1.5``, measured on NumPy), else ``"sliced"``; with a directions array it
         is ``"sliced"``. For example ``d = 3``: exact up to ``n = m`` of about 550 at ``P = 256``,
-        110 at ``P = 64``.
+        110 at ``P = 64``. For Dask arrays ``"exact"`` in R^d is refused (all ``n m`` pairs) and
+        ``"auto"`` is ``"sliced"``.
         Ignored for 1-D samples (always exact).
     xp : array namespace, optional
 
@@ -206,7 +238,7 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
         The batch shape (0-d for one pair of samples); namespace, device and floating dtype of the
         inputs. Differentiable w.r.t. ``x``, ``y`` and the weights under torch autograd and
         ``jax.grad``; :func:`slicedkern.vjp` pulls back the sort-scan form of the same statistic
-        (``x`` and ``y``).
+        (``x`` and ``y``). For Dask arrays, a lazy 0-d Dask array (see Notes), with no gradient.
 
     Raises
     ------
@@ -214,7 +246,12 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
         Arrays from different libraries or devices, non-floating dtypes.
     ValueError
         Mismatched layouts or dimensions, missing ``directions`` when ``d > 1``, empty samples,
-        weights of the wrong length, negative or all-zero weights (checked when not traced).
+        weights of the wrong length, negative or all-zero weights (checked when not traced; for
+        Dask arrays on ``.compute()``). For Dask arrays also: batch axes, ``method="exact"`` in
+        R^d, a direction larger than ``slicedkern.max-column-bytes``.
+    MemoryError
+        Dask on a ``dask.distributed`` cluster: a block of directions larger than its worker's
+        memory limit (on ``.compute()``, before the block runs).
 
     Notes
     -----
@@ -223,6 +260,19 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
     samples sorted separately; other libraries the same arithmetic in array-API operations. The
     exact statistic in R^d is a difference of sums; for nearly equal samples its relative error
     grows like ``eps E|X - Y| / ED``.
+
+    **Dask arrays** ``x`` (n, d), ``y`` (m, d) and the weights (n,), (m,), chunked by rows in any
+    way (no batch axes), give a lazy result equal to the NumPy call to rounding: the points are
+    projected blockwise, regrouped so that each block holds all ``n + m`` projections on
+    ``chunk_size`` directions (default: as many as fit Dask's ``array.chunk-size``), and each block
+    runs the in-memory 1-D statistic on one worker; the values are averaged over the directions
+    (docs/scaling.rst, "Dask"). Memory model: one direction's column is sorted whole, so a worker
+    needs about ``6 (n + m)`` float64 numbers per direction of its block, and reads the ``(n + m) d``
+    points when ``P > d`` (else the projections are regrouped). A direction needing more
+    than the Dask configuration ``slicedkern.max-column-bytes`` (default 4 GiB) is refused when the
+    graph is built; never a silent wrong answer. Chunks along the feature axis are merged first
+    (each row chunk then holds whole points). 1-D samples are one column, sorted on one worker.
+    Dask has no autograd: :func:`slicedkern.vjp` refuses Dask arrays.
 
     Examples
     --------
@@ -239,9 +289,9 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
 # ------------------------------------------------------------------------------------------- MMD
 def _plan_mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | Array | None = None,
               estimator: str = "v", chunk_size: int | None = None, seed: Seed = None,
-              method: str = "auto", xp: Namespace | None = None) -> MMDPlan | DenseMMDPlan:
+              method: str = "auto", xp: Namespace | None = None) -> MMDPlan | DenseMMDPlan | ChunkedPlan:
     """The plan of :func:`mmd` (same arguments), after validating them."""
-    xp, device, out_dtype, work = setup({"x": x, "y": y}, xp)
+    xp, device, out_dtype, work = setup({"x": x, "y": y}, xp, chunked=True)
     check_kernel(kernel)
     if estimator not in _ESTIMATORS:
         raise ValueError(f"argument 'estimator' must be one of {_ESTIMATORS}, got {estimator!r}")
@@ -254,6 +304,12 @@ def _plan_mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | 
         raise ValueError(f"arguments 'x' and 'y' must hold at least {least} samples each for "
                          f"estimator={estimator!r}, got {shape_str(x)} and {shape_str(y)}")
     chunk_size = check_chunk(chunk_size)
+    if is_chunked(xp):                  # Dask: a lazy plan over whole projected columns
+        xs, ys, theta = _chunked_layout(x, y, exact, dim, directions, method, seed)
+        block = functools.partial(_mmd_block, kernel=kernel, estimator=estimator)
+        return chunked_statistic(xp, xs, ys, (None, None), block, theta=theta, scale=1.0 / theta.shape[0],
+                                 per_point=COLUMN_FLOATS["mmd"], chunk_size=chunk_size, out_dtype=out_dtype,
+                                 work=work)
     kernel = _symmetric(kernel)
     xs, ys, batch = _samples(xp, x, y, exact, work)
     if estimator == "v":
@@ -311,7 +367,8 @@ def mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | Array 
         autograd and ``jax.grad`` do not see through it, and it cannot be traced. ``"auto"`` takes
         ``"exact"`` under the rule of :func:`energy_distance` (``directions`` an integer and the
         dense sums cheaper), and only for libraries without autograd (NumPy, CuPy, array-api-strict)
-        outside traces; otherwise ``"sliced"``. Ignored for 1-D samples (always exact).
+        outside traces; otherwise ``"sliced"``. For Dask arrays ``"exact"`` in R^d is refused and
+        ``"auto"`` is ``"sliced"``. Ignored for 1-D samples (always exact).
     xp : array namespace, optional
 
     Returns
@@ -319,7 +376,8 @@ def mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | Array 
     array, shape (...)
         The batch shape (0-d for one pair of samples); namespace, device and floating dtype of the
         inputs. The sliced and 1-D statistics are differentiable w.r.t. ``x`` and ``y`` under torch
-        autograd and ``jax.grad`` (sliced-MMD flows) and with :func:`slicedkern.vjp`.
+        autograd and ``jax.grad`` (sliced-MMD flows) and with :func:`slicedkern.vjp`. For Dask
+        arrays, a lazy 0-d Dask array (see Notes), with no gradient.
 
     Raises
     ------
@@ -328,7 +386,11 @@ def mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | Array 
         :class:`~slicedkern.kernels.PiecewiseLinear`.
     ValueError
         Mismatched layouts or dimensions, missing ``directions`` when ``d > 1``, an unknown
-        ``estimator``, too few samples.
+        ``estimator``, too few samples; for Dask arrays also batch axes, ``method="exact"`` in
+        R^d, a direction larger than ``slicedkern.max-column-bytes``.
+    MemoryError
+        Dask on a ``dask.distributed`` cluster: a block of directions larger than its worker's
+        memory limit (on ``.compute()``).
 
     Notes
     -----
@@ -339,6 +401,13 @@ def mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | Array 
     ``[x, y]`` with two weight columns (membership of ``x`` and of ``y``). In every slice
     ``K(x_i, x_i) = f(0)``, so the U-statistic subtracts ``n f(0)`` from the within-sample sums. The
     V-statistic is non-negative for positive-definite kernels (e.g. hats); the U-statistic can be negative.
+
+    **Dask arrays** ``x`` (n, d) and ``y`` (m, d), chunked by rows, give a lazy result equal to the
+    NumPy call to rounding, laid out as for :func:`energy_distance` (whole projected columns per
+    block, the in-memory 1-D MMD on each). Memory model: about ``24 (n + m)`` float64 numbers per
+    direction on one worker (the column and the 1-D MMD's working arrays; the points too when
+    ``P > d``), refused beyond the Dask
+    configuration ``slicedkern.max-column-bytes``. No gradients.
 
     Examples
     --------

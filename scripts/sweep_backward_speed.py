@@ -190,7 +190,8 @@ def jax_calls(args):
             return (lambda: jax.block_until_ready(fwd(jq, jk, jv)),
                     lambda: jax.block_until_ready(loss(jq, jk, jv)))
 
-        cases = {"numpy forward": lambda: slicedkern.relu_attention(q, k, v), "torch fwd+bwd": torch_train}
+        cases = {"numpy forward": lambda: slicedkern.relu_attention(q, k, v),
+                 "torch forward": lambda: slicedkern.relu_attention(tq, tk, tv), "torch fwd+bwd": torch_train}
         for engine in args.jax_engines:
             fwd, train = jax_fns(None if engine == "auto" else engine)
             cases[f"jax[{engine}] forward"], cases[f"jax[{engine}] fwd+bwd"] = fwd, train

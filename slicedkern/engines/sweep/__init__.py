@@ -106,8 +106,8 @@ class SweepEngine(Engine):
             return "the 'sweep' engine needs numba (pip install numba)"
         if not backend.host_callable(arrays[0]):
             a = arrays[0]
-            return (f"the 'sweep' engine runs on NumPy arrays, CPU torch tensors outside torch.compile "
-                    f"and torch.func transforms, and JAX arrays on the CPU (jit and vmap included), not "
+            return (f"the 'sweep' engine runs on NumPy arrays and CPU torch tensors outside torch.compile "
+                    f"and torch.func transforms, and on JAX arrays on the CPU (jit and vmap included), not "
                     f"on this {type(a).__module__}.{type(a).__name__}"
                     + _device_text(a))
         return None

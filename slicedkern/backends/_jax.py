@@ -17,6 +17,13 @@ def _search_row(keys, vals):
 _search_rows = jax.vmap(_search_row)
 
 
+def _varies_over_manual_axes(a) -> bool:
+    """Whether traced ``a`` varies over a ``shard_map`` mesh axis (the attribute moved across versions)."""
+    aval = jax.typeof(a)
+    manual = getattr(aval, "manual_axis_type", None)
+    return bool(getattr(manual, "varying", None) or getattr(aval, "vma", None))
+
+
 def _standard(a: np.ndarray) -> np.ndarray:
     """A host array in a dtype NumPy computes in: bfloat16 (an ``ml_dtypes`` extension) as float32."""
     return a.astype(np.float32) if a.dtype.kind not in "fcbiu" else a
@@ -43,6 +50,10 @@ class JaxBackend(ArrayBackend):
         # the default backend unless the caller committed its inputs elsewhere (docs/backends.rst,
         # "JAX on the CPU").
         if self.is_traced(a):
+            # inside shard_map an array varies over manual mesh axes ("vma"): a callback's results
+            # would not carry that type, and the custom_vjp refuses them; the scan serves it there
+            if _varies_over_manual_axes(a):
+                return False
             return jax.default_backend() == "cpu"
         return all(d.platform == "cpu" for d in a.devices())
 

@@ -22,7 +22,12 @@ length, and fwd+bwd of the reference over that of ``after``. ``--small`` also pr
 per call of the NumPy forward at L = 16 and 1024 (8 rows, D = 64) and a sort + gather + cumsum of
 the same data as a yardstick.
 
+``--jax`` times JAX instead (ReLU, float32 without x64, jitted, on the CPU): the forward next to
+NumPy's and the jitted ``value_and_grad`` next to torch's forward+backward, for each engine of
+``--jax-engines`` (default: ``auto``, the sweep through a host callback, and ``scan``), in one process.
+
 Usage: ``python scripts/sweep_backward_speed.py [--lengths 16384 65536] [--repeat 3] [--small]``
+or ``python scripts/sweep_backward_speed.py --jax --lengths 16384 [--jax-engines auto scan]``
 """
 
 from __future__ import annotations
@@ -147,6 +152,72 @@ class Worker:
         self.proc.wait()
 
 
+# ------------------------------------------------------------------------------------------- JAX
+def jax_calls(args):
+    """JAX on the CPU, float32 (no x64), jitted, next to NumPy and torch, in this process.
+
+    Per length: the ReLU attention forward of NumPy (default engine), of JAX jitted on the default
+    engine (the sweep through a host callback) and with ``engine="scan"`` (what JAX used before);
+    forward+backward of torch (autograd, default engine) and of JAX (jitted ``value_and_grad`` of
+    ``sum(out * g)`` in q, k, v), each engine. Interleaved, min of ``--repeat``.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    torch.set_num_threads(args.threads)
+
+    sys.path.insert(0, str(HERE))           # this checkout's slicedkern, as the workers' PYTHONPATH does
+    import slicedkern
+    print(f"slicedkern from {pathlib.Path(slicedkern.__file__).parent}")
+    print(f"JAX {jax.__version__} on {jax.default_backend()}, float32 (x64 off), jitted; NumPy and torch "
+          f"(threads = {args.threads}); rows = {args.rows}, D = {args.dim}, min of {args.repeat} (interleaved)")
+    for length in args.lengths:
+        rng = np.random.default_rng(length)
+        q, k = rng.standard_normal((2, args.rows, length), dtype=np.float32)
+        v, g = rng.standard_normal((2, args.rows, length, args.dim), dtype=np.float32)
+        tq, tk, tv, tg = (torch.from_numpy(a) for a in (q, k, v, g))
+        jq, jk, jv, jg = (jnp.asarray(a) for a in (q, k, v, g))
+
+        def torch_train():
+            a, b, c = (t.clone().requires_grad_(True) for t in (tq, tk, tv))
+            (slicedkern.relu_attention(a, b, c) * tg).sum().backward()
+
+        def jax_fns(engine):
+            fwd = jax.jit(lambda a, b, c: slicedkern.relu_attention(a, b, c, engine=engine))
+            loss = jax.jit(jax.value_and_grad(
+                lambda a, b, c: jnp.sum(slicedkern.relu_attention(a, b, c, engine=engine) * jg), argnums=(0, 1, 2)))
+            return (lambda: jax.block_until_ready(fwd(jq, jk, jv)),
+                    lambda: jax.block_until_ready(loss(jq, jk, jv)))
+
+        cases = {"numpy forward": lambda: slicedkern.relu_attention(q, k, v),
+                 "torch forward": lambda: slicedkern.relu_attention(tq, tk, tv), "torch fwd+bwd": torch_train}
+        for engine in args.jax_engines:
+            fwd, train = jax_fns(None if engine == "auto" else engine)
+            cases[f"jax[{engine}] forward"], cases[f"jax[{engine}] fwd+bwd"] = fwd, train
+        compile_s = {}
+        for name, fn in cases.items():                      # compile / warm up, outside the timings
+            start = time.perf_counter()
+            fn()
+            compile_s[name] = time.perf_counter() - start
+        best = dict.fromkeys(cases, float("inf"))
+        for _ in range(args.repeat):
+            for name, fn in cases.items():
+                start = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - start)
+        out = np.asarray(cases["jax[" + args.jax_engines[0] + "] forward"]())
+        diff = np.abs(out - slicedkern.relu_attention(q, k, v)).max() / np.abs(out).max()
+        print(f"L = {length} (JAX vs NumPy output: max rel. diff {diff:.1e})")
+        for name in cases:
+            print(f"  {name:22s} {best[name] * 1e3:10.1f} ms   (first call {compile_s[name]:7.2f} s)")
+        for engine in args.jax_engines:
+            print(f"  jax[{engine}]: forward / NumPy forward = "
+                  f"{best[f'jax[{engine}] forward'] / best['numpy forward']:.2f} (target <= 3); "
+                  f"fwd+bwd / torch fwd+bwd = {best[f'jax[{engine}] fwd+bwd'] / best['torch fwd+bwd']:.2f} "
+                  "(target <= 1.5)")
+
+
 # ---------------------------------------------------------------------------------------- small calls
 def small_calls(threads, calls=2000):
     """min / median per call of the NumPy forward (8 x L, D = 64) at L = 16 and 1024, next to a sort +
@@ -188,10 +259,16 @@ def main():
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--no-check", action="store_true", help="skip the output check (one reference call)")
     parser.add_argument("--small", action="store_true", help="also time small NumPy calls")
+    parser.add_argument("--jax", action="store_true",
+                        help="time JAX (jitted, float32, CPU) against NumPy and torch instead (ReLU only)")
+    parser.add_argument("--jax-engines", nargs="+", default=["auto", "scan"],
+                        help="with --jax: the JAX engines to time ('auto': the sweep on the CPU)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.threads)
+    if args.jax:
+        return jax_calls(args)
 
     impls = {"after": Worker(HERE, args.threads)}
     if args.before:

@@ -7,6 +7,7 @@ that backend is requested (and a missing one is a skip, never a failure).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -160,6 +161,14 @@ def _jax_backend():
     return Backend("jax", jnp, jax.devices("cpu")[0] if not _jax_gpu(jax) else jax.devices()[0], jnp)
 
 
+def _jax_on_cpu() -> bool:
+    """Whether JAX is installed and computes on the CPU (where the sweep serves it)."""
+    if importlib.util.find_spec("jax") is None:
+        return False
+    import jax
+    return not _jax_gpu(jax)
+
+
 def _jax_gpu(jax) -> bool:
     try:
         return jax.default_backend() != "cpu"
@@ -181,10 +190,12 @@ def _cupy_backend():
 
 def backend_ids(names) -> list[str]:
     """The fixture's ids: each CPU backend once per engine that serves it (``numpy-scan``,
-    ``numpy-sweep``, ``torch-scan``, ``torch-sweep``), the others once (their engine: the scan)."""
+    ``numpy-sweep``, ``torch-scan``, ``torch-sweep``, ``jax-scan``, ``jax-sweep`` where JAX computes
+    on the CPU), the others once (their engine: the scan)."""
     ids = []
     for name in names:
-        engines = engines_available(name) if name in ("numpy", "torch") else []
+        cpu = name in ("numpy", "torch") or (name == "jax" and _jax_on_cpu())
+        engines = engines_available(name) if cpu else []
         ids += [f"{name}-{e}" for e in engines] if len(engines) > 1 else [name]
     return ids
 

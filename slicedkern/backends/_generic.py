@@ -48,6 +48,21 @@ class ArrayBackend:
         """Whether a compiled CPU engine may read ``a``'s memory directly (NumPy, CPU torch)."""
         return False
 
+    def host_callable(self, a) -> bool:
+        """Whether a compiled CPU engine may compute on ``a`` through :meth:`host_call`: its memory is
+        readable now, or (JAX) a host callback reaches it on the CPU, traced or not."""
+        return self.host_readable(a)
+
+    def host_call(self, fn, results, *arrays):
+        """``fn(*arrays)``, a tuple of host results, as arrays of this library.
+
+        ``results`` gives each result's ``(shape, dtype)`` (a NumPy dtype); a row whose arrays can
+        be traced (JAX) needs them to stage the call, and returns those shapes and dtypes. Here the
+        arrays are readable now, so ``fn`` runs on them directly and its results are returned as
+        they come (``fn`` returns torch tensors for torch inputs).
+        """
+        return fn(*arrays)
+
     def to_host(self, a) -> np.ndarray:
         """A NumPy copy (or view) of ``a``'s values; only for concrete arrays."""
         try:

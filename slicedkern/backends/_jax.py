@@ -17,6 +17,18 @@ def _search_row(keys, vals):
 _search_rows = jax.vmap(_search_row)
 
 
+def _varies_over_manual_axes(a) -> bool:
+    """Whether traced ``a`` varies over a ``shard_map`` mesh axis (the attribute moved across versions)."""
+    aval = jax.typeof(a)
+    manual = getattr(aval, "manual_axis_type", None)
+    return bool(getattr(manual, "varying", None) or getattr(aval, "vma", None))
+
+
+def _standard(a: np.ndarray) -> np.ndarray:
+    """A host array in a dtype NumPy computes in: bfloat16 (an ``ml_dtypes`` extension) as float32."""
+    return a.astype(np.float32) if a.dtype.kind not in "fcbiu" else a
+
+
 class JaxBackend(ArrayBackend):
     library = "jax"
     autograd = True
@@ -32,6 +44,36 @@ class JaxBackend(ArrayBackend):
 
     def to_host(self, a) -> np.ndarray:
         return np.asarray(a)
+
+    def host_callable(self, a) -> bool:
+        # A concrete array says where it lives; a traced one runs where the computation is placed,
+        # the default backend unless the caller committed its inputs elsewhere (docs/backends.rst,
+        # "JAX on the CPU").
+        if self.is_traced(a):
+            # inside shard_map an array varies over manual mesh axes ("vma"): a callback's results
+            # would not carry that type, and the custom_vjp refuses them; the scan serves it there
+            if _varies_over_manual_axes(a):
+                return False
+            return jax.default_backend() == "cpu"
+        return all(d.platform == "cpu" for d in a.devices())
+
+    def host_call(self, fn, results, *arrays):
+        """``fn`` on the host through ``jax.pure_callback``: legal under ``jit``, ``vmap`` and inside a
+        ``custom_vjp``, and the same staged call outside them.
+
+        ``vmap_method="broadcast_all"``: a vmapped call reaches ``fn`` once, with the mapped axis
+        broadcast in front of every argument (the host code treats leading axes as batch rows and
+        runs them in parallel), not once per mapped element ("sequential"). Results are declared in
+        JAX's canonical dtypes: float64 becomes float32 without ``jax_enable_x64``.
+        """
+        shapes = tuple(jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dtype))
+                       for shape, dtype in results)
+
+        def on_host(*host):
+            out = fn(*(_standard(np.asarray(h)) for h in host))
+            return tuple(np.asarray(o, dtype=s.dtype) for o, s in zip(out, shapes))
+
+        return jax.pure_callback(on_host, shapes, *arrays, vmap_method="broadcast_all")
 
     def holds_everywhere(self, xp, a, predicate) -> bool | None:
         # Inside a trace every jnp operation is staged, even on a concrete array closed over by the

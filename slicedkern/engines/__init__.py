@@ -1,7 +1,7 @@
 """The engine registry: which engine computes a call, chosen once, in the public layer.
 
 Three engines compute the same forward and backward (docs/architecture.rst): the array-API **scan**
-(every backend, GPUs, JAX), the fused numba **sweep** (NumPy arrays and CPU torch tensors) and the
+(every backend, GPUs, JAX), the fused numba **sweep** (NumPy arrays, CPU torch tensors, CPU JAX arrays) and the
 fused Triton kernels of **triton** (torch tensors; chosen automatically for CUDA tensors only).
 :func:`select` resolves an op's ``engine=`` argument, else the :func:`use_engine` default of the
 calling context, else the automatic rule (triton for CUDA tensors when Triton is installed, the
@@ -104,6 +104,6 @@ def engine_for(array) -> str:
 def available(library: str) -> list[str]:
     """Engines that serve CPU arrays of ``library`` ("numpy", "torch", "jax", ...) here."""
     names = ["scan"]
-    if library in ("numpy", "torch") and SweepEngine.installed():
+    if library in ("numpy", "torch", "jax") and SweepEngine.installed():
         names.append("sweep")
     return names

@@ -1,4 +1,4 @@
-"""The **sweep** engine: fused numba kernels on NumPy arrays and CPU torch tensors.
+"""The **sweep** engine: fused numba kernels on NumPy arrays, CPU torch tensors and CPU JAX arrays.
 
 One compiled call per op sorts every batch row once and sweeps it (docs/architecture.rst, "Engines"):
 the forward visits the queries in order with a pointer per knot through the sorted keys; the
@@ -10,6 +10,10 @@ Causal attention is one sweep over positions per row with a Fenwick tree over th
 (:mod:`._kernels_causal`, docs/mathematics.rst, "Causal attention"); its backward is the generic
 causal one (engines/_vjp.py) over the same sweep's pull-backs.
 
+JAX arrays reach the kernels through ``jax.pure_callback`` (the backend row's ``host_call``), so the
+engine runs under ``jit``, ``vmap`` and ``grad`` (docs/backends.rst, "JAX on the CPU"); the engine
+itself never tests for a framework.
+
 This module is what the registry imports: it does not import numba. The compiled kernels and their
 host bridge (:mod:`._host`) are loaded on the first call, and cached on disk by numba after the first
 compilation (docs/backends.rst, "First call").
@@ -19,15 +23,18 @@ from __future__ import annotations
 
 import importlib.util
 
+import array_api_compat as compat
 import numpy as np
 
 from ..._lib.namespace import as_work
-from ...backends import to_host
+from ...backends import backend_of, to_host
 from ...kernels import is_fixed
 from .._base import Engine
 from ..scan._backward import accumulate_columns, column_range
 
 __all__ = ["SweepEngine", "AVAILABLE"]
+
+_F64 = np.dtype(np.float64)
 
 
 def _bridge():
@@ -36,22 +43,36 @@ def _bridge():
     return host
 
 
-def _host_profile(profile, batch) -> dict:
-    """A profile as the kernels take it: float64 knot / coefficient arrays (M,) or (batch..., M)."""
-    def host(value):
-        return value if is_fixed(value) else np.asarray(to_host(value), dtype=np.float64)
+def _profile_args(profile, batch, xp):
+    """A profile as array arguments of a host call and a builder of what the kernels take from them.
 
-    knots = [host(t) for t in profile.knots]
-    coeffs = [host(c) for c in profile.coeffs]
-    if all(is_fixed(v) for v in knots + coeffs):
-        knot_arr = np.asarray(knots, dtype=np.float64)
-        coeff_arr = np.asarray(coeffs, dtype=np.float64)
-    else:
-        def stack(values):
-            return np.stack([np.broadcast_to(np.asarray(v, dtype=np.float64), batch) for v in values], axis=-1)
-        knot_arr, coeff_arr = stack(knots), stack(coeffs)
-    return {"knots": knot_arr, "coeffs": coeff_arr, "slope": float(profile.slope),
-            "intercept": float(profile.intercept)}
+    Returns ``(params, build)``: ``params`` is empty when every knot and coefficient is a number, else
+    the (batch..., M) knot and coefficient arrays stacked in ``xp`` (so that a traced or vmapped
+    parameter travels with the call); ``build(host_params)`` gives the kernels' float64 arrays.
+    """
+    extra = {"slope": float(profile.slope), "intercept": float(profile.intercept)}
+    values = profile.knots + profile.coeffs
+    if all(is_fixed(v) for v in values):
+        fixed = {"knots": np.asarray(profile.knots, dtype=np.float64),
+                 "coeffs": np.asarray(profile.coeffs, dtype=np.float64), **extra}
+        return (), lambda host: fixed
+    like = next(v for v in values if not is_fixed(v))
+    dev = compat.device(like)
+
+    def stack(params):
+        return xp.stack([xp.broadcast_to(xp.asarray(p, dtype=like.dtype, device=dev) if is_fixed(p) else p,
+                                         batch) for p in params], axis=-1)
+
+    def build(host):
+        knots, coeffs = (np.asarray(to_host(a), dtype=np.float64) for a in host)
+        return {"knots": knots, "coeffs": coeffs, **extra}
+
+    return (stack(profile.knots), stack(profile.coeffs)), build
+
+
+def _call(fn, results, *arrays):
+    """``fn(*arrays)`` on the host through the arrays' backend row (a callback for JAX arrays)."""
+    return backend_of(arrays[0]).host_call(fn, results, *arrays)
 
 
 def _param_tuple(profile, dknots, dcoeffs):
@@ -62,8 +83,16 @@ def _param_tuple(profile, dknots, dcoeffs):
     return pick(profile.knots, dknots), pick(profile.coeffs, dcoeffs)
 
 
+def _device_text(a) -> str:
+    try:
+        return f" on device {a.device}"
+    except Exception:               # no device, or a traced array that cannot say
+        return ""
+
+
 class SweepEngine(Engine):
-    """The fused CPU engine (numba): NumPy arrays and CPU torch tensors outside traced code."""
+    """The fused CPU engine (numba): NumPy arrays, CPU torch tensors outside traced code, and JAX
+    arrays on the CPU through a host callback (traced included)."""
 
     name = "sweep"
     #: causal attention by one Fenwick-tree sweep over positions per row (:mod:`._kernels_causal`)
@@ -79,20 +108,36 @@ class SweepEngine(Engine):
             return reason
         if not self.installed():
             return "the 'sweep' engine needs numba (pip install numba)"
-        if not backend.host_readable(arrays[0]):
+        if not backend.host_callable(arrays[0]):
             a = arrays[0]
             return (f"the 'sweep' engine runs on NumPy arrays and CPU torch tensors outside torch.compile "
-                    f"and torch.func transforms, not on this {type(a).__module__}.{type(a).__name__}"
-                    + (f" on device {a.device}" if hasattr(a, "device") else ""))
+                    f"and torch.func transforms, and on JAX arrays on the CPU (jit and vmap included), not "
+                    f"on this {type(a).__module__}.{type(a).__name__}"
+                    + _device_text(a))
         return None
 
     # -- forward primitives ---------------------------------------------------------------------
+    # Each call goes to the host through the backend row (_call): directly for NumPy and CPU torch, by
+    # a host callback for JAX. Shapes and dtypes are declared up front for the callback; kernel sums
+    # are float64 there (float32 under JAX without x64, from the same float64 running sums).
     def kernel_sum(self, x, y, w, profile, *, xp):
-        return _bridge().kernel_sum(x, y, w, **_host_profile(profile, tuple(x.shape[:-1])))
+        params, build = _profile_args(profile, tuple(x.shape[:-1]), xp)
+
+        def compute(x, y, w, *params):
+            return (_bridge().kernel_sum(x, y, w, **build(params)),)
+
+        return _call(compute, [(tuple(x.shape) + (w.shape[-1],), _F64)], x, y, w, *params)[0]
 
     def attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp):
-        out = _bridge().attention(q, k, v, key_mask, center=center, normalizer=normalize, eps=eps,
-                                **_host_profile(profile, tuple(q.shape[:-1])))
+        params, build = _profile_args(profile, tuple(q.shape[:-1]), xp)
+        masks = () if key_mask is None else (key_mask,)
+
+        def compute(q, k, v, *rest):
+            mask, params = (rest[0], rest[1:]) if masks else (None, rest)
+            return (_bridge().attention(q, k, v, mask, center=center, normalizer=normalize, eps=eps,
+                                        **build(params)),)
+
+        out = _call(compute, [(tuple(q.shape) + (v.shape[-1],), v.dtype)], q, k, v, *masks, *params)[0]
         return out, ()
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp):
@@ -124,18 +169,43 @@ class SweepEngine(Engine):
 
     # -- the fused backward (overrides the generic one of engines/_vjp.py) ------------------------
     def kernel_sum_vjp(self, x, y, w, profile, g, *, xp):
-        dx, dy, dw, dknots, dcoeffs = _bridge().kernel_sum_vjp(
-            x, y, w, g=g, param_grads=not profile.is_fixed, strict_knots=profile.strict_knots,
-            bad_query_poisons_row=False, **_host_profile(profile, tuple(x.shape[:-1])))
+        params, build = _profile_args(profile, tuple(x.shape[:-1]), xp)
+        param_grads = not profile.is_fixed
+        batch = tuple(x.shape[:-1])
+
+        def compute(x, y, w, g, *params):
+            grads = _bridge().kernel_sum_vjp(
+                x, y, w, g=g, param_grads=param_grads, strict_knots=profile.strict_knots,
+                bad_query_poisons_row=False, **build(params))
+            return grads if param_grads else grads[:3]
+
+        results = [(tuple(x.shape), _F64), (tuple(y.shape), _F64), (tuple(w.shape), _F64)]
+        results += [(batch + (len(profile.knots),), _F64)] * (2 * param_grads)
+        dx, dy, dw, *pgrads = _call(compute, results, x, y, w, g, *params)
+        dknots, dcoeffs = pgrads if param_grads else (None, None)
         return dx, dy, dw, _param_tuple(profile, dknots, dcoeffs)
 
     def attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalize, eps, xp):
         # the kernels read the cotangent in the values' dtype (float64 running sums either way)
-        g, out = as_work(xp, g, v.dtype), as_work(xp, out, v.dtype)
-        dq, dk, dv, dknots, dcoeffs = _bridge().attention_vjp(
-            q, k, v, key_mask, g, out if normalize in ("abs", "relu") else None, center=center,
-            normalizer=normalize, eps=eps, param_grads=not profile.is_fixed, strict_knots=profile.strict_knots,
-            **_host_profile(profile, tuple(q.shape[:-1])))
+        g = as_work(xp, g, v.dtype)
+        params, build = _profile_args(profile, tuple(q.shape[:-1]), xp)
+        param_grads = not profile.is_fixed
+        masks = () if key_mask is None else (key_mask,)
+        outs = (as_work(xp, out, v.dtype),) if normalize in ("abs", "relu") else ()
+
+        def compute(q, k, v, g, *rest):
+            rest = list(rest)
+            mask = rest.pop(0) if masks else None
+            fwd = rest.pop(0) if outs else None
+            grads = _bridge().attention_vjp(
+                q, k, v, mask, g, fwd, center=center, normalizer=normalize, eps=eps,
+                param_grads=param_grads, strict_knots=profile.strict_knots, **build(rest))
+            return grads if param_grads else grads[:3]
+
+        results = [(tuple(q.shape), q.dtype), (tuple(k.shape), q.dtype), (tuple(v.shape), v.dtype)]
+        results += [(tuple(q.shape[:-1]) + (len(profile.knots),), _F64)] * (2 * param_grads)
+        dq, dk, dv, *pgrads = _call(compute, results, q, k, v, g, *masks, *outs, *params)
+        dknots, dcoeffs = pgrads if param_grads else (None, None)
         return dq, dk, dv, _param_tuple(profile, dknots, dcoeffs)
 
     # -- the generic primitives (engines/_vjp.py runs on them too) --------------------------------
@@ -154,8 +224,7 @@ class SweepEngine(Engine):
         return dx, dy, dw, params
 
     def indicator_sums(self, q, k, ones, profiles, *, xp):
-        batch = tuple(q.shape[:-1])
-        return [_bridge().kernel_sum(q, k, ones, **_host_profile(p, batch)) for p in profiles]
+        return [self.kernel_sum(q, k, ones, p, xp=xp) for p in profiles]
 
 
 #: Whether the sweep can run here (numba installed); checked without importing numba.

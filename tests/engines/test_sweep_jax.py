@@ -24,7 +24,6 @@ import jax.numpy as jnp  # noqa: E402
 
 import slicedkern  # noqa: E402
 from slicedkern import reference  # noqa: E402
-from slicedkern.engines import sweep as sweep_package  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _helpers import jax_x64  # noqa: E402
@@ -167,9 +166,9 @@ def test_causal_goes_to_an_engine_with_a_causal_mode(x64):
     Q, K, V = _jax(x64, q, k, v)
     out = jax.jit(lambda a, b, c: slicedkern.relu_attention(a, b, c, causal=True))(Q, K, V)
     np.testing.assert_allclose(np.asarray(out), reference.relu_attention(q, k, v, causal=True), **_tol(x64))
-    if not sweep_package.SweepEngine.supports_causal:
-        with pytest.raises(ValueError, match="'engine'.*causal"):
-            slicedkern.relu_attention(Q, K, V, causal=True, engine="sweep")
+    # the sweep's causal kernels read memory directly: JAX arrays take the scan's causal mode
+    with pytest.raises(ValueError, match="'engine'.*causal"):
+        slicedkern.relu_attention(Q, K, V, causal=True, engine="sweep")
 
 
 def test_gpu_arrays_are_declined_in_words():

@@ -70,6 +70,12 @@ def _profile_args(profile, batch, xp):
     return (stack(profile.knots), stack(profile.coeffs)), build
 
 
+def _host_profile(profile, batch, xp) -> dict:
+    """The kernels' profile arguments read directly from host-readable arrays (the causal mode)."""
+    params, build = _profile_args(profile, batch, xp)
+    return build(params)
+
+
 def _call(fn, results, *arrays):
     """``fn(*arrays)`` on the host through the arrays' backend row (a callback for JAX arrays)."""
     return backend_of(arrays[0]).host_call(fn, results, *arrays)
@@ -114,6 +120,11 @@ class SweepEngine(Engine):
                     f"and torch.func transforms, and on JAX arrays on the CPU (jit and vmap included), not "
                     f"on this {type(a).__module__}.{type(a).__name__}"
                     + _device_text(a))
+        if getattr(spec, "causal", False) and not backend.host_readable(arrays[0]):
+            # the causal kernels read the arrays' memory directly (no host callback yet): JAX arrays
+            # take the scan's causal mode (docs/backends.rst, "JAX on the CPU")
+            return ("the 'sweep' engine's causal mode runs on NumPy arrays and CPU torch tensors, not through "
+                    "a JAX host callback; use engine='scan', or leave engine unset")
         return None
 
     # -- forward primitives ---------------------------------------------------------------------
@@ -143,7 +154,7 @@ class SweepEngine(Engine):
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp):
         out, take, relu_count, den = _bridge().causal_attention(
             q, k, v, key_mask, center=center, normalizer=normalize, eps=eps,
-            **_host_profile(profile, tuple(q.shape[:-1])))
+            **_host_profile(profile, tuple(q.shape[:-1]), xp))
         residuals = (take, as_work(xp, relu_count, q.dtype)[..., None])
         if normalize in ("abs", "relu"):
             residuals += (as_work(xp, den, q.dtype)[..., None],)
@@ -158,7 +169,7 @@ class SweepEngine(Engine):
             want = param_grads and not p.is_fixed
             px, py, pw, dkn, dco = _bridge().causal_profile_vjp(
                 x, y, w[..., cols.start:cols.stop], g, strict_knots=p.strict_knots, param_grads=want,
-                **_host_profile(p, tuple(x.shape[:-1])))
+                **_host_profile(p, tuple(x.shape[:-1]), xp))
             px, py, pw = (as_work(xp, a, x.dtype) for a in (px, py, pw))
             dx = px if dx is None else dx + px
             dy = py if dy is None else dy + py

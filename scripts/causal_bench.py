@@ -27,6 +27,7 @@ import time
 import torch
 
 import slicedkern
+from slicedkern.bench.causal import run_causal
 
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 _clock = time.perf_counter
@@ -75,38 +76,6 @@ def _sdpa_length(rows, length, dim, budget, backward):
     return size
 
 
-def decode(rows, dim, lengths, steps):
-    """Per-token decode time: ``DecodeCache`` append + attend of one token, next to a softmax KV-cache
-    step (append into a preallocated buffer, ``q K^T``, softmax, ``@ V``), at several cache lengths.
-    The cache is filled with one bulk append, then ``steps`` tokens are generated: their mean time
-    includes the merges of runs up to ``steps`` keys (the rarer larger merges are amortised away)."""
-    g = torch.Generator().manual_seed(0)
-    print(f"decode, {rows} rows, D = {dim}, float32, mean over {steps} tokens, {_clock.__name__}")
-    for length in lengths:
-        k = torch.randn(rows, length + steps, generator=g)
-        v = torch.randn(rows, length + steps, dim, generator=g)
-        q = torch.randn(rows, length + steps, generator=g)
-        cache = slicedkern.DecodeCache("relu")
-        cache.append(k[:, :length], v[:, :length])
-        start = _clock()
-        for t in range(length, length + steps):
-            cache.append(k[:, t:t + 1], v[:, t:t + 1])
-            cache.attend(q[:, t:t + 1])
-        ours = (_clock() - start) / steps
-        kb = torch.randn(rows, length + steps, dim, generator=g)
-        vb = torch.randn(rows, length + steps, dim, generator=g)
-        qd = torch.randn(rows, 1, dim, generator=g)
-        start = _clock()
-        for t in range(length, length + steps):
-            kb[:, t] = qd[:, 0]
-            vb[:, t] = qd[:, 0]
-            w = torch.softmax(qd @ kb[:, :t + 1].transpose(1, 2) / dim ** 0.5, dim=-1)
-            _ = w @ vb[:, :t + 1]
-        softmax = (_clock() - start) / steps
-        print(f"  n = 2^{length.bit_length() - 1:<3d} DecodeCache {ours * 1e3:9.3f} ms/token   "
-              f"softmax KV cache {softmax * 1e3:9.3f} ms/token   ratio {ours / softmax:7.2f}")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=8)
@@ -127,7 +96,9 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.decode:
-        decode(args.rows, args.dim, [1 << int(e) for e in args.decode.split(",")], args.steps)
+        # the decoding table of ``python -m slicedkern bench --causal`` (one row), on this script's clock
+        print(run_causal(sizes=[], decode_sizes=[1 << int(e) for e in args.decode.split(",")], dim=args.dim,
+                         steps=args.steps, clock=_clock))
         return
     g = torch.Generator().manual_seed(0)
     q = torch.randn(args.rows, args.length, generator=g)

@@ -152,23 +152,31 @@ def test_eps_must_be_positive(eps):
 
 
 # ---------------------------------------------------- 6. double-float range (JAX without x64)
-def test_double_float_handles_large_and_tiny_values():
+@pytest.mark.parametrize("engine", ["scan", "sweep"])
+def test_double_float_handles_large_and_tiny_values(engine):
     pytest.importorskip("jax")
     import jax.numpy as jnp
     from _helpers import jax_x64
 
     from slicedkern.kernels import Hat
+    if engine == "sweep":
+        pytest.importorskip("numba")
     with jax_x64(False):
         q, k = jnp.asarray([0.5], jnp.float32), jnp.asarray([0.0, 0.25], jnp.float32)
         v = jnp.asarray([[5e34], [2.5e34]], jnp.float32)
-        out = slicedkern.kernel_sum(q, k, v, ReLU())
+        out = slicedkern.kernel_sum(q, k, v, ReLU(), engine=engine)
         np.testing.assert_allclose(np.asarray(out), [[0.5 * 5e34 + 0.25 * 2.5e34]], rtol=1e-6)
         x = jnp.asarray([1e-20, 3e-20], jnp.float32)
         y = jnp.asarray([0.0, 2e-20, 2.5e-20], jnp.float32)
         w = jnp.asarray([1e-20, 2e-20, 3e-20], jnp.float32)
-        got = np.asarray(slicedkern.kernel_sum(x, y, w, Hat(1e-20)))
+        got = np.asarray(slicedkern.kernel_sum(x, y, w, Hat(1e-20), engine=engine))
+    # The scan's double-float arithmetic holds the bandwidth in float32 (JAX without x64 has no
+    # float64); the sweep sums in float64 on the host and keeps the bandwidth as given. Either way
+    # the answer is the exact one for the bandwidth the engine holds: x[0] sits exactly on the
+    # float32 hat's edge (0) and a hair inside the float64 one.
+    bandwidth = float(np.float32(1e-20)) if engine == "scan" else 1e-20
     expected = reference.kernel_sum(np.asarray(x, np.float64), np.asarray(y, np.float64),
-                                    np.asarray(w, np.float64), Hat(float(np.float32(1e-20))))
+                                    np.asarray(w, np.float64), Hat(bandwidth))
     np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 

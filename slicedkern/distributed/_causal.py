@@ -27,12 +27,13 @@ from typing import Any
 import array_api_compat as compat
 
 from .._lib.namespace import clamp_min
-from .._spec import bandwidth_ok, normalizer_profile, param_grads, profile_of, unpack
+from .._spec import bandwidth_ok, normalizer_profile, profile_of, unpack
 from ..engines._causal_grid import CausalGrid, running_sum, screen_causal
 from ..engines._vjp import _add_params
 from ..engines.scan._causal import compose
 from ..engines.scan._wide import Plain
 from ..kernels import Profile
+from ._core import gradients
 
 __all__ = ["forward", "backward", "CausalSaved"]
 
@@ -175,10 +176,5 @@ def backward(spec, engine, comm, arrays, saved: CausalSaved, gout, *, xp):
         dw = dw + running_sum(xp, g_mean, axis=-2, reverse=True) + after[..., None, :]
     nan = xp.asarray(float("nan"), dtype=work, device=dev)
     dv_ = dw * xp.where(s.row_bad[..., None, None], nan, s.takef)
-    out = [xp.where(s.q_good, dq, nan), xp.where(s.row_bad[..., None], nan, dk), xp.astype(dv_, v.dtype)]
-    if spec.has_mask:
-        out.append(None)
-    if spec.param_layout:
-        dknots, dcoeffs = grads[0]
-        out += [comm.sum(g) for g in param_grads(xp, spec, params, dknots, dcoeffs)]
-    return tuple(out)
+    return gradients(xp, spec, comm, params, grads, xp.where(s.q_good, dq, nan),
+                     xp.where(s.row_bad[..., None], nan, dk), xp.astype(dv_, v.dtype))

@@ -137,10 +137,14 @@ def backward(spec, engine, comm, arrays, saved: Saved, gout, *, xp):
         dw = dw + g_mean / s.count
     nan = xp.asarray(float("nan"), dtype=work, device=compat.device(q))
     dv_ = dw * xp.where(s.row_ok[..., None, None], s.takef, nan)
-    out = [xp.where(s.q_ok & s.row_ok[..., None], dq, nan), xp.where(s.row_ok[..., None], dk, nan),
-           xp.astype(dv_, v.dtype)]
-    if spec.has_mask:
-        out.append(None)
+    return gradients(xp, spec, comm, params, grads, xp.where(s.q_ok & s.row_ok[..., None], dq, nan),
+                     xp.where(s.row_ok[..., None], dk, nan), xp.astype(dv_, v.dtype))
+
+
+def gradients(xp, spec, comm, params, grads, dq, dk, dv):
+    """The backward's result, one entry per argument of the op: ``dq, dk, dv``, ``None`` for the mask,
+    then the parameters' gradients summed over the ranks (every rank holds the whole parameter)."""
+    out = [dq, dk, dv] + ([None] if spec.has_mask else [])
     if spec.param_layout:
         dknots, dcoeffs = grads[0]
         out += [comm.sum(g) for g in param_grads(xp, spec, params, dknots, dcoeffs)]

@@ -21,12 +21,12 @@ from ._convert import (
     PARALLEL_MIN_WORK,
     Array,
     Param,
+    attention_inputs,
     checked,
     common_float,
     mask_rows,
     normalizer_code,
     profile_rows,
-    result_dtype,
     rows,
     strict_rows,
     to_numpy,
@@ -94,10 +94,7 @@ def causal_attention(q: Array, k: Array, v: Array, key_mask: Array | None, *, kn
     array([[1., 6.]])
     """
     code = normalizer_code(normalizer)
-    (q, k, v), tdt, batch = checked(q, k, v, ("q", "k", "v"))
-    common_float([q, k], ["q", "k"])
-    dt = common_float([v], ["v"])
-    out_dt = result_dtype([v], dt)
+    q, k, v, tdt, batch, dt, out_dt = attention_inputs(q, k, v)
     lq, lk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
     bsz = int(np.prod(batch, dtype=np.int64))
     if lq == 0 or lk == 0 or dv == 0 or bsz == 0:

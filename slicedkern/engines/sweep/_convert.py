@@ -210,6 +210,18 @@ def checked(x, y, w, names):
     return (x, y, w), [tx, ty, tw], batch
 
 
+def attention_inputs(q, k, v):
+    """Checked host views of attention's scores and values: ``(q, k, v, tdtypes, batch, work, out)``.
+
+    The values decide the compute dtype ``work``: the scores are converted to float64 for the sort
+    anyway, so float64 scores (the library casts them) must not widen float32 values.
+    """
+    (q, k, v), tdt, batch = checked(q, k, v, ("q", "k", "v"))
+    common_float([q, k], ["q", "k"])
+    work = common_float([v], ["v"])
+    return q, k, v, tdt, batch, work, result_dtype([v], work)
+
+
 def mask_rows(key_mask, shape, bsz):
     """``(mask (B, m) read-only bool, has_mask)`` for the kernels."""
     if key_mask is None:

@@ -62,6 +62,7 @@ from ._convert import (
     NO_MASK,
     Array,
     Param,
+    attention_inputs,
     bad_rows,
     checked,
     common_float,
@@ -172,12 +173,7 @@ def attention(q: Array, k: Array, v: Array, key_mask: Array | None = None, knots
     array([[[0.5]]])
     """
     code = normalizer_code(normalizer)
-    (q, k, v), tdt, batch = checked(q, k, v, ("q", "k", "v"))
-    # The values decide the compute dtype: scores are converted to float64 for the sort anyway, so
-    # float64 scores (the library casts them) must not widen float32 values.
-    common_float([q, k], ["q", "k"])
-    dt = common_float([v], ["v"])
-    out_dt = result_dtype([v], dt)
+    q, k, v, tdt, batch, dt, out_dt = attention_inputs(q, k, v)
     lq, lk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
     if lq == 0 or lk == 0 or dv == 0 or 0 in batch:
         return wrap(np.zeros(batch + (lq, dv), out_dt), tdt, narrow=True)

@@ -30,7 +30,7 @@ def spawn(target, nprocs, *args, timeout=240):
 
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "rendezvous")
-        ctx = mp.start_processes(target, args=(nprocs, init, *args), nprocs=nprocs, join=False,
+        ctx = mp.start_processes(_worker, args=(target, nprocs, init, *args), nprocs=nprocs, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):
@@ -39,6 +39,25 @@ def spawn(target, nprocs, *args, timeout=240):
                     if p.is_alive():
                         p.kill()
                 raise TimeoutError(f"the {nprocs} worker processes did not finish in {timeout} s")
+
+
+def _worker(rank, target, size, init, *args):
+    """Run one child's check, then leave the process group in step with the other ranks.
+
+    Exiting with the gloo group still up lets its threads be torn down by the interpreter's exit,
+    which can abort the child ("terminate called without an active exception", SIGABRT) after the
+    check itself has passed; hence a barrier and ``destroy_process_group`` on the way out (a rank whose
+    check failed skips the barrier: its error goes straight to the test).
+    """
+    import torch.distributed as dist
+
+    try:
+        target(rank, size, init, *args)
+        if dist.is_initialized():
+            dist.barrier()                # no rank tears down while another still talks to it
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _init(rank, size, init):

@@ -42,13 +42,17 @@ def spawn(target, nprocs, *args, timeout=240):
 
 
 def _worker(rank, target, size, init, *args):
-    """Run one child's check, then leave the process group in step with the other ranks.
+    """Run one child's check, leave the process group in step with the other ranks, and exit.
 
-    Exiting with the gloo group still up lets its threads be torn down by the interpreter's exit,
-    which can abort the child ("terminate called without an active exception", SIGABRT) after the
-    check itself has passed; hence a barrier and ``destroy_process_group`` on the way out (a rank whose
-    check failed skips the barrier: its error goes straight to the test).
+    Twice in about eight full CI runs a child was killed by SIGABRT ("terminate called without an
+    active exception": a C++ thread torn down while still joinable) although every check passes
+    in isolation; the message is the one that interpreter teardown gives with gloo's threads and two
+    OpenMP runtimes (torch's and numba's) loaded. So a child that passed leaves the group (barrier,
+    ``destroy_process_group``) and ends with ``os._exit(0)``, skipping that teardown; a child whose
+    check failed raises as before, and its traceback reaches the test.
     """
+    import sys
+
     import torch.distributed as dist
 
     try:
@@ -58,6 +62,9 @@ def _worker(rank, target, size, init, *args):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _init(rank, size, init):

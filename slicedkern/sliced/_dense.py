@@ -51,20 +51,15 @@ def _distances(xp, p, q):
 
 
 class _DensePlan:
-    """Sums ``sum_ij wp_i wq_j Phi(|p_i - q_j|)`` over the pairs of (x, x), (x, y), (y, y) blockwise."""
+    """Sums ``sum_ij wp_i wq_j Phi(|p_i - q_j|)`` over the pairs of (x, x), (x, y), (y, y) blockwise,
+    for the radial function ``phi`` and its derivative ``dphi`` (arrays of distances to arrays)."""
 
-    def __init__(self, xp: Namespace, xs: Array, ys: Array, *, batch, out_dtype, device, work):
+    def __init__(self, xp: Namespace, xs: Array, ys: Array, *, phi, dphi, batch, out_dtype, device, work):
         self.xp, self.work_dtype, self.out_dtype, self.device = xp, work, out_dtype, device
+        self.phi, self.dphi = phi, dphi
         self.batch = tuple(batch)
         self.xs, self.ys = broadcast(xp, xs, self.batch, 2), broadcast(xp, ys, self.batch, 2)
         self.n, self.m, self.dim = xs.shape[-2], ys.shape[-2], xs.shape[-1]
-
-    # what a subclass says
-    def phi(self, r):
-        raise NotImplementedError
-
-    def dphi(self, r):
-        raise NotImplementedError
 
     def _block(self, q_len: int) -> int:
         per_row = math.prod(self.batch) * q_len
@@ -112,14 +107,8 @@ class DenseEnergyPlan(_DensePlan):
     method = "exact"
 
     def __init__(self, xp, xs, ys, a, b, *, raw, **kw):
-        super().__init__(xp, xs, ys, **kw)
+        super().__init__(xp, xs, ys, phi=lambda r: r, dphi=xp.ones_like, **kw)
         self.a, self.b, self.raw = broadcast(xp, a, self.batch, 1), broadcast(xp, b, self.batch, 1), raw
-
-    def phi(self, r):
-        return r
-
-    def dphi(self, r):
-        return self.xp.ones_like(r)
 
     def forward(self) -> Array:
         xs, ys, a, b = self.xs, self.ys, self.a, self.b
@@ -141,17 +130,15 @@ class DenseMMDPlan(_DensePlan):
     method = "exact"
 
     def __init__(self, xp, xs, ys, *, kernel, coef, shift, **kw):
-        super().__init__(xp, xs, ys, **kw)
-        self.profile = radial_profile(kernel, self.dim)
+        self.profile = radial_profile(kernel, xs.shape[-1])
+        super().__init__(xp, xs, ys, phi=self.profile, dphi=self._derivative, **kw)
         self.coef, self.shift = coef, shift
         ones = xp.ones((self.n,), dtype=self.work_dtype, device=self.device)
         self.ones_x = broadcast(xp, ones, self.batch, 1)
         self.ones_y = broadcast(xp, xp.ones((self.m,), dtype=self.work_dtype, device=self.device), self.batch, 1)
 
-    def phi(self, r):
-        return self.profile(r)
-
-    def dphi(self, r):
+    def _derivative(self, r):
+        # the radial profile is evaluated on the host (module docstring)
         return self.xp.asarray(self.profile.derivative(to_host(r)), dtype=self.work_dtype, device=self.device)
 
     def forward(self) -> Array:

@@ -4,7 +4,9 @@ One compiled call per op sorts every batch row once and sweeps it (docs/architec
 the forward visits the queries in order with a pointer per knot through the sorted keys; the
 backward visits the keys in order with a pointer per knot through the sorted queries and yields
 ``dq``, ``dk``, ``dv`` and the knot / coefficient gradients (bandwidths, mixture weights) together,
-in float64 running sums, with no ``(n, D)`` temporary besides the gradients. Batch rows run in
+in float64 running sums, with no ``(n, D)`` temporary besides the gradients; on NumPy arrays and CPU
+torch tensors the forward's sort and per-query terms are its residuals, which the backward reuses
+(no second sort). Batch rows run in
 parallel (numba threads, claimed dynamically); small calls run serially on the calling thread.
 Causal attention is one sweep over positions per row with a Fenwick tree over the keys' score ranks
 (:mod:`._kernels_causal`, docs/mathematics.rst, "Causal attention"); its backward is the generic

@@ -21,7 +21,9 @@ backward pass")
    pointer per knot advancing through the sorted queries. One pass per row yields ``dq``, ``dk``,
    ``dv`` and the knot / coefficient gradients together (no second sort, no (n, D) temporary);
    a short preparation per row computes the per-query normaliser, centring and quotient-rule
-   factors first.
+   factors first. ``attention(..., keep=True)`` returns the forward's sorted rows, ``1 / D_i``,
+   ``R_i`` and value totals, and ``attention_vjp(..., residuals=)`` reuses them: the backward then
+   neither sorts nor sweeps the scores again.
 
 Rows (and, when rows alone would leave threads idle, column chunks of at least 16) run in
 parallel, claimed dynamically by the workers; small problems run serially on the calling thread,

@@ -379,6 +379,25 @@ def _backward_task(b, ch, c0, c1, scores, sorted_rows, profile, options, tensors
     return False
 
 
+@njit(**JIT)
+def _backward_row(b, scores, sorted_rows, profile, options, tensors, terms, saved, grads, schedule, c, bad):
+    """Row ``b`` whole on the calling thread: its sort (unless kept by the forward), preparation and
+    every column chunk's sweep; marks its tasks in ``bad``."""
+    n_chunks, chunk_width, _ = schedule
+    if not saved[3]:
+        sort_row(b, scores, sorted_rows)
+    row_bad = _backward_prepare_row(b, scores, sorted_rows, profile, options, tensors, terms, saved,
+                                    grads[0][0])
+    for ch in range(n_chunks):
+        t = b * n_chunks + ch
+        if row_bad:
+            bad[t] = True
+        else:
+            c0 = ch * chunk_width
+            bad[t] = _backward_task(b, ch, c0, min(c, c0 + chunk_width), scores, sorted_rows, profile,
+                                    options, tensors, terms, grads)
+
+
 @njit(**PARALLEL)
 def backward_rows(scores, profile, options, tensors, grads, workspace, schedule):
     """The fused backward pass of every row, into ``grads``; returns ``bad (B * n_chunks,)``.
@@ -408,18 +427,19 @@ def backward_rows(scores, profile, options, tensors, grads, workspace, schedule)
     bad = np.zeros(n_tasks, np.bool_)
     if n_workers == 1:
         for b in range(bsz):
-            if not from_forward:
-                sort_row(b, scores, sorted_rows)
-            row_bad[b] = _backward_prepare_row(b, scores, sorted_rows, profile, options, tensors, terms,
-                                               saved, dq_first)
-        for t in range(n_tasks):
-            b, ch = t // n_chunks, t % n_chunks
-            if row_bad[b]:
-                bad[t] = True
-            else:
-                c0 = ch * chunk_width
-                bad[t] = _backward_task(b, ch, c0, min(c, c0 + chunk_width), scores, sorted_rows, profile,
-                                        options, tensors, terms, grads)
+            _backward_row(b, scores, sorted_rows, profile, options, tensors, terms, saved, grads, schedule,
+                          c, bad)
+        return bad
+    if n_chunks == 1:
+        # a row's preparation and its sweep back to back on one worker: the cotangent rows that the
+        # preparation reads (in order) are still in cache when the sweep reads them again
+        next_row = np.zeros(1, np.int64)
+        for _ in prange(n_workers):
+            b = claim(next_row)
+            while b < bsz:
+                _backward_row(b, scores, sorted_rows, profile, options, tensors, terms, saved, grads,
+                              schedule, c, bad)
+                b = claim(next_row)
         return bad
     next_row = np.zeros(1, np.int64)
     for _ in prange(n_workers):

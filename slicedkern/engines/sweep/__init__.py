@@ -4,7 +4,9 @@ One compiled call per op sorts every batch row once and sweeps it (docs/architec
 the forward visits the queries in order with a pointer per knot through the sorted keys; the
 backward visits the keys in order with a pointer per knot through the sorted queries and yields
 ``dq``, ``dk``, ``dv`` and the knot / coefficient gradients (bandwidths, mixture weights) together,
-in float64 running sums, with no ``(n, D)`` temporary besides the gradients. Batch rows run in
+in float64 running sums, with no ``(n, D)`` temporary besides the gradients; on NumPy arrays and CPU
+torch tensors the forward's sort and per-query terms are its residuals, which the backward reuses
+(no second sort). Batch rows run in
 parallel (numba threads, claimed dynamically); small calls run serially on the calling thread.
 Causal attention is one sweep over positions per row with a Fenwick tree over the keys' score ranks
 (:mod:`._kernels_causal`, docs/mathematics.rst, "Causal attention"); its backward is the generic
@@ -143,11 +145,19 @@ class SweepEngine(Engine):
         params, build = _profile_args(profile, tuple(q.shape[:-1]), xp)
         masks = () if key_mask is None else (key_mask,)
 
+        if backend_of(q).host_readable(q):
+            # arrays readable now (NumPy, CPU torch): the sweep's sort and per-query terms are kept as
+            # residuals, so that the backward neither sorts again nor re-sweeps the scores
+            out, residuals = _bridge().attention(q, k, v, key_mask, center=center, normalizer=normalize,
+                                                 eps=eps, keep=True, **build(params))
+            return out, residuals
+
         def compute(q, k, v, *rest):
             mask, params = (rest[0], rest[1:]) if masks else (None, rest)
             return (_bridge().attention(q, k, v, mask, center=center, normalizer=normalize, eps=eps,
                                         **build(params)),)
 
+        # a host callback (JAX) declares its results up front: the backward recomputes the sort
         out = _call(compute, [(tuple(q.shape) + (v.shape[-1],), v.dtype)], q, k, v, *masks, *params)[0]
         return out, ()
 
@@ -210,7 +220,8 @@ class SweepEngine(Engine):
             fwd = rest.pop(0) if outs else None
             grads = _bridge().attention_vjp(
                 q, k, v, mask, g, fwd, center=center, normalizer=normalize, eps=eps,
-                param_grads=param_grads, strict_knots=profile.strict_knots, **build(rest))
+                param_grads=param_grads, strict_knots=profile.strict_knots, residuals=residuals,
+                **build(rest))
             return grads if param_grads else grads[:3]
 
         results = [(tuple(q.shape), q.dtype), (tuple(k.shape), q.dtype), (tuple(v.shape), v.dtype)]

@@ -21,7 +21,9 @@ backward pass")
    pointer per knot advancing through the sorted queries. One pass per row yields ``dq``, ``dk``,
    ``dv`` and the knot / coefficient gradients together (no second sort, no (n, D) temporary);
    a short preparation per row computes the per-query normaliser, centring and quotient-rule
-   factors first.
+   factors first. ``attention(..., keep=True)`` returns the forward's sorted rows, ``1 / D_i``,
+   ``R_i`` and value totals, and ``attention_vjp(..., residuals=)`` reuses them: the backward then
+   neither sorts nor sweeps the scores again.
 
 Rows (and, when rows alone would leave threads idle, column chunks of at least 16) run in
 parallel, claimed dynamically by the workers; small problems run serially on the calling thread,
@@ -80,7 +82,7 @@ from ._convert import (
     wrap,
 )
 from ._kernels_backward import backward_rows
-from ._kernels_common import NO_NORMALIZER, allocate_sorted
+from ._kernels_common import NO_NORMALIZER, allocate_saved, allocate_sorted
 from ._kernels_forward import forward_rows
 
 __all__ = ["AVAILABLE", "kernel_sum", "attention", "kernel_sum_vjp", "attention_vjp", "warmup",
@@ -130,7 +132,7 @@ def kernel_sum(x: Array, y: Array, w: Array, knots: Param, coeffs: Param, slope:
     options = (False, NO_NORMALIZER, 0, 0.0)
     out = np.empty((bsz, n, c))
     bad = forward_rows(scores, profile, options, rows(w, bsz, (m, c), F64), out,
-                                allocate_sorted(bsz, n, m), plan)
+                       allocate_sorted(bsz, n, m), allocate_saved(bsz, n, c, False), plan)
     bad = bad_rows(bad, plan[0])
     if bad.any():
         out[bad] = np.nan
@@ -139,7 +141,8 @@ def kernel_sum(x: Array, y: Array, w: Array, knots: Param, coeffs: Param, slope:
 
 def attention(q: Array, k: Array, v: Array, key_mask: Array | None = None, knots: Param = (0.0,),
               coeffs: Param = (1.0,), center: bool = True, normalizer: str | None = "abs",
-              eps: float = 1e-6, slope: Param = 0.0, intercept: Param = 0.0) -> Array:
+              eps: float = 1e-6, slope: Param = 0.0, intercept: Param = 0.0, *,
+              keep: bool = False) -> Array | tuple[Array, tuple]:
     """Normalised kernel attention ``out_i = sum_j f(q_i - k_j) (v_j - mu) / D_i`` (docs, "Attention").
 
     Parameters
@@ -158,11 +161,17 @@ def attention(q: Array, k: Array, v: Array, key_mask: Array | None = None, knots
         ``D_i``: ``sum_valid |q_i - k|`` or ``sum_valid ReLU(q_i - k)`` clamped below by ``eps``,
         ``max(n_valid, 1)``, or 1.
     eps : float
+    keep : bool
+        Also return what :func:`attention_vjp` would otherwise recompute.
 
     Returns
     -------
-    array, shape (..., Lq, Dv), in the values' dtype (float32 or float64; half-precision values
-    give half precision), computed from float64 running sums.
+    out : array, shape (..., Lq, Dv)
+        In the values' dtype (float32 or float64; half-precision values give half precision),
+        computed from float64 running sums.
+    residuals : tuple of arrays, only with ``keep``
+        The sorted rows and per-query terms of the sweep, for ``attention_vjp(..., residuals=)``
+        with the same arguments: the backward then neither sorts nor re-sweeps the scores.
 
     Examples
     --------
@@ -176,7 +185,8 @@ def attention(q: Array, k: Array, v: Array, key_mask: Array | None = None, knots
     q, k, v, tdt, batch, dt, out_dt = attention_inputs(q, k, v)
     lq, lk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
     if lq == 0 or lk == 0 or dv == 0 or 0 in batch:
-        return wrap(np.zeros(batch + (lq, dv), out_dt), tdt, narrow=True)
+        out = wrap(np.zeros(batch + (lq, dv), out_dt), tdt, narrow=True)
+        return (out, ()) if keep else out
     bsz = int(np.prod(batch, dtype=np.int64))
     mask, has_mask = mask_rows(key_mask, k.shape, bsz)
     profile, _ = profile_rows(knots, coeffs, slope, intercept, batch, bsz)
@@ -185,29 +195,40 @@ def attention(q: Array, k: Array, v: Array, key_mask: Array | None = None, knots
     scores = (rows(q, bsz, (lq,), F64), rows(k, bsz, (lk,), F64), mask, has_mask)
     options = (bool(center), code, zero_knot, float(eps))
     out = np.empty((bsz, lq, dv), dt)
-    bad = forward_rows(scores, profile, options, rows(v, bsz, (lk, dv), dt), out,
-                                allocate_sorted(bsz, lq, lk), plan)
+    sorted_rows, saved = allocate_sorted(bsz, lq, lk), allocate_saved(bsz, lq, dv, keep)
+    bad = forward_rows(scores, profile, options, rows(v, bsz, (lk, dv), dt), out, sorted_rows, saved, plan)
     bad = bad_rows(bad, plan[0])
     if bad.any():
         out[bad] = np.nan
     out = out.reshape(batch + (lq, dv))
     if out.dtype != out_dt:
         out = out.astype(out_dt)
-    return wrap(out, tdt, narrow=True)
+    out = wrap(out, tdt, narrow=True)
+    if not keep:
+        return out
+    return out, tuple(wrap(a, tdt) for a in sorted_rows + saved[:4])
 
 
 # --------------------------------------------------------------------------------------- backward
-def _backward(scores, profile, options, tensors, shapes):
-    """Run the fused backward; ``(dq, dk, dv, dknots, dcoeffs, bad rows)`` with rows flattened."""
+def _backward(scores, profile, options, tensors, shapes, kept=None):
+    """Run the fused backward; ``(dq, dk, dv, dknots, dcoeffs, bad rows)`` with rows flattened.
+
+    ``kept``: the forward's residuals (:func:`attention` with ``keep``) as NumPy arrays, or None.
+    """
     bsz, n, m, c = shapes
     nch, width, workers = schedule(bsz, n, m, c)
     n_knots = profile[0].shape[1]
     grads = (np.zeros((nch, bsz, n)), np.empty((nch, bsz, m)), np.empty((bsz, m, c), tensors[0].dtype),
              np.empty((nch, bsz, n_knots)), np.empty((nch, bsz, n_knots)))
-    terms = (np.zeros((bsz, n)), np.zeros((bsz, n)), np.zeros((bsz, n)), np.zeros((bsz, 3, c)),
-             np.zeros((bsz, 2)))
-    bad = backward_rows(scores, profile, options, tensors, grads,
-                                 (allocate_sorted(bsz, n, m), terms), (nch, width, workers))
+    if kept is None:
+        sorted_rows, scale = allocate_sorted(bsz, n, m), np.zeros((bsz, n))
+        saved = (np.zeros((bsz, n)), np.zeros((bsz, n), np.bool_), np.zeros((bsz, c)), False)
+    else:
+        sorted_rows, (scale, relu_sum, unclamped, totals) = tuple(kept[:6]), kept[6:]
+        saved = (relu_sum, unclamped, totals, True)
+    terms = (scale, np.zeros((bsz, n)), np.zeros((bsz, n)), np.zeros((bsz, 3, c)), np.zeros((bsz, 2)))
+    bad = backward_rows(scores, profile, options, tensors, grads, (sorted_rows, terms, saved),
+                        (nch, width, workers))
     dq, dk, dv, dkn, dco = grads
     return summed(dq), summed(dk), dv, summed(dkn), summed(dco), bad_rows(bad, nch)
 
@@ -289,7 +310,7 @@ def kernel_sum_vjp(x: Array, y: Array, w: Array, knots: Param, coeffs: Param, sl
 def attention_vjp(q: Array, k: Array, v: Array, key_mask: Array | None, g: Array, out: Array | None,
                   *, knots: Param = (0.0,), coeffs: Param = (1.0,), slope: Param = 0.0, intercept: Param = 0.0,
                   center: bool = True, normalizer: str | None = "abs", eps: float = 1e-6,
-                  param_grads: bool = True, strict_knots=None) -> tuple[Any, ...]:
+                  param_grads: bool = True, strict_knots=None, residuals: tuple = ()) -> tuple[Any, ...]:
     """Vector-Jacobian product of :func:`attention` with cotangent ``g``, by one fused backward sweep.
 
     Parameters
@@ -305,6 +326,9 @@ def attention_vjp(q: Array, k: Array, v: Array, key_mask: Array | None, g: Array
         Also compute the gradients of the knots and coefficients (otherwise ``None``).
     strict_knots : sequence of bool, shape (M,), optional
         As in :func:`kernel_sum_vjp`.
+    residuals : tuple of arrays, optional
+        What the forward call (:func:`attention` with ``keep=True``, on the same arguments)
+        returned besides the output; the backward then reuses its sort and per-query terms.
 
     Returns
     -------
@@ -368,7 +392,8 @@ def attention_vjp(q: Array, k: Array, v: Array, key_mask: Array | None, g: Array
                strict_rows(strict_knots, profile[0].shape[1]))
     tensors = (rows(v, bsz, (lk, dv_cols), dt), rows(g, bsz, (lq, dv_cols), dt),
                rows(out, bsz, (lq, dv_cols), dt) if needs_out else dummy(dt))
-    dq, dk, dv, dkn, dco, bad = _backward(scores, profile, options, tensors, (bsz, lq, lk, dv_cols))
+    kept = [to_numpy(a, "residuals")[0] for a in residuals] if residuals else None
+    dq, dk, dv, dkn, dco, bad = _backward(scores, profile, options, tensors, (bsz, lq, lk, dv_cols), kept)
     dkn, dco = dkn[:, :n_user], dco[:, :n_user]
     if bad.any():
         for arr in (dq, dk, dv, dkn, dco):

@@ -29,7 +29,7 @@ from ._kernels_common import (
 __all__ = ["backward_rows"]
 
 @njit(**JIT)
-def _backward_prepare_row(b, scores, sorted_rows, profile, options, tensors, terms, dq_first):
+def _backward_prepare_row(b, scores, sorted_rows, profile, options, tensors, terms, saved, dq_first):
     """Per-query and per-row terms of the backward pass of row ``b``; True when the row is bad.
 
     Writes, for every query ``i`` (original order; non-finite queries get ``scale = 0`` and
@@ -44,6 +44,11 @@ def _backward_prepare_row(b, scores, sorted_rows, profile, options, tensors, ter
     and per row ``row_vectors[b] = (G0, G1, dmean)``: ``sum_i gnum_i``, ``sum_i (x_i - shift)
     gnum_i``, ``-sum_i R_i gnum_i``, and ``row_scalars[b] = (sum_i grad_count, sum_i grad_norm)``.
     The quotient rule and the centring are those of docs/mathematics.rst, "The backward pass".
+
+    ``saved = (relu_sum, unclamped (B, n), totals (B, c), from_forward)``: with ``from_forward``,
+    ``scale``, ``relu_sum``, ``unclamped`` and ``totals`` hold the forward's own values (see
+    :func:`._kernels_forward.forward_rows`) and only the second step below runs; otherwise this
+    function computes them.
     """
     x, keys_given, mask, has_mask = scores
     queries, query_order, keys, key_order, counts, shift = sorted_rows
@@ -66,18 +71,20 @@ def _backward_prepare_row(b, scores, sorted_rows, profile, options, tensors, ter
         any_active = any_active or coeffs[b, m] != 0.0 or (want_coeffs and m < n_user_knots)
     grad_normaliser = normalizer == ABS_NORMALIZER or normalizer == RELU_NORMALIZER
 
-    totals = np.zeros(c)
+    relu_sums, unclamped_rows, value_sums, from_forward = saved
+    relu_sum, unclamped, totals = relu_sums[b], unclamped_rows[b], value_sums[b]
     if center or bs != 0.0:
-        if value_totals(b, 0, c, keys_given, mask, has_mask, sh, values, totals, np.zeros(c)):
+        if from_forward:
+            for d in range(c):
+                if not np.isfinite(totals[d]):
+                    return True
+        elif value_totals(b, 0, c, keys_given, mask, has_mask, sh, values, totals, np.zeros(c)):
             return True
 
     # 1. per query (sorted order): the centring sum R_i and the normaliser, strict value sums as in
-    #    the forward pass, so that D_i and the eps test are the forward's own
-    relu_sum = np.zeros(n)
-    unclamped = np.ones(n, np.bool_)
-    for i in range(n):
-        scale[b, i] = 0.0
-    if center or grad_normaliser:
+    #    the forward pass, so that D_i and the eps test are the forward's own (given by the forward
+    #    itself when it kept them)
+    if not from_forward and (center or grad_normaliser):
         key_sum = 0.0
         for p in range(nk):
             key_sum += krow[p] - sh
@@ -105,10 +112,11 @@ def _backward_prepare_row(b, scores, sorted_rows, profile, options, tensors, ter
             relu_sum[i] = r
             scale[b, i], unclamped[i] = normaliser_scale(normalizer, xs, count[zero_knot],
                                                           key_part[zero_knot], n_keys, key_sum, eps)
-    else:
+    elif not from_forward:
         constant, _ = normaliser_scale(normalizer, 0.0, 0.0, 0.0, n_keys, 0.0, eps)
         for pos in range(nq):
             scale[b, qp[pos]] = constant
+            unclamped[qp[pos]] = True
     for pos in range(nq, n):
         dq_first[b, qp[pos]] = np.nan
 
@@ -371,6 +379,25 @@ def _backward_task(b, ch, c0, c1, scores, sorted_rows, profile, options, tensors
     return False
 
 
+@njit(**JIT)
+def _backward_row(b, scores, sorted_rows, profile, options, tensors, terms, saved, grads, schedule, c, bad):
+    """Row ``b`` whole on the calling thread: its sort (unless kept by the forward), preparation and
+    every column chunk's sweep; marks its tasks in ``bad``."""
+    n_chunks, chunk_width, _ = schedule
+    if not saved[3]:
+        sort_row(b, scores, sorted_rows)
+    row_bad = _backward_prepare_row(b, scores, sorted_rows, profile, options, tensors, terms, saved,
+                                    grads[0][0])
+    for ch in range(n_chunks):
+        t = b * n_chunks + ch
+        if row_bad:
+            bad[t] = True
+        else:
+            c0 = ch * chunk_width
+            bad[t] = _backward_task(b, ch, c0, min(c, c0 + chunk_width), scores, sorted_rows, profile,
+                                    options, tensors, terms, grads)
+
+
 @njit(**PARALLEL)
 def backward_rows(scores, profile, options, tensors, grads, workspace, schedule):
     """The fused backward pass of every row, into ``grads``; returns ``bad (B * n_chunks,)``.
@@ -380,14 +407,18 @@ def backward_rows(scores, profile, options, tensors, grads, workspace, schedule)
     ``tensors = (values (B, m, c), cot (B, n, c), out (B, n, c))`` in one dtype (``out`` is read
     only for an "abs"/"relu" normaliser). ``grads = (dq_parts (n_chunks, B, n) zeros, dk_parts
     (n_chunks, B, m), dv (B, m, c) in the values' dtype, dknots_parts, dcoeffs_parts (n_chunks, B,
-    M))``: per-chunk partial sums, added up by the caller. ``workspace = (sorted_rows, terms)`` with
-    ``terms = (scale, grad_count, grad_norm (B, n), row_vectors (B, 3, c), row_scalars (B, 2))``,
-    all zeros. ``bad`` marks tasks of rows with a non-finite valid key, value or cotangent (or
-    query, under ``query_poisons_row``): the caller fills those rows with NaN.
+    M))``: per-chunk partial sums, added up by the caller. ``workspace = (sorted_rows, terms, saved)``
+    with ``terms = (scale, grad_count, grad_norm (B, n), row_vectors (B, 3, c), row_scalars (B, 2))``
+    and ``saved = (relu_sum, unclamped (B, n), totals (B, c), from_forward)``, all zeros; with
+    ``from_forward``, ``sorted_rows``, ``scale`` and ``saved`` are the forward's (kept by
+    :func:`._kernels_forward.forward_rows`) and are only read: no sort, no preparation sweep.
+    ``bad`` marks tasks of rows with a non-finite valid key, value or cotangent (or query, under
+    ``query_poisons_row``): the caller fills those rows with NaN.
     """
     x = scores[0]
     values = tensors[0]
-    sorted_rows, terms = workspace
+    sorted_rows, terms, saved = workspace
+    from_forward = saved[3]
     n_chunks, chunk_width, n_workers = schedule
     bsz, c = x.shape[0], values.shape[2]
     dq_first = grads[0][0]
@@ -396,25 +427,28 @@ def backward_rows(scores, profile, options, tensors, grads, workspace, schedule)
     bad = np.zeros(n_tasks, np.bool_)
     if n_workers == 1:
         for b in range(bsz):
-            sort_row(b, scores, sorted_rows)
-            row_bad[b] = _backward_prepare_row(b, scores, sorted_rows, profile, options, tensors, terms,
-                                               dq_first)
-        for t in range(n_tasks):
-            b, ch = t // n_chunks, t % n_chunks
-            if row_bad[b]:
-                bad[t] = True
-            else:
-                c0 = ch * chunk_width
-                bad[t] = _backward_task(b, ch, c0, min(c, c0 + chunk_width), scores, sorted_rows, profile,
-                                        options, tensors, terms, grads)
+            _backward_row(b, scores, sorted_rows, profile, options, tensors, terms, saved, grads, schedule,
+                          c, bad)
+        return bad
+    if n_chunks == 1:
+        # a row's preparation and its sweep back to back on one worker: the cotangent rows that the
+        # preparation reads (in order) are still in cache when the sweep reads them again
+        next_row = np.zeros(1, np.int64)
+        for _ in prange(n_workers):
+            b = claim(next_row)
+            while b < bsz:
+                _backward_row(b, scores, sorted_rows, profile, options, tensors, terms, saved, grads,
+                              schedule, c, bad)
+                b = claim(next_row)
         return bad
     next_row = np.zeros(1, np.int64)
     for _ in prange(n_workers):
         b = claim(next_row)
         while b < bsz:
-            sort_row(b, scores, sorted_rows)
+            if not from_forward:
+                sort_row(b, scores, sorted_rows)
             row_bad[b] = _backward_prepare_row(b, scores, sorted_rows, profile, options, tensors, terms,
-                                               dq_first)
+                                               saved, dq_first)
             b = claim(next_row)
     next_task = np.zeros(1, np.int64)
     for _ in prange(n_workers):

@@ -43,7 +43,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["NORMALIZER_CODES", "NO_NORMALIZER", "ABS_NORMALIZER", "RELU_NORMALIZER", "COUNT_NORMALIZER",
-           "JIT", "INLINE", "PARALLEL", "PREFETCH_AHEAD", "allocate_sorted", "sort_row", "fetch_row",
+           "JIT", "INLINE", "PARALLEL", "PREFETCH_AHEAD", "allocate_sorted", "allocate_saved", "sort_row", "fetch_row",
            "exact_sum", "below", "dot", "dot_pair", "claim", "normaliser_scale", "value_totals"]
 
 #: Normaliser codes as the compiled code receives them (``normalizer`` of the attention options).
@@ -342,3 +342,11 @@ def allocate_sorted(bsz, n, m):
             np.empty((bsz, m), np.int64), np.zeros((bsz, 3), np.int64), np.zeros(bsz))
 
 
+def allocate_saved(bsz, n, c, keep):
+    """The forward's ``saved`` group (:func:`._kernels_forward.forward_rows`): ``(scale, relu_sum
+    (bsz, n), unclamped (bsz, n) bool, totals (bsz, c), keep)``, zeros; (1, 1) dummies of the same
+    types (one compiled signature) when ``keep`` is False."""
+    if not keep:
+        bsz, n, c = 1, 1, 1
+    return (np.zeros((bsz, n)), np.zeros((bsz, n)), np.zeros((bsz, n), np.bool_), np.zeros((bsz, c)),
+            bool(keep))

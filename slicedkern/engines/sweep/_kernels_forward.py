@@ -25,7 +25,7 @@ from ._kernels_common import (
 __all__ = ["forward_rows"]
 
 @njit(**JIT)
-def _forward_task(b, c0, c1, scores, sorted_rows, profile, options, values, out):
+def _forward_task(b, c0, c1, scores, sorted_rows, profile, options, values, out, saved):
     """Columns ``c0:c1`` of row ``b`` of the (normalised, centred) kernel sum; True on a bad value.
 
     ``options = (center, normalizer, zero_knot, eps)``; a plain kernel sum is ``(False,
@@ -33,8 +33,12 @@ def _forward_task(b, c0, c1, scores, sorted_rows, profile, options, values, out)
     Queries are visited in increasing order, a pointer per knot advancing through the sorted keys
     (merge-style) with float64 running sums ``P0 = sum w_j``, ``P1 = sum (y_j - shift) w_j``; the
     output row is assembled in float64 and written once (docs, "The kernel sum by sort-scan").
+    With ``saved = (scale, relu_sum, unclamped, totals, keep)`` and ``keep``, the task also writes
+    what the backward would otherwise recompute (see :func:`forward_rows`).
     """
     _, keys_given, mask, has_mask = scores
+    saved_scale, saved_relu, saved_unclamped, saved_totals, keep = saved
+    keep_queries = keep and c0 == 0         # one chunk writes the per-query terms
     queries, query_order, keys, key_order, counts, shift = sorted_rows
     knots, coeffs, slope, intercept = profile
     center, normalizer, zero_knot, eps = options
@@ -56,6 +60,9 @@ def _forward_task(b, c0, c1, scores, sorted_rows, profile, options, values, out)
     t1 = np.zeros(width)
     if need_totals and value_totals(b, c0, c1, keys_given, mask, has_mask, sh, values, t0, t1):
         return True
+    if keep and need_totals:
+        for d in range(width):
+            saved_totals[b, c0 + d] = t0[d]
     n_keys = np.float64(nk)
     key_sum = 0.0
     for p in range(nk):
@@ -128,8 +135,12 @@ def _forward_task(b, c0, c1, scores, sorted_rows, profile, options, values, out)
                 relu_count += cm * (s * count[m] - key_part[m])
             if m == last:
                 s_last = s
-        scale, _ = normaliser_scale(normalizer, x, count[zero_knot], key_part[zero_knot], n_keys,
-                                     key_sum, eps)
+        scale, unclamped = normaliser_scale(normalizer, x, count[zero_knot], key_part[zero_knot], n_keys,
+                                            key_sum, eps)
+        if keep_queries:
+            saved_scale[b, i] = scale
+            saved_relu[b, i] = relu_count
+            saved_unclamped[b, i] = unclamped
         orow = out[b, i, c0:c1]
         cl = coeffs[b, last]
         p0l, p1l = p0[last], p1[last]
@@ -156,12 +167,16 @@ def _forward_task(b, c0, c1, scores, sorted_rows, profile, options, values, out)
 
 
 @njit(**PARALLEL)
-def forward_rows(scores, profile, options, values, out, sorted_rows, schedule):
+def forward_rows(scores, profile, options, values, out, sorted_rows, saved, schedule):
     """Sort every row into ``sorted_rows``, then sweep every (row, column chunk) into ``out``.
 
     ``out (B, n, c)`` has the dtype of ``values``. Returns ``bad (B * n_chunks,)``:
     ``bad[b * n_chunks + ch]`` marks a task whose row has a non-finite valid key or value (the
-    caller fills those rows with NaN).
+    caller fills those rows with NaN). ``saved = (scale (B, n), relu_sum (B, n), unclamped (B, n)
+    bool, totals (B, c), keep)``, zeros: with ``keep``, every finite query's ``1 / D_i``, ``R_i``
+    and whether ``D_i`` escaped the ``eps`` clamp, and the value column totals (where the sweep
+    needs them), for the backward pass to reuse with ``sorted_rows`` (no second sort, no
+    preparation sweep); dummies without ``keep``.
     """
     x = scores[0]
     n_chunks, chunk_width, n_workers = schedule
@@ -178,7 +193,7 @@ def forward_rows(scores, profile, options, values, out, sorted_rows, schedule):
             else:
                 c0 = ch * chunk_width
                 bad[t] = _forward_task(b, c0, min(c, c0 + chunk_width), scores, sorted_rows, profile,
-                                       options, values, out)
+                                       options, values, out, saved)
         return bad
     next_row = np.zeros(1, np.int64)
     for _ in prange(n_workers):
@@ -196,7 +211,7 @@ def forward_rows(scores, profile, options, values, out, sorted_rows, schedule):
             else:
                 c0 = ch * chunk_width
                 bad[t] = _forward_task(b, c0, min(c, c0 + chunk_width), scores, sorted_rows, profile,
-                                       options, values, out)
+                                       options, values, out, saved)
             t = claim(next_task)
     return bad
 

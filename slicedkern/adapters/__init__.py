@@ -59,7 +59,7 @@ def run(xp, spec, engine, arrays, names, out_dtype, *, squeeze=False):
     """
     records = None if is_traced(arrays[0]) else recording.get()
     if records is not None:
-        out, residuals = engine.forward(spec, arrays, xp=xp)
+        out, residuals = engine.forward(spec, arrays, xp=xp, for_backward=True)
         if out.dtype != out_dtype:
             out = xp.astype(out, out_dtype)
         records.append(Record(xp, spec, engine, arrays, names, out, residuals, squeeze))

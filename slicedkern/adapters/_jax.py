@@ -53,7 +53,7 @@ def _sort_scan_fwd(spec, engine, out_dtype, *arrays):
     # stop_gradient: under an outer derivative (grad of grad) this forward is itself traced, and
     # its tie searches (nextafter) have no derivative; the saved ``arrays`` keep theirs, so the
     # second derivative reaches _first_order_only and is refused there
-    out, residuals = engine.forward(spec, jax.lax.stop_gradient(arrays), xp=_xp)
+    out, residuals = engine.forward(spec, jax.lax.stop_gradient(arrays), xp=_xp, for_backward=True)
     out = out.astype(out_dtype)
     return out, (arrays, out, residuals)
 

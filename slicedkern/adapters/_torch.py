@@ -22,7 +22,7 @@ class SortScan(torch.autograd.Function):
 
     @staticmethod
     def forward(spec, engine, out_dtype, *arrays):
-        out, residuals = engine.forward(spec, arrays, xp=xp)
+        out, residuals = engine.forward(spec, arrays, xp=xp, for_backward=True)
         return (out.to(out_dtype), *residuals)
 
     @staticmethod

@@ -5,8 +5,10 @@ did, once per call). It provides four primitives over arrays already broadcast t
 scores in the work dtype:
 
 * ``kernel_sum(x, y, w, profile, *, xp)`` -> (..., n, c) in the work dtype;
-* ``attention(q, k, v, profile, *, key_mask, center, normalize, eps, xp)`` -> ``(out, residuals)``,
-  residuals a flat tuple of arrays (possibly empty) that only this engine reads back;
+* ``attention(q, k, v, profile, *, key_mask, center, normalize, eps, xp, for_backward)`` -> ``(out,
+  residuals)``, residuals a flat tuple of arrays (possibly empty) that only this engine reads back;
+  ``for_backward`` says whether a backward will follow (an autograd node, a :func:`slicedkern.vjp`
+  record), so that an engine may keep work for it only then (the sweep keeps its sort);
 * ``profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True)``;
 * ``indicator_sums(q, k, ones, profiles, *, xp)``;
 
@@ -70,15 +72,23 @@ class Engine:
         return True
 
     # -- what the adapters call ---------------------------------------------------------------
-    def forward(self, spec, arrays, *, xp):
-        """``(out, residuals)``: the output in the work dtype and a flat tuple of arrays."""
+    def forward(self, spec, arrays, *, xp, for_backward=False):
+        """``(out, residuals)``: the output in the work dtype and a flat tuple of arrays.
+
+        ``for_backward``: whether :meth:`backward` will be called with these residuals (the adapters
+        know: an autograd node or a :func:`slicedkern.vjp` record); without it an engine may return
+        fewer residuals, and the backward recomputes what it lacks.
+        """
         if isinstance(spec, KernelSumSpec):
             x, y, w = arrays
             return self.kernel_sum(x, y, w, Profile.of(spec.kernel), xp=xp), ()
         q, k, v, mask, params = unpack(spec, arrays)
-        op = self.causal_attention if spec.causal else self.attention
-        out, residuals = op(q, k, v, profile_of(spec, params), key_mask=mask, center=spec.center,
-                            normalize=spec.normalize, eps=spec.eps, xp=xp)
+        options = dict(key_mask=mask, center=spec.center, normalize=spec.normalize, eps=spec.eps, xp=xp)
+        if spec.causal:
+            out, residuals = self.causal_attention(q, k, v, profile_of(spec, params), **options)
+        else:
+            out, residuals = self.attention(q, k, v, profile_of(spec, params), for_backward=for_backward,
+                                            **options)
         ok = bandwidth_ok(xp, spec, params)
         if ok is not None:
             nan = xp.asarray(float("nan"), dtype=out.dtype, device=compat.device(out))

@@ -301,3 +301,45 @@ def test_attention_vjp_bad_arguments(rng):
         sweep.attention_vjp(q, k, v, None, g[:, :2], None, normalizer="count")
     with pytest.raises(ValueError, match="normalizer"):
         sweep.attention_vjp(q, k, v, None, g, None, normalizer="softmax")
+
+
+@pytest.mark.parametrize("kernel", ATTENTION_KERNELS)
+@pytest.mark.parametrize("normalize", NORMALIZERS)
+@pytest.mark.parametrize("center", [False, True], ids=["plain", "centred"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_attention_vjp_from_forward_residuals_is_bit_identical(rng, kernel, normalize, center, dtype, monkeypatch):
+    """The backward that reuses the forward's sort and per-query terms (``keep=True`` then
+    ``residuals=``) gives the same bits as the one that recomputes them: ties with the knots, a key
+    mask with an all-masked row, a non-finite value, Lq != Lk, the serial and the parallel path."""
+    q, k = rng.choice(GRID, (4, 29)).astype(dtype), rng.choice(GRID, (4, 37)).astype(dtype)
+    v, g = rng.normal(size=(4, 37, 6)).astype(dtype), rng.normal(size=(4, 29, 6)).astype(dtype)
+    mask = rng.random(k.shape) > 0.3
+    mask[2] = False
+    v[3, 5, 1] = np.inf
+    profile = dict(knots=kernel.knots, coeffs=kernel.coeffs, slope=kernel.slope, intercept=kernel.intercept)
+    options = dict(center=center, normalizer=normalize, **profile)
+    for parallel in (False, True):
+        if parallel:
+            monkeypatch.setattr(_convert, "PARALLEL_MIN_WORK", 0)
+        out, residuals = sweep.attention(q, k, v, mask, keep=True, **options)
+        np.testing.assert_array_equal(out, sweep.attention(q, k, v, mask, **options))
+        assert residuals
+        reused = sweep.attention_vjp(q, k, v, mask, g, out, residuals=residuals, **options)
+        recomputed = sweep.attention_vjp(q, k, v, mask, g, out, **options)
+        for a, b in zip(reused, recomputed):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_engine_keeps_residuals_only_for_a_backward(rng):
+    """The engine keeps the forward's sort only when a backward will follow (``for_backward``): a
+    forward alone writes no residuals; both forwards give the same output."""
+    from slicedkern import engines
+    from slicedkern.kernels import Profile
+
+    engine = engines.get("sweep")
+    q, k, v = rng.normal(size=(2, 9)), rng.normal(size=(2, 11)), rng.normal(size=(2, 11, 3))
+    options = dict(key_mask=None, center=True, normalize="abs", eps=1e-6, xp=np)
+    alone, none = engine.attention(q, k, v, Profile.of(ReLU()), **options)
+    kept, residuals = engine.attention(q, k, v, Profile.of(ReLU()), for_backward=True, **options)
+    assert none == () and len(residuals) > 0
+    np.testing.assert_array_equal(alone, kept)

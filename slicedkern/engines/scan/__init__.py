@@ -25,7 +25,7 @@ class ScanEngine(Engine):
     def kernel_sum(self, x, y, w, profile, *, xp):
         return kernel_sum(x, y, w, profile, xp=xp)
 
-    def attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp):
+    def attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp, for_backward=False):
         out, aux = attention(q, k, v, profile, key_mask=key_mask, center=center,
                              normalizer=normalizer_profile(normalize), eps=eps, xp=xp)
         residuals = (aux["take"], aux["relu_count"]) + ((aux["den"],) if "den" in aux else ())

@@ -141,13 +141,14 @@ class SweepEngine(Engine):
 
         return _call(compute, [(tuple(x.shape) + (w.shape[-1],), _F64)], x, y, w, *params)[0]
 
-    def attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp):
+    def attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp, for_backward=False):
         params, build = _profile_args(profile, tuple(q.shape[:-1]), xp)
         masks = () if key_mask is None else (key_mask,)
 
-        if backend_of(q).host_readable(q):
-            # arrays readable now (NumPy, CPU torch): the sweep's sort and per-query terms are kept as
-            # residuals, so that the backward neither sorts again nor re-sweeps the scores
+        if for_backward and backend_of(q).host_readable(q):
+            # a backward will follow and the arrays are readable now (NumPy, CPU torch): the sweep's
+            # sort and per-query terms are kept as residuals, so that the backward neither sorts
+            # again nor re-sweeps the scores; a forward alone does not pay for writing them
             out, residuals = _bridge().attention(q, k, v, key_mask, center=center, normalizer=normalize,
                                                  eps=eps, keep=True, **build(params))
             return out, residuals
@@ -157,7 +158,7 @@ class SweepEngine(Engine):
             return (_bridge().attention(q, k, v, mask, center=center, normalizer=normalize, eps=eps,
                                         **build(params)),)
 
-        # a host callback (JAX) declares its results up front: the backward recomputes the sort
+        # a host callback (JAX) declares its results up front, so it keeps none: the backward sorts again
         out = _call(compute, [(tuple(q.shape) + (v.shape[-1],), v.dtype)], q, k, v, *masks, *params)[0]
         return out, ()
 

@@ -85,7 +85,7 @@ class TritonEngine(Engine):
                           strict=True, divisor=divisor)
         return xp.reshape(out, batch + (n, out.shape[-1]))
 
-    def attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp):
+    def attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp, for_backward=False):
         batch, lq, lk, dv = tuple(q.shape[:-1]), q.shape[-1], k.shape[-1], v.shape[-1]
         dt, dev = q.dtype, q.device
         if lq == 0 or lk == 0:

@@ -2,7 +2,7 @@
 
 Torch CPU, float32, ``torch.set_num_threads(THREADS)`` (default 2), B*H = 8 rows, D = 64, for each
 length (default 16384 and 65536), through the public API with autograd (``q, k, v`` and, for the
-hat, a per-row bandwidth requiring grad; loss ``sum(out * g)``):
+hat, a per-row bandwidth requiring grad):
 
 * ``relu``: ``slicedkern.relu_attention(q, k, v)`` (centred, "abs" normaliser);
 * ``hat``: ``slicedkern.hat_attention(q, k, v, bandwidth)`` ("count" normaliser), bandwidth 0.5.
@@ -17,8 +17,16 @@ load hits them alike), minimum of ``--repeat``:
   key terms in that order, unsort to the queries, and let autograd differentiate through the
   cumsums and gathers.
 
-Prints forward, forward+backward, backward (= difference) and backward / forward per op and
-length, and fwd+bwd of the reference over that of ``after``. ``--small`` also prints min / median
+Two ways to time the backward (both printed):
+
+* ``backward``: ``out.backward(g)`` with a given cotangent ``g``, timed on its own after the
+  forward: the op's backward, as FlashAttention's benchmarks time theirs;
+* ``via loss``: ``sum(out * g).backward()``, timed from the end of the forward, so it also holds
+  torch's own work on the loss (the product, the sum, their backward: about as much as the op's
+  backward at these sizes). Sessions before 2026-11-24 reported only this one.
+
+Prints forward, both backwards and their ratios to the forward per op and length, and
+forward+backward of the reference over that of ``after``. ``--small`` also prints min / median
 per call of the NumPy forward at L = 16 and 1024 (8 rows, D = 64) and a sort + gather + cumsum of
 the same data as a yardstick.
 
@@ -120,10 +128,12 @@ def worker(threads):
         start = time.perf_counter()
         out = call(req["op"], req["impl"], q, k, v, bw)
         mid = time.perf_counter()
-        if req["backward"]:
+        if req["backward"] == "loss":
             (out * g).sum().backward()
+        elif req["backward"]:
+            out.backward(g)
         end = time.perf_counter()
-        result = {"forward": mid - start, "total": end - start}
+        result = {"forward": mid - start, "backward": end - mid}
         if req.get("check"):
             # the reference computes the same function: compare outputs (float32 tolerance)
             ref = call(req["op"], "reference", q0, k0, v0, bw0)
@@ -283,23 +293,26 @@ def main():
             check = impls["after"].ask(**shape, impl="after", backward=True, check=not args.no_check)
             if "before" in impls:
                 impls["before"].ask(**shape, impl="before", backward=True)
-            best = {name: {"forward": float("inf"), "total": float("inf")} for name in names}
+            kinds = ("forward", "backward", "via loss")
+            best = {name: dict.fromkeys(kinds, float("inf")) for name in names}
             for _ in range(args.repeat):
                 for name in names:
                     w = impls["after" if name == "reference" else name]
-                    fwd = w.ask(**shape, impl=name, backward=False)["forward"]
-                    tot = w.ask(**shape, impl=name, backward=True)["total"]
-                    best[name]["forward"] = min(best[name]["forward"], fwd)
-                    best[name]["total"] = min(best[name]["total"], tot)
+                    seen = {"forward": w.ask(**shape, impl=name, backward=False)["forward"],
+                            "backward": w.ask(**shape, impl=name, backward=True)["backward"],
+                            "via loss": w.ask(**shape, impl=name, backward="loss")["backward"]}
+                    for kind in kinds:
+                        best[name][kind] = min(best[name][kind], seen[kind])
             diff = f"{check['max_rel_diff']:.1e}" if "max_rel_diff" in check else "not checked"
             print(f"L = {length}, {op} (output vs the reference: max rel. diff {diff})")
             for name in names:
-                f, t = best[name]["forward"], best[name]["total"]
-                print(f"  {name:9s} forward {f * 1e3:9.1f} ms   fwd+bwd {t * 1e3:9.1f} ms   "
-                      f"backward {(t - f) * 1e3:9.1f} ms   backward / forward {(t - f) / f:6.2f}")
+                f, b, bl = (best[name][kind] for kind in kinds)
+                print(f"  {name:9s} forward {f * 1e3:8.1f} ms   backward {b * 1e3:8.1f} ms ({b / f:5.2f}x)   "
+                      f"fwd+bwd {(f + b) * 1e3:8.1f} ms   backward via loss {bl * 1e3:8.1f} ms ({bl / f:5.2f}x)")
+            total = {name: best[name]["forward"] + best[name]["backward"] for name in names}
             if "reference" in best:
-                print(f"  fwd+bwd: reference / after = {best['reference']['total'] / best['after']['total']:.1f}x"
-                      + (f", before / after = {best['before']['total'] / best['after']['total']:.1f}x"
+                print(f"  fwd+bwd: reference / after = {total['reference'] / total['after']:.1f}x"
+                      + (f", before / after = {total['before'] / total['after']:.1f}x"
                          if "before" in best else ""))
     for w in impls.values():
         w.close()

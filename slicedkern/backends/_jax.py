@@ -9,6 +9,11 @@ import numpy as np
 
 from ._generic import ArrayBackend
 
+try:  # JAX >= 0.7: a callback that reads XLA's buffers in place and writes its results into them
+    from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
+except ImportError:  # pragma: no cover - older JAX copies both ways through jax.pure_callback
+    _buffer_callback = None
+
 
 def _search_row(keys, vals):
     return jnp.searchsorted(keys, vals, side="right", method="scan_unrolled")
@@ -58,8 +63,13 @@ class JaxBackend(ArrayBackend):
         return all(d.platform == "cpu" for d in a.devices())
 
     def host_call(self, fn, results, *arrays):
-        """``fn`` on the host through ``jax.pure_callback``: legal under ``jit``, ``vmap`` and inside a
+        """``fn`` on the host through a callback: legal under ``jit``, ``vmap`` and inside a
         ``custom_vjp``, and the same staged call outside them.
+
+        The callback is ``jax.experimental.buffer_callback`` where JAX has it: ``fn`` reads XLA's
+        input buffers without a copy and its results are copied once into XLA's output buffers
+        (``jax.pure_callback`` copies every input and every result, which cost the sweep more than
+        its own work at 8 x 16384 x 64: docs/backends.rst, "JAX on the CPU").
 
         ``vmap_method="broadcast_all"``: a vmapped call reaches ``fn`` once, with the mapped axis
         broadcast in front of every argument (the host code treats leading axes as batch rows and
@@ -68,6 +78,17 @@ class JaxBackend(ArrayBackend):
         """
         shapes = tuple(jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dtype))
                        for shape, dtype in results)
+
+        if _buffer_callback is not None:
+            def in_place(ctx, outs, *host):
+                values = fn(*(_standard(np.asarray(h)) for h in host))
+                for dest, value in zip(outs, values):
+                    dest = np.asarray(dest)
+                    if np.shape(value) != dest.shape:
+                        raise RuntimeError(f"a host result of shape {np.shape(value)} was declared as {dest.shape}")
+                    np.copyto(dest, value, casting="unsafe")
+
+            return _buffer_callback(in_place, shapes, vmap_method="broadcast_all")(*arrays)
 
         def on_host(*host):
             out = fn(*(_standard(np.asarray(h)) for h in host))

@@ -157,8 +157,12 @@ def broadcast_all(xp, arrays: dict, cores: dict, names):
     """Broadcast the leading (batch) dims of the named arrays; ``cores`` gives each one's core rank."""
     shapes = [tuple(a.shape[:a.ndim - cores[k]]) for k, a in arrays.items()]
     batch = broadcast_shapes(*shapes, names=names)
-    return batch, {k: xp.broadcast_to(a, batch + tuple(a.shape[a.ndim - cores[k]:]))
-                   for k, a in arrays.items()}
+    out = {}
+    for k, a in arrays.items():
+        shape = batch + tuple(a.shape[a.ndim - cores[k]:])
+        # an array that has the shape already is used as it is (broadcast_to would make a view)
+        out[k] = a if tuple(a.shape) == shape else xp.broadcast_to(a, shape)
+    return batch, out
 
 
 def check_param_batch(value, name, batch):

@@ -55,8 +55,8 @@ def _profile_args(profile, batch, xp):
     extra = {"slope": float(profile.slope), "intercept": float(profile.intercept)}
     values = profile.knots + profile.coeffs
     if all(is_fixed(v) for v in values):
-        fixed = {"knots": np.asarray(profile.knots, dtype=np.float64),
-                 "coeffs": np.asarray(profile.coeffs, dtype=np.float64), **extra}
+        # Python numbers as they are: the host builds (and, for small calls, keeps) their rows
+        fixed = {"knots": tuple(profile.knots), "coeffs": tuple(profile.coeffs), **extra}
         return (), lambda host: fixed
     like = next(v for v in values if not is_fixed(v))
     dev = compat.device(like)

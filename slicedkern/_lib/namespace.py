@@ -6,6 +6,7 @@ framework or asks which framework an array belongs to (that is the backend regis
 
 from __future__ import annotations
 
+import functools
 import math
 
 import array_api_compat as compat
@@ -50,8 +51,14 @@ def check_floating(xp, named_arrays: dict):
     for name, a in named_arrays.items():
         if a is None or is_scalar(a):
             continue
-        if not xp.isdtype(a.dtype, "real floating"):
+        if not _real_floating(xp, a.dtype):
             raise TypeError(f"argument {name!r} must have a real floating dtype, got {shape_str(a)}")
+
+
+@functools.lru_cache(maxsize=256)
+def _real_floating(xp, dtype) -> bool:
+    """``xp.isdtype(dtype, "real floating")``, asked once per namespace and dtype."""
+    return xp.isdtype(dtype, "real floating")
 
 
 def has_float64(xp, device) -> bool:

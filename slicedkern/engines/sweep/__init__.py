@@ -39,10 +39,16 @@ __all__ = ["SweepEngine", "AVAILABLE"]
 _F64 = np.dtype(np.float64)
 
 
+_bridge_module = None
+
+
 def _bridge():
-    """The compiled engine's host bridge, imported on first use (it imports numba)."""
-    from . import _host as host
-    return host
+    """The compiled engine's host bridge, imported on first use (it imports numba) and kept."""
+    global _bridge_module
+    if _bridge_module is None:
+        from . import _host as host
+        _bridge_module = host
+    return _bridge_module
 
 
 def _profile_args(profile, batch, xp):

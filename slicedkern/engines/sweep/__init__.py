@@ -151,13 +151,14 @@ class SweepEngine(Engine):
         params, build = _profile_args(profile, tuple(q.shape[:-1]), xp)
         masks = () if key_mask is None else (key_mask,)
 
-        if for_backward and backend_of(q).host_readable(q):
-            # a backward will follow and the arrays are readable now (NumPy, CPU torch): the sweep's
-            # sort and per-query terms are kept as residuals, so that the backward neither sorts
-            # again nor re-sweeps the scores; a forward alone does not pay for writing them
-            out, residuals = _bridge().attention(q, k, v, key_mask, center=center, normalizer=normalize,
-                                                 eps=eps, keep=True, **build(params))
-            return out, residuals
+        if backend_of(q).host_readable(q):
+            # the arrays are readable now (NumPy, CPU torch): the host reads them directly, and when a
+            # backward will follow the sweep's sort and per-query terms are kept as residuals, so that
+            # the backward neither sorts again nor re-sweeps the scores; a forward alone does not pay
+            # for writing them
+            result = _bridge().attention(q, k, v, key_mask, center=center, normalizer=normalize, eps=eps,
+                                         keep=for_backward, **build(params))
+            return result if for_backward else (result, ())
 
         def compute(q, k, v, *rest):
             mask, params = (rest[0], rest[1:]) if masks else (None, rest)

@@ -85,6 +85,42 @@ def setup(named: dict, xp, required=(), *, chunked: bool = False):
     ``required`` names the arguments that must be arrays (the others may be ``None``); ``chunked``
     says whether the op has a plan for lazy chunked (Dask) arrays.
     """
+    key = _numpy_key(named, xp, required, chunked)
+    if key is None:
+        return _setup(named, xp, required, chunked)
+    found = _NUMPY_SETUPS.get(key)
+    if found is None:
+        found = _setup(named, xp, required, chunked)     # raises (and keeps nothing) on bad arguments
+        if len(_NUMPY_SETUPS) >= 256:
+            _NUMPY_SETUPS.clear()
+        _NUMPY_SETUPS[key] = found
+    return found
+
+
+#: :func:`setup`'s answers for NumPy arguments, by :func:`_numpy_key`.
+_NUMPY_SETUPS: dict = {}
+
+
+def _numpy_key(named, xp, required, chunked):
+    """What :func:`setup`'s answer depends on when every argument is a NumPy array (of at least one
+    dimension: no value-based promotion), a Python scalar or ``None``: the types and dtypes, not the
+    values (a NumPy array is always on the CPU). ``None`` for any other argument, or a given
+    ``xp``: no memo."""
+    if xp is not None:
+        return None
+    parts = []
+    for name, a in named.items():
+        kind = type(a)
+        if kind is np.ndarray and a.ndim:
+            parts.append((name, a.dtype))
+        elif a is None or kind in (int, float, bool):
+            parts.append((name, kind))
+        else:
+            return None
+    return tuple(required), chunked, tuple(parts)
+
+
+def _setup(named, xp, required, chunked):
     xp = namespace_of(named, xp, required=required)
     if not chunked and is_chunked(xp):
         name = next(k for k, a in named.items() if a is not None and not is_scalar(a))

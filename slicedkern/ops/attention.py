@@ -80,7 +80,7 @@ def prepare(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, cau
     fields = {"kernel": kernel, **hat_fields}
     spec = AttentionSpec(center=center, normalize=normalize, eps=eps, has_mask=key_mask is not None,
                          causal=causal, param_layout=tuple(params), **fields)
-    q, k = (as_work(xp, arrays[n], work) for n in ("q", "k"))
+    q, k = as_work(xp, arrays["q"], work), as_work(xp, arrays["k"], work)
     v = arrays["v"]                  # widened inside the prefix sums, after the gather
     if v.dtype != out_dtype:
         # values narrower than the scores: the result is in the promoted dtype, so the values are too

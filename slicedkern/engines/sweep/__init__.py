@@ -23,6 +23,7 @@ compilation (docs/backends.rst, "First call").
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import array_api_compat as compat
@@ -113,8 +114,9 @@ class SweepEngine(Engine):
     supports_causal = True
 
     @staticmethod
+    @functools.cache
     def installed() -> bool:
-        return importlib.util.find_spec("numba") is not None
+        return importlib.util.find_spec("numba") is not None      # asked once: every call selects
 
     def decline(self, spec, arrays, backend):
         reason = super().decline(spec, arrays, backend)

@@ -7,7 +7,7 @@ Imported only with the compiled kernels (numba is installed wherever this module
 from __future__ import annotations
 
 import functools
-import math
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +39,8 @@ def to_numpy(a, name):
 
     Non-contiguous tensors are made contiguous first; half-precision tensors are widened to float32.
     """
+    if type(a) is np.ndarray:
+        return a, None
     if type(a).__module__.startswith("torch"):
         import torch
         if a.device.type != "cpu":
@@ -144,28 +146,27 @@ def per_row_knots(value, batch, bsz, name):
 MEMO_ROWS = 4096
 
 
-def _number_key(values):
-    """A memo key for Python numbers (a zero's sign kept: -0.0 and 0.0 are different knots), or None."""
-    key = []
+def _fixed_key(knots, coeffs, slope, intercept, bsz):
+    """The memo key of a profile given as Python numbers over ``bsz <= MEMO_ROWS`` rows, or None:
+    the float64 bits of every parameter (so -0.0 and 0.0 differ, as they do in the kernels)."""
+    if bsz > MEMO_ROWS or type(knots) not in (tuple, list) or type(coeffs) not in (tuple, list):
+        return None
+    values = (*knots, *coeffs, slope, intercept)
     for v in values:
         if type(v) not in (int, float):
             return None
-        key.append((v, math.copysign(1.0, v)))
-    return tuple(key)
-
-
-def _fixed_key(knots, coeffs, slope, intercept, bsz):
-    """The memo key of a profile given as Python numbers over ``bsz <= MEMO_ROWS`` rows, or None."""
-    if bsz > MEMO_ROWS or not isinstance(knots, (tuple, list)) or not isinstance(coeffs, (tuple, list)):
+    try:
+        return len(knots), struct.pack(f"{len(values)}d", *values), bsz
+    except (OverflowError, struct.error):        # an int beyond float64: the plain path says so
         return None
-    key = (_number_key(knots), _number_key(coeffs), _number_key((slope, intercept)))
-    return None if None in key else key + (bsz,)
 
 
 def _from_key(key):
     """``(knots, coeffs, slope, intercept, bsz)`` back from a :func:`_fixed_key`."""
-    (knots, coeffs, (slope, intercept), bsz) = key
-    return tuple(v for v, _ in knots), tuple(v for v, _ in coeffs), slope[0], intercept[0], bsz
+    n_knots, packed, bsz = key
+    values = struct.unpack(f"{len(packed) // 8}d", packed)
+    n = len(values) - 2
+    return values[:n_knots], values[n_knots:n], values[n], values[n + 1], bsz
 
 
 @functools.lru_cache(maxsize=64)

@@ -199,10 +199,9 @@ def broadcast_all(xp, arrays: dict, cores: dict, names):
     shapes = [tuple(a.shape[:a.ndim - cores[k]]) for k, a in arrays.items()]
     batch = broadcast_shapes(*shapes, names=names)
     out = {}
-    for k, a in arrays.items():
-        shape = batch + tuple(a.shape[a.ndim - cores[k]:])
-        # an array that has the shape already is used as it is (broadcast_to would make a view)
-        out[k] = a if tuple(a.shape) == shape else xp.broadcast_to(a, shape)
+    for (k, a), lead in zip(arrays.items(), shapes):
+        # an array that has the batch shape already is used as it is (broadcast_to makes a view)
+        out[k] = a if lead == batch else xp.broadcast_to(a, batch + tuple(a.shape[a.ndim - cores[k]:]))
     return batch, out
 
 

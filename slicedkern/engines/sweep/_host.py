@@ -202,7 +202,7 @@ def attention(q: Array, k: Array, v: Array, key_mask: Array | None = None, knots
     out = np.empty((bsz, lq, dv), dt)
     sorted_rows, saved = allocate_sorted(bsz, lq, lk), allocate_saved(bsz, lq, dv, True) if keep else NOT_SAVED
     bad = forward_rows(scores, profile, options, rows(v, bsz, (lk, dv), dt), out, sorted_rows, saved, plan)
-    if bad.any():
+    if np.count_nonzero(bad):       # (a third of bad.any()'s time on small calls)
         out[bad_rows(bad, plan[0])] = np.nan
     out = out.reshape(batch + (lq, dv))
     if out.dtype != out_dt:

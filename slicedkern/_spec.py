@@ -120,6 +120,8 @@ def bandwidth_ok(xp, spec: AttentionSpec, params):
     The public layer rejects bad values it can see; under ``jax.jit`` / ``torch.compile`` they are
     traced, and the engines make those batch rows NaN instead of finite nonsense.
     """
+    if not params:
+        return None         # every parameter is a number, checked by the public layer
     ok = None
     for a in hats(spec, params)[0]:
         if is_fixed(a):

@@ -6,6 +6,7 @@ framework or asks which framework an array belongs to (that is the backend regis
 
 from __future__ import annotations
 
+import functools
 import math
 
 import array_api_compat as compat
@@ -31,16 +32,16 @@ def is_scalar(a) -> bool:
 
 def check_same_device(named_arrays: dict):
     """Raise ``TypeError`` naming the arguments if the arrays do not all live on one device."""
-    arrays = [(k, a) for k, a in named_arrays.items() if a is not None and not is_scalar(a)]
-    if not arrays:
-        return None
-    placed = [(name, compat.device(a)) for name, a in arrays]
-    placed = [(name, dev) for name, dev in placed if dev is not None]   # tracers have no device
-    if not placed:
-        return compat.device(arrays[0][1])
-    name0, dev0 = placed[0]
-    for name, dev in placed[1:]:
-        if dev != dev0:
+    name0 = dev0 = None
+    for name, a in named_arrays.items():
+        if a is None or is_scalar(a):
+            continue
+        dev = compat.device(a)
+        if dev is None:             # tracers have no device
+            continue
+        if name0 is None:
+            name0, dev0 = name, dev
+        elif dev != dev0:
             raise TypeError(f"arguments {name0!r} (device {dev0}) and {name!r} (device {dev}) are on "
                             "different devices; move them to one device first")
     return dev0
@@ -50,8 +51,14 @@ def check_floating(xp, named_arrays: dict):
     for name, a in named_arrays.items():
         if a is None or is_scalar(a):
             continue
-        if not xp.isdtype(a.dtype, "real floating"):
+        if not _real_floating(xp, a.dtype):
             raise TypeError(f"argument {name!r} must have a real floating dtype, got {shape_str(a)}")
+
+
+@functools.lru_cache(maxsize=256)
+def _real_floating(xp, dtype) -> bool:
+    """``xp.isdtype(dtype, "real floating")``, asked once per namespace and dtype."""
+    return xp.isdtype(dtype, "real floating")
 
 
 def has_float64(xp, device) -> bool:
@@ -96,6 +103,8 @@ def ceil_log2(n: int) -> int:
 
 def broadcast_shapes(*shapes, names=None) -> tuple:
     """NumPy broadcasting of shapes; ``ValueError`` naming the arguments when they do not broadcast."""
+    if shapes and all(s == shapes[0] for s in shapes):
+        return tuple(shapes[0])     # equal shapes (the common case): each is the broadcast one
     ndim = max([len(s) for s in shapes] + [0])
     out = []
     for axis in range(-ndim, 0):

@@ -27,6 +27,11 @@ __all__ = ["setup", "namespace_of", "need_ndim", "check_kernel", "check_normaliz
            "check_bool", "positive_param", "floating_param", "broadcast_all", "check_param_batch"]
 
 
+#: The namespace of every NumPy array, asked once (array_api_compat takes microseconds per array,
+#: as long as the small calls' whole sweep).
+_NUMPY_NAMESPACE = compat.array_namespace(np.empty(0))
+
+
 def namespace_of(named_arrays: dict, xp=None, *, required=()):
     """The common namespace of the given arrays, with an error naming each argument.
 
@@ -47,7 +52,7 @@ def namespace_of(named_arrays: dict, xp=None, *, required=()):
     spaces = {}
     for name, a in arrays.items():
         try:
-            spaces[name] = compat.array_namespace(a)
+            spaces[name] = _NUMPY_NAMESPACE if type(a) is np.ndarray else compat.array_namespace(a)
         except TypeError as exc:
             raise TypeError(f"argument {name!r} is not an array of a supported library "
                             f"(got {type(a).__name__})") from exc
@@ -80,6 +85,42 @@ def setup(named: dict, xp, required=(), *, chunked: bool = False):
     ``required`` names the arguments that must be arrays (the others may be ``None``); ``chunked``
     says whether the op has a plan for lazy chunked (Dask) arrays.
     """
+    key = _numpy_key(named, xp, required, chunked)
+    if key is None:
+        return _setup(named, xp, required, chunked)
+    found = _NUMPY_SETUPS.get(key)
+    if found is None:
+        found = _setup(named, xp, required, chunked)     # raises (and keeps nothing) on bad arguments
+        if len(_NUMPY_SETUPS) >= 256:
+            _NUMPY_SETUPS.clear()
+        _NUMPY_SETUPS[key] = found
+    return found
+
+
+#: :func:`setup`'s answers for NumPy arguments, by :func:`_numpy_key`.
+_NUMPY_SETUPS: dict = {}
+
+
+def _numpy_key(named, xp, required, chunked):
+    """What :func:`setup`'s answer depends on when every argument is a NumPy array (of at least one
+    dimension: no value-based promotion), a Python scalar or ``None``: the types and dtypes, not the
+    values (a NumPy array is always on the CPU). ``None`` for any other argument, or a given
+    ``xp``: no memo."""
+    if xp is not None:
+        return None
+    parts = []
+    for name, a in named.items():
+        kind = type(a)
+        if kind is np.ndarray and a.ndim:
+            parts.append((name, a.dtype))
+        elif a is None or kind in (int, float, bool):
+            parts.append((name, kind))
+        else:
+            return None
+    return tuple(required), chunked, tuple(parts)
+
+
+def _setup(named, xp, required, chunked):
     xp = namespace_of(named, xp, required=required)
     if not chunked and is_chunked(xp):
         name = next(k for k, a in named.items() if a is not None and not is_scalar(a))
@@ -157,8 +198,11 @@ def broadcast_all(xp, arrays: dict, cores: dict, names):
     """Broadcast the leading (batch) dims of the named arrays; ``cores`` gives each one's core rank."""
     shapes = [tuple(a.shape[:a.ndim - cores[k]]) for k, a in arrays.items()]
     batch = broadcast_shapes(*shapes, names=names)
-    return batch, {k: xp.broadcast_to(a, batch + tuple(a.shape[a.ndim - cores[k]:]))
-                   for k, a in arrays.items()}
+    out = {}
+    for (k, a), lead in zip(arrays.items(), shapes):
+        # an array that has the batch shape already is used as it is (broadcast_to makes a view)
+        out[k] = a if lead == batch else xp.broadcast_to(a, batch + tuple(a.shape[a.ndim - cores[k]:]))
+    return batch, out
 
 
 def check_param_batch(value, name, batch):

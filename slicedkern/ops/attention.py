@@ -31,6 +31,9 @@ from ._validate import (
 
 __all__ = ["relu_attention", "hat_attention", "hat_mixture_attention", "kernel_attention"]
 
+#: Kernels are immutable: one ReLU serves every call.
+_RELU = ReLU()
+
 
 def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, causal, engine, xp):
     """Shared validation and dispatch of every attention op (see :func:`prepare`)."""
@@ -77,7 +80,7 @@ def prepare(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, cau
     fields = {"kernel": kernel, **hat_fields}
     spec = AttentionSpec(center=center, normalize=normalize, eps=eps, has_mask=key_mask is not None,
                          causal=causal, param_layout=tuple(params), **fields)
-    q, k = (as_work(xp, arrays[n], work) for n in ("q", "k"))
+    q, k = as_work(xp, arrays["q"], work), as_work(xp, arrays["k"], work)
     v = arrays["v"]                  # widened inside the prefix sums, after the gather
     if v.dtype != out_dtype:
         # values narrower than the scores: the result is in the promoted dtype, so the values are too
@@ -150,7 +153,7 @@ def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = Non
     >>> slicedkern.relu_attention(q, k, v, causal=True).shape    # query i sees keys j <= i + 2
     (2, 5, 3)
     """
-    return _attention(q, k, v, None, kernel=ReLU(), key_mask=key_mask, center=center,
+    return _attention(q, k, v, None, kernel=_RELU, key_mask=key_mask, center=center,
                       normalize=normalize, eps=eps, causal=causal, engine=engine, xp=xp)
 
 

@@ -148,7 +148,7 @@ def test_column_chunks(rng, monkeypatch):
     whole = sweep.kernel_sum_vjp(x, y, w, *args, g)
     whole_attn = attn(x, y, w, kernel, None, True, "abs")
     whole_attn_vjp = sweep.attention_vjp(x, y, w, None, g, whole_attn, center=True, normalizer="abs", **profile)
-    monkeypatch.setattr(_convert, "chunks", lambda bsz, ncols: (3, 16) if ncols > 32 else (1, ncols))
+    monkeypatch.setattr(_convert, "chunks", lambda bsz, ncols, threads=None: (3, 16) if ncols > 32 else (1, ncols))
     close(ksum(x, y, w, kernel), reference.kernel_sum(x, y, w, kernel))
     close(attn(x, y, w, kernel, None, True, "abs"), whole_attn)
     for a, b in zip(sweep.kernel_sum_vjp(x, y, w, *args, g), whole):

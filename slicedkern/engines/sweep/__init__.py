@@ -23,6 +23,7 @@ compilation (docs/backends.rst, "First call").
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import array_api_compat as compat
@@ -39,10 +40,16 @@ __all__ = ["SweepEngine", "AVAILABLE"]
 _F64 = np.dtype(np.float64)
 
 
+_bridge_module = None
+
+
 def _bridge():
-    """The compiled engine's host bridge, imported on first use (it imports numba)."""
-    from . import _host as host
-    return host
+    """The compiled engine's host bridge, imported on first use (it imports numba) and kept."""
+    global _bridge_module
+    if _bridge_module is None:
+        from . import _host as host
+        _bridge_module = host
+    return _bridge_module
 
 
 def _profile_args(profile, batch, xp):
@@ -55,8 +62,8 @@ def _profile_args(profile, batch, xp):
     extra = {"slope": float(profile.slope), "intercept": float(profile.intercept)}
     values = profile.knots + profile.coeffs
     if all(is_fixed(v) for v in values):
-        fixed = {"knots": np.asarray(profile.knots, dtype=np.float64),
-                 "coeffs": np.asarray(profile.coeffs, dtype=np.float64), **extra}
+        # Python numbers as they are: the host builds (and, for small calls, keeps) their rows
+        fixed = {"knots": tuple(profile.knots), "coeffs": tuple(profile.coeffs), **extra}
         return (), lambda host: fixed
     like = next(v for v in values if not is_fixed(v))
     dev = compat.device(like)
@@ -107,8 +114,9 @@ class SweepEngine(Engine):
     supports_causal = True
 
     @staticmethod
+    @functools.cache
     def installed() -> bool:
-        return importlib.util.find_spec("numba") is not None
+        return importlib.util.find_spec("numba") is not None      # asked once: every call selects
 
     def decline(self, spec, arrays, backend):
         reason = super().decline(spec, arrays, backend)
@@ -145,13 +153,14 @@ class SweepEngine(Engine):
         params, build = _profile_args(profile, tuple(q.shape[:-1]), xp)
         masks = () if key_mask is None else (key_mask,)
 
-        if for_backward and backend_of(q).host_readable(q):
-            # a backward will follow and the arrays are readable now (NumPy, CPU torch): the sweep's
-            # sort and per-query terms are kept as residuals, so that the backward neither sorts
-            # again nor re-sweeps the scores; a forward alone does not pay for writing them
-            out, residuals = _bridge().attention(q, k, v, key_mask, center=center, normalizer=normalize,
-                                                 eps=eps, keep=True, **build(params))
-            return out, residuals
+        if backend_of(q).host_readable(q):
+            # the arrays are readable now (NumPy, CPU torch): the host reads them directly, and when a
+            # backward will follow the sweep's sort and per-query terms are kept as residuals, so that
+            # the backward neither sorts again nor re-sweeps the scores; a forward alone does not pay
+            # for writing them
+            result = _bridge().attention(q, k, v, key_mask, center=center, normalizer=normalize, eps=eps,
+                                         keep=for_backward, **build(params))
+            return result if for_backward else (result, ())
 
         def compute(q, k, v, *rest):
             mask, params = (rest[0], rest[1:]) if masks else (None, rest)

@@ -6,6 +6,8 @@ Imported only with the compiled kernels (numba is installed wherever this module
 
 from __future__ import annotations
 
+import functools
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +39,8 @@ def to_numpy(a, name):
 
     Non-contiguous tensors are made contiguous first; half-precision tensors are widened to float32.
     """
+    if type(a) is np.ndarray:
+        return a, None
     if type(a).__module__.startswith("torch"):
         import torch
         if a.device.type != "cpu":
@@ -71,13 +75,23 @@ def common_float(arrays, names):
         if a.dtype.kind != "f":
             raise TypeError(f"argument {nm!r} must have a real floating dtype, got {a.dtype} "
                             f"with shape {a.shape}")
-    dt = np.result_type(*[a.dtype for a in arrays])
+    return _work_dtype(tuple(a.dtype for a in arrays))
+
+
+@functools.lru_cache(maxsize=256)
+def _work_dtype(dtypes):
+    dt = np.result_type(*dtypes)
     return np.dtype(np.float64) if dt == np.float64 else np.dtype(np.float32)
 
 
 def result_dtype(arrays, work):
     """The dtype results are returned in: half precision when every input is, else ``work``."""
-    dt = np.result_type(*[a.dtype for a in arrays])
+    return _result_dtype(tuple(a.dtype for a in arrays), work)
+
+
+@functools.lru_cache(maxsize=256)
+def _result_dtype(dtypes, work):
+    dt = np.result_type(*dtypes)
     return dt if dt.itemsize < 4 else work
 
 
@@ -126,11 +140,70 @@ def per_row_knots(value, batch, bsz, name):
     return ro(arr.reshape(bsz, arr.shape[-1]))
 
 
+# Profiles whose parameters are all Python numbers (every built-in kernel) are built once per
+# batch size: the arrays are read-only, so calls share them. Only for this many rows or fewer, where
+# building them costs as much as the sweep; larger calls build their own (and the cache stays small).
+MEMO_ROWS = 4096
+
+
+def _fixed_key(knots, coeffs, slope, intercept, bsz):
+    """The memo key of a profile given as Python numbers over ``bsz <= MEMO_ROWS`` rows, or None:
+    the float64 bits of every parameter (so -0.0 and 0.0 differ, as they do in the kernels)."""
+    if bsz > MEMO_ROWS or type(knots) not in (tuple, list) or type(coeffs) not in (tuple, list):
+        return None
+    values = (*knots, *coeffs, slope, intercept)
+    for v in values:
+        if type(v) not in (int, float):
+            return None
+    try:
+        return len(knots), struct.pack(f"{len(values)}d", *values), bsz
+    except (OverflowError, struct.error):        # an int beyond float64: the plain path says so
+        return None
+
+
+def _from_key(key):
+    """``(knots, coeffs, slope, intercept, bsz)`` back from a :func:`_fixed_key`."""
+    n_knots, packed, bsz = key
+    values = struct.unpack(f"{len(packed) // 8}d", packed)
+    n = len(values) - 2
+    return values[:n_knots], values[n_knots:n], values[n], values[n + 1], bsz
+
+
+@functools.lru_cache(maxsize=64)
+def _memo_profile_rows(key):
+    knots, coeffs, slope, intercept, bsz = _from_key(key)
+    return _profile_rows(knots, coeffs, slope, intercept, (bsz,), bsz)
+
+
+@functools.lru_cache(maxsize=64)
+def _memo_sweep_profile(key, zero_knot):
+    profile, n_user = _memo_profile_rows(key)
+    return (*with_zero_knot(profile, "abs" if zero_knot else None), n_user)
+
+
 def profile_rows(knots, coeffs, slope, intercept, batch, bsz):
     """``(knots (B, M'), coeffs (B, M'), slope (B,), intercept (B,))`` and the user's ``M``.
 
     A profile without knots gets one idle knot (zero coefficient), which keeps the loops uniform.
+    Read-only arrays, shared between calls when every parameter is a Python number.
     """
+    key = _fixed_key(knots, coeffs, slope, intercept, bsz)
+    if key is not None:
+        return _memo_profile_rows(key)
+    return _profile_rows(knots, coeffs, slope, intercept, batch, bsz)
+
+
+def sweep_profile(knots, coeffs, slope, intercept, batch, bsz, normalizer):
+    """``(profile, zero_knot, n_user)``: :func:`profile_rows`, then :func:`with_zero_knot` for
+    ``normalizer``; shared between calls when every parameter is a Python number."""
+    key = _fixed_key(knots, coeffs, slope, intercept, bsz)
+    if key is not None:
+        return _memo_sweep_profile(key, normalizer in ("abs", "relu"))
+    profile, n_user = _profile_rows(knots, coeffs, slope, intercept, batch, bsz)
+    return (*with_zero_knot(profile, normalizer), n_user)
+
+
+def _profile_rows(knots, coeffs, slope, intercept, batch, bsz):
     kn = per_row_knots(knots, batch, bsz, "knots")
     co = per_row_knots(coeffs, batch, bsz, "coeffs")
     if kn.shape[1] != co.shape[1]:
@@ -171,9 +244,10 @@ def with_zero_knot(profile, normalizer):
     return (kn, co, sl, ic), kn.shape[1] - 1
 
 
-def chunks(bsz, ncols):
+def chunks(bsz, ncols, threads=None):
     """(number of chunks, chunk width): split columns only when rows alone leave threads idle."""
-    threads = numba.get_num_threads()
+    if threads is None:
+        threads = numba.get_num_threads()
     if ncols <= MIN_CHUNK or bsz == 0 or bsz % threads == 0 or bsz >= 4 * threads:
         return 1, max(ncols, 1)
     want = -(-4 * threads // bsz)
@@ -186,8 +260,8 @@ def chunks(bsz, ncols):
 
 def schedule(bsz, n, m, ncols):
     """``(n_chunks, chunk_width, n_workers)``: one worker (the calling thread) for small work."""
-    nch, width = chunks(bsz, ncols)
-    threads = numba.get_num_threads()
+    threads = numba.get_num_threads()     # once: each call costs about a microsecond
+    nch, width = chunks(bsz, ncols, threads)
     if threads == 1 or bsz * (n + m) * max(ncols, 1) < PARALLEL_MIN_WORK:
         return nch, width, 1
     return nch, width, min(threads, bsz * nch)

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from ._generic import ArrayBackend
+from ._pairs import energy_pair_sums
 
 
 def searchsorted_right(sorted_keys, values):
@@ -225,3 +226,13 @@ class TorchBackend(ArrayBackend):
 
     def accurate_sum(self, xp, v):
         return torch.sum(v, dim=-1)                         # cascade summation
+
+    def energy_distance_pairs(self, xp, x, y, a, b, batch):
+        # CPU float64 tensors that record no gradient: the compiled sums read their memory; a tensor
+        # that requires grad keeps the array-API sums, which autograd differentiates
+        arrays = (x, y, a, b)
+        if any(v.dtype != torch.float64 or v.requires_grad or not self.host_readable(v) for v in arrays):
+            return None
+        out = energy_pair_sums(*(v.numpy() for v in arrays), tuple(batch))
+        return None if out is None else torch.from_numpy(out)
+

@@ -229,10 +229,12 @@ class TorchBackend(ArrayBackend):
 
     def energy_distance_pairs(self, xp, x, y, a, b, batch):
         # CPU float64 tensors that record no gradient: the compiled sums read their memory; a tensor
-        # that requires grad keeps the array-API sums, which autograd differentiates
+        # that requires grad (outside torch.no_grad) keeps the array-API sums, which autograd sees
         arrays = (x, y, a, b)
-        if any(v.dtype != torch.float64 or v.requires_grad or not self.host_readable(v) for v in arrays):
+        recording = torch.is_grad_enabled()
+        if any(v.dtype != torch.float64 or (recording and v.requires_grad) or not self.host_readable(v)
+               for v in arrays):
             return None
-        out = energy_pair_sums(*(v.numpy() for v in arrays), tuple(batch))
+        out = energy_pair_sums(*(v.detach().numpy() for v in arrays), tuple(batch))
         return None if out is None else torch.from_numpy(out)
 

@@ -223,6 +223,27 @@ def test_auto_keeps_sliced_for_given_directions_and_large_samples(rng):
         x, y, directions=4, seed=0, method="sliced"))
 
 
+def test_auto_prices_the_compiled_sums(rng):
+    """The issue's case (d = 3, n = m = 2000, P = 256) is exact where the compiled sums run; between
+    the two thresholds NumPy and torch without a gradient take "exact", torch under autograd
+    (blockwise sums) "sliced"."""
+    from slicedkern.sliced.stats import _method
+    assert _method("auto", 256, 2000, 2000, 3, values_only=False, traced=False, compiled=True) == "exact"
+    assert _method("auto", 256, 2000, 2000, 3, values_only=False, traced=False, compiled=False) == "sliced"
+    assert _method("auto", 256, 3000, 3000, 3, values_only=False, traced=False, compiled=True) == "sliced"
+    pytest.importorskip("numba")
+    x, y = _samples(rng, n=300, m=280)
+    exact = float(energy_distance(x, y, method="exact"))
+    sliced = float(energy_distance(x, y, directions=64, seed=0, method="sliced"))
+    assert float(energy_distance(x, y, directions=64, seed=0)) == exact
+    torch = pytest.importorskip("torch")
+    xt, yt = torch.asarray(x), torch.asarray(y)
+    assert float(energy_distance(xt, yt, directions=64, seed=0)) == pytest.approx(exact, rel=1e-13)
+    out = energy_distance(xt.requires_grad_(), yt, directions=64, seed=0)
+    assert out.requires_grad and float(out.detach()) == pytest.approx(sliced, rel=1e-12)
+    assert float(out.detach()) != pytest.approx(exact, rel=1e-6)
+
+
 def test_auto_mmd_stays_sliced_under_autograd(rng):
     torch = pytest.importorskip("torch")
     x, y = _samples(rng, n=20, m=15)

@@ -22,7 +22,7 @@ import types
 
 import numpy as np
 
-__all__ = ["energy_pair_sums", "compiled", "PARALLEL_PAIRS"]
+__all__ = ["energy_pair_sums", "compiled", "available", "PARALLEL_PAIRS"]
 
 #: Pairs of one call below which it runs serially on the calling thread (a pair costs about 3 ns):
 #: on a busy machine a parallel launch waits for parked worker threads, which cost ~20 ms at
@@ -99,11 +99,16 @@ def _nb_within(p, wp, out, workers):
                 out[t // half, t % half] = _within_pair(p, wp, t // half, t % half)
 
 
+def available() -> bool:
+    """Whether the compiled sums can run here (numba installed); imports nothing."""
+    return importlib.util.find_spec("numba") is not None
+
+
 @functools.cache
 def compiled():
     """``{"cross": ..., "within": ...}``, compiled on first call (cached on disk), or ``None``
     without numba."""
-    if importlib.util.find_spec("numba") is None:
+    if not available():
         return None
     import numba
 

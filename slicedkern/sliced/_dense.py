@@ -32,10 +32,13 @@ from .radial import radial_profile
 __all__ = ["DenseEnergyPlan", "DenseMMDPlan", "dense_cost"]
 
 
-def dense_cost(n: int, m: int, dim: int) -> float:
-    """Work of the dense statistic, in units of one coordinate difference: the pairs of
-    ``xx``, ``xy`` and ``yy`` times ``d + 3`` (difference, square, sum, root and weight)."""
-    return float(n * n + n * m + m * m) * (dim + 3)
+def dense_cost(n: int, m: int, dim: int, *, compiled: bool = False) -> float:
+    """Work of the dense statistic, in units of one coordinate difference: the pairs summed times
+    ``d + 3`` (difference, square, sum, root and weight). The blockwise sums visit every ordered
+    pair of ``xx``, ``xy`` and ``yy`` (``n^2 + nm + m^2``); the compiled ones each unordered
+    within-sample pair once (``nm + (n^2 + m^2) / 2``)."""
+    pairs = n * m + (n * n + m * m) / 2 if compiled else n * n + n * m + m * m
+    return float(pairs) * (dim + 3)
 
 
 #: Pairs per block: the (..., B, m) temporaries stay in the cache (the sums are memory-bound).

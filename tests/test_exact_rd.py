@@ -230,7 +230,7 @@ def test_auto_prices_the_compiled_sums(rng):
     from slicedkern.sliced.stats import _method
     assert _method("auto", 256, 2000, 2000, 3, values_only=False, traced=False, compiled=True) == "exact"
     assert _method("auto", 256, 2000, 2000, 3, values_only=False, traced=False, compiled=False) == "sliced"
-    assert _method("auto", 256, 3000, 3000, 3, values_only=False, traced=False, compiled=True) == "sliced"
+    assert _method("auto", 256, 5000, 5000, 3, values_only=False, traced=False, compiled=True) == "sliced"
     pytest.importorskip("numba")
     x, y = _samples(rng, n=300, m=280)
     exact = float(energy_distance(x, y, method="exact"))

@@ -120,7 +120,7 @@ def run_stats(*, sizes=STATS_SIZES, rd_sizes=STATS_RD_SIZES, repeats: int = 3, s
     energy_distance(rng.normal(size=(8, 3)), rng.normal(size=(8, 3)), method="exact")   # compile / load
     peers = _peers_rd()
     compiled = compiled_energy_pairs(np, np.ones(1))
-    rule = (f"(nm + (n^2 + m^2) / 2)(d + 3) <= {SLICE_COST_COMPILED:g}" if compiled
+    rule = (f"(nm + (n^2 + m^2) / 2)(d + 5) <= {SLICE_COST_COMPILED:g}" if compiled
             else f"(n^2 + nm + m^2)(d + 3) <= {SLICE_COST:g}")
     lines += ["", f"Energy distance in R^3, n = m, P = {_DIRECTIONS} random directions ("
               f"{'compiled' if compiled else 'blockwise'} exact sums; auto rule: exact when {rule} "

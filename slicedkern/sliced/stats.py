@@ -108,12 +108,12 @@ _METHODS = ("auto", "sliced", "exact")
 #: 0.7 for d = 10; 1.5 is kept (``python -m slicedkern bench --stats`` shows the choice next to both).
 SLICE_COST = 1.5
 #: The same in units of the compiled dense sums (NumPy and CPU torch outside autograd with numba;
-#: slicedkern/backends/_pairs.py): about 0.7 (d + 3) ns a pair on one thread against 3 to 4 ns a
+#: slicedkern/backends/_pairs.py): 0.15 (d + 5) ns a pair on one thread against 1.0 to 1.5 ns a
 #: unit of the sliced estimate, measured side by side on a shared 2-core machine (d = 3 and 10,
-#: n = m = 500 to 4000, P = 256; the compiled sums on one thread): 4 puts the crossover at
-#: n = m of about 2600 for d = 3 and 1700 for d = 10 (measured: between 2000 and 3000, and 1000
-#: and 2000). With more threads the compiled sums are faster still, so the rule stays on the safe side.
-SLICE_COST_COMPILED = 4.0
+#: n = m = 1000 to 6000, P = 256, the compiled sums on one thread): 7 puts the
+#: crossover at n = m of about 3500 for d = 3 and 2600 for d = 10 (measured: about 5000 and 2700).
+#: With more threads the compiled sums are faster still, so the rule stays on the safe side.
+SLICE_COST_COMPILED = 7.0
 
 
 def _method(method: str, directions, n: int, m: int, dim: int, *, values_only: bool, traced: bool,
@@ -237,11 +237,11 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
         that record no gradient, summed blockwise in array operations otherwise. ``"auto"`` takes
         ``"exact"`` when ``directions`` is an integer ``P`` (random directions: the exact statistic
         is what they estimate) and the exact sums are the cheaper: compiled, when
-        ``(n m + (n^2 + m^2) / 2) (d + 3) <= 4 P N (log2 N + d)`` (``SLICE_COST_COMPILED``);
+        ``(n m + (n^2 + m^2) / 2) (d + 5) <= 7 P N (log2 N + d)`` (``SLICE_COST_COMPILED``);
         blockwise, when ``(n^2 + n m + m^2) (d + 3) <= 1.5 P N (log2 N + d)`` (``SLICE_COST``);
         both constants measured on NumPy (docs/mathematics.rst, "Exact statistics in R^d"). Else,
         and with a directions array, it is ``"sliced"``. For example ``d = 3``, NumPy: exact up
-        to ``n = m`` of about 2600 at ``P = 256``, 560 at ``P = 64``; torch under autograd: 560
+        to ``n = m`` of about 3500 at ``P = 256``, 750 at ``P = 64``; torch under autograd: 560
         at ``P = 256``. For Dask arrays ``"exact"`` in R^d is refused (all ``n m`` pairs) and
         ``"auto"`` is ``"sliced"``.
         Ignored for 1-D samples (always exact).

@@ -24,10 +24,10 @@ import numpy as np
 
 __all__ = ["energy_pair_sums", "compiled", "available", "PARALLEL_PAIRS"]
 
-#: Pairs of one call below which it runs serially on the calling thread (a pair costs about 3 ns):
-#: on a busy machine a parallel launch waits for parked worker threads, which cost ~20 ms at
-#: n = m = 500 (0.5 M pairs, 2 ms serially); the sweep engine draws its line alike
-#: (slicedkern/engines/sweep/_convert.py).
+#: Pairs of one call below which it runs serially on the calling thread (a pair costs about 1.2 ns
+#: at d = 3, so about 2.5 ms of work): on a busy machine a parallel launch can wait ~20 ms for parked
+#: worker threads (seen at n = m = 500 on a shared 2-core machine); the sweep engine draws its line
+#: alike (slicedkern/engines/sweep/_convert.py).
 PARALLEL_PAIRS = 2 ** 21
 
 
@@ -187,9 +187,9 @@ def energy_pair_sums(x, y, a, b, batch: tuple) -> np.ndarray | None:
     xy = np.empty((rows, n))
     xx = np.empty((rows, (n + 1) // 2))
     yy = np.empty((rows, (m + 1) // 2))
-    kern["cross"](px, wx, py, wy, xy, min(workers, rows * n))
-    kern["within"](px, wx, xx, min(workers, xx.size))
-    kern["within"](py, wy, yy, min(workers, yy.size))
+    kern["cross"](px, wx, py, wy, xy, max(1, min(workers, xy.size)))
+    kern["within"](px, wx, xx, max(1, min(workers, xx.size)))
+    kern["within"](py, wy, yy, max(1, min(workers, yy.size)))
     # rows of pairs added pairwise (np.sum): the within-sample sums count each pair once
     out = 2.0 * (np.sum(xy, axis=-1) - np.sum(xx, axis=-1) - np.sum(yy, axis=-1))
     return out.reshape(tuple(batch))

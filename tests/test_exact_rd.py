@@ -9,6 +9,7 @@ import pytest
 from _helpers import assert_meta, to_numpy
 
 from slicedkern import vjp
+from slicedkern.backends import _pairs
 from slicedkern.kernels import Abs, Hat, HatMixture
 from slicedkern.sliced import _dense, directions, energy_distance, mmd, radial_profile
 
@@ -90,6 +91,118 @@ def test_one_dimensional_samples_ignore_method(rng):
     np.testing.assert_allclose(values["exact"], dense_energy(x[:, None], y[:, None]), rtol=1e-12)
 
 
+# ------------------------------------------------------------------------ compiled pair sums (numba)
+@pytest.fixture
+def blockwise(monkeypatch):
+    """Calls ``energy_distance(..., method="exact")`` with the compiled pair sums switched off."""
+    def call(*args, **kw):
+        with monkeypatch.context() as patch:
+            patch.setattr(_dense, "energy_distance_pairs", lambda *a: None)
+            return energy_distance(*args, method="exact", **kw)
+    return call
+
+
+def _hard_samples(rng, d, batch=(2,), n=31, m=18):
+    """n != m, a point repeated within x, a point shared by both samples, a batch axis."""
+    x, y = _samples(rng, batch=batch, n=n, m=m, d=d)
+    x[..., 5, :] = x[..., 2, :]
+    x[..., 6, :] = x[..., 2, :]
+    y[..., 3, :] = x[..., 9, :]
+    return x, y
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-150, 1e150])
+@pytest.mark.parametrize("d", [2, 3, 4, 5])
+def test_compiled_exact_matches_dense_and_blockwise(rng, d, scale):
+    pytest.importorskip("numba")
+    x, y = _hard_samples(rng, d)
+    a, b = rng.random((2, 31)), rng.random(18)
+    a[0, 4] = 0.0                                                  # a zero weight
+    reference = dense_energy(x, y, a, b)
+    out = energy_distance(x * scale, y * scale, x_weights=a, y_weights=b, method="exact")
+    np.testing.assert_allclose(out / scale, reference, rtol=1e-12)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_dense, "energy_distance_pairs", lambda *args: None)
+        slow = energy_distance(x * scale, y * scale, x_weights=a, y_weights=b, method="exact")
+    np.testing.assert_allclose(out, slow, rtol=1e-13)
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 4, 5])
+def test_compiled_pair_sums_every_dimension(rng, d):
+    """The kernel itself for d = 1..5 (the public function takes the 1-D statistic for d = 1)."""
+    pytest.importorskip("numba")
+    x, y = _hard_samples(rng, d, batch=(), n=12, m=7)
+    a, b = rng.random(12), rng.random(7)
+    out = _pairs.energy_pair_sums(x, y, a / a.sum(), b / b.sum(), ())
+    np.testing.assert_allclose(out, dense_energy(x, y, a, b), rtol=1e-12)
+
+
+def test_compiled_parallel_rows_are_the_serial_ones(rng, monkeypatch):
+    """Each compiled task writes whole rows of pairs, added afterwards in one order: splitting the
+    rows between threads changes nothing, bit for bit."""
+    pytest.importorskip("numba")
+    x, y = _hard_samples(rng, 3, batch=(3,), n=101, m=64)
+    a = rng.random(101)
+    serial = energy_distance(x, y, x_weights=a, method="exact")
+    monkeypatch.setattr(_pairs, "PARALLEL_PAIRS", 0)
+    parallel = energy_distance(x, y, x_weights=a, method="exact")
+    np.testing.assert_array_equal(serial, parallel)
+    np.testing.assert_allclose(serial, dense_energy(x, y, a), rtol=1e-12)
+
+
+def test_compiled_and_blockwise_broadcast_batches(rng, blockwise):
+    x, y = _samples(rng, batch=(3, 1), n=9, m=6)
+    y = y[0, 0]                                                   # one y for every batch row
+    b = rng.random((2, 6))                                        # two weightings of y
+    out = energy_distance(x, y, y_weights=b, method="exact")
+    assert out.shape == (3, 2)
+    np.testing.assert_allclose(out, dense_energy(x, y, None, b), rtol=1e-12)
+    np.testing.assert_allclose(blockwise(x, y, y_weights=b), out, rtol=1e-13)
+
+
+def test_exact_nan_point_gives_nan_in_its_row(rng, blockwise):
+    x, y = _samples(rng, batch=(2,))
+    x[1, 4, 2] = np.nan
+    for out in (energy_distance(x, y, method="exact"), blockwise(x, y)):
+        assert np.isfinite(out[0]) and np.isnan(out[1])
+    out = mmd(x, y, Hat(1.0), method="exact")
+    assert np.isfinite(out[0]) and np.isnan(out[1])
+
+
+def test_torch_cpu_takes_the_compiled_sums_only_without_grad(rng, monkeypatch):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("numba")
+    from slicedkern.backends import _torch
+    calls = []
+
+    def spy(*args):
+        calls.append(1)
+        return _pairs.energy_pair_sums(*args)
+
+    monkeypatch.setattr(_torch, "energy_pair_sums", spy)
+    x, y = _samples(rng, n=9, m=7)
+    a = rng.random(9)
+    xt, yt, at = (torch.asarray(v) for v in (x, y, a))
+    out = energy_distance(xt, yt, x_weights=at, method="exact")
+    assert calls and out.dtype == torch.float64
+    np.testing.assert_allclose(out.numpy(), dense_energy(x, y, a), rtol=1e-12)
+    calls.clear()
+    out = energy_distance(xt.float(), yt.float(), x_weights=at.float(), method="exact")   # float32 in
+    assert calls and out.dtype == torch.float32
+    for wanted in ("x", "y", "a"):                        # one input recording a gradient is enough
+        calls.clear()
+        xg, yg, ag = (v.clone().requires_grad_(name == wanted) for name, v in zip("xya", (xt, yt, at)))
+        out = energy_distance(xg, yg, x_weights=ag, method="exact")
+        assert not calls, wanted
+        (grad,) = torch.autograd.grad(out, {"x": xg, "y": yg, "a": ag}[wanted])
+        assert torch.isfinite(grad).all() and bool((grad != 0).any())
+        np.testing.assert_allclose(out.detach().numpy(), dense_energy(x, y, a), rtol=1e-12)
+    calls.clear()
+    with torch.no_grad():                                 # no graph recorded: compiled again
+        out = energy_distance(xt.clone().requires_grad_(), yt, x_weights=at, method="exact")
+    assert calls and not out.requires_grad
+
+
 # ------------------------------------------------------------------------------------------ the rule
 def test_auto_takes_exact_for_small_samples_and_random_directions(rng):
     x, y = _samples(rng, n=40, m=30)
@@ -108,6 +221,27 @@ def test_auto_keeps_sliced_for_given_directions_and_large_samples(rng):
     x, y = _samples(rng, n=3000, m=3000)
     assert float(energy_distance(x, y, directions=4, seed=0)) == float(energy_distance(
         x, y, directions=4, seed=0, method="sliced"))
+
+
+def test_auto_prices_the_compiled_sums(rng):
+    """The issue's case (d = 3, n = m = 2000, P = 256) is exact where the compiled sums run; between
+    the two thresholds NumPy and torch without a gradient take "exact", torch under autograd
+    (blockwise sums) "sliced"."""
+    from slicedkern.sliced.stats import _method
+    assert _method("auto", 256, 2000, 2000, 3, values_only=False, traced=False, compiled=True) == "exact"
+    assert _method("auto", 256, 2000, 2000, 3, values_only=False, traced=False, compiled=False) == "sliced"
+    assert _method("auto", 256, 5000, 5000, 3, values_only=False, traced=False, compiled=True) == "sliced"
+    pytest.importorskip("numba")
+    x, y = _samples(rng, n=300, m=280)
+    exact = float(energy_distance(x, y, method="exact"))
+    sliced = float(energy_distance(x, y, directions=64, seed=0, method="sliced"))
+    assert float(energy_distance(x, y, directions=64, seed=0)) == exact
+    torch = pytest.importorskip("torch")
+    xt, yt = torch.asarray(x), torch.asarray(y)
+    assert float(energy_distance(xt, yt, directions=64, seed=0)) == pytest.approx(exact, rel=1e-13)
+    out = energy_distance(xt.requires_grad_(), yt, directions=64, seed=0)
+    assert out.requires_grad and float(out.detach()) == pytest.approx(sliced, rel=1e-12)
+    assert float(out.detach()) != pytest.approx(exact, rel=1e-6)
 
 
 def test_auto_mmd_stays_sliced_under_autograd(rng):

@@ -19,7 +19,9 @@ from ._generic import ArrayBackend
 __all__ = ["ArrayBackend", "ops_for", "backend_of", "same_library", "holds_everywhere", "is_traced",
            "is_numpy_namespace", "to_host", "searchsorted_right", "take_rows", "finite_rows",
            "sorted_weights", "prefix_table", "combine_rows", "materialize", "quiet_nonfinite",
-           "quiet", "accurate_sum", "energy_distance_rows", "has_autograd", "is_chunked"]
+           "quiet", "accurate_sum", "energy_distance_rows", "energy_distance_pairs",
+           "compiled_energy_pairs",
+           "has_autograd", "is_chunked"]
 
 def _numpy_row():
     from ._numpy import NumpyBackend
@@ -147,6 +149,15 @@ def accurate_sum(xp, v):
 
 def energy_distance_rows(xp, x, y, a, b, batch):
     return ops_for(xp).energy_distance_rows(xp, x, y, a, b, batch)
+
+
+def energy_distance_pairs(xp, x, y, a, b, batch):
+    return ops_for(xp).energy_distance_pairs(xp, x, y, a, b, batch)
+
+
+def compiled_energy_pairs(xp, *arrays) -> bool:
+    """Whether :func:`energy_distance_pairs` will use compiled code for these arrays (``None`` skipped)."""
+    return ops_for(xp).compiled_energy_pairs(tuple(a for a in arrays if a is not None))
 
 
 def has_autograd(xp) -> bool:

@@ -196,3 +196,15 @@ class ArrayBackend:
         weights ``a``, ``b`` (``None``: uniform), shape ``batch``; ``None`` when this library has
         none (the caller then uses the array-API formulation)."""
         return None
+
+    def compiled_energy_pairs(self, arrays) -> bool:
+        """Whether :meth:`energy_distance_pairs` will compute (not decline) for these arrays in
+        the work dtype: what the ``method="auto"`` rule of the energy distance prices."""
+        return False
+
+    def energy_distance_pairs(self, xp, x, y, a, b, batch):
+        """A compiled exact energy distance in R^d of points ``x`` (..., n, d), ``y`` (..., m, d)
+        with probability weights ``a`` (..., n), ``b`` (..., m), shape ``batch``, as an array of
+        this library; ``None`` when this library has none for these arrays (no compiled code, or
+        a gradient to record): the caller then sums the pairs in array-API operations."""
+        return None

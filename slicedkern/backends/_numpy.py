@@ -7,6 +7,7 @@ import numpy as np
 
 from ._generic import ArrayBackend
 from ._merge1d import energy_distance_rows
+from ._pairs import available, energy_pair_sums
 
 
 class NumpyBackend(ArrayBackend):
@@ -44,3 +45,11 @@ class NumpyBackend(ArrayBackend):
         if any(v is not None and v.dtype != np.float64 for v in (x, y, a, b)):
             return None
         return energy_distance_rows(x, y, a, b, tuple(batch))
+
+    def compiled_energy_pairs(self, arrays) -> bool:
+        return available()
+
+    def energy_distance_pairs(self, xp, x, y, a, b, batch):
+        if any(v.dtype != np.float64 for v in (x, y, a, b)):
+            return None
+        return energy_pair_sums(x, y, a, b, tuple(batch))

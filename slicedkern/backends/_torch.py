@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from ._generic import ArrayBackend
+from ._pairs import available, energy_pair_sums
 
 
 def searchsorted_right(sorted_keys, values):
@@ -225,3 +226,17 @@ class TorchBackend(ArrayBackend):
 
     def accurate_sum(self, xp, v):
         return torch.sum(v, dim=-1)                         # cascade summation
+
+    def compiled_energy_pairs(self, arrays) -> bool:
+        # CPU tensors that record no gradient: the compiled sums read their memory; a tensor that
+        # requires grad (outside torch.no_grad) keeps the array-API sums, which autograd sees
+        recording = torch.is_grad_enabled()
+        return available() and all(self.host_readable(v) and not (recording and v.requires_grad) for v in arrays)
+
+    def energy_distance_pairs(self, xp, x, y, a, b, batch):
+        arrays = (x, y, a, b)
+        if any(v.dtype != torch.float64 for v in arrays) or not self.compiled_energy_pairs(arrays):
+            return None
+        out = energy_pair_sums(*(v.detach().numpy() for v in arrays), tuple(batch))
+        return None if out is None else torch.from_numpy(out)
+

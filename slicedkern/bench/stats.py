@@ -6,8 +6,8 @@
   error of each against a long-double evaluation whose CDF gap is an exact integer (unweighted
   rows; scripts/energy_distance_1d.py checks weighted ones).
 * The energy distance in R^3 with ``P = 256`` random directions: ``method="sliced"``, ``"exact"``
-  (blockwise dense), ``"auto"`` (and which one it took), and the dense statistic from SciPy's
-  ``cdist`` (``n m`` memory).
+  (the compiled dense sums on NumPy, with numba), ``"auto"`` (and which one it took), and the dense
+  statistic from SciPy's ``cdist`` (``n m`` memory).
 
 Times are the best of ``repeats`` calls, the methods interleaved in each repeat (fair on a busy
 machine). SciPy is optional: its rows are left out without it.
@@ -20,8 +20,9 @@ import time
 
 import numpy as np
 
+from ..backends import compiled_energy_pairs
 from ..sliced import energy_distance
-from ..sliced.stats import SLICE_COST, _method
+from ..sliced.stats import SLICE_COST, SLICE_COST_COMPILED, _method
 
 __all__ = ["STATS_SIZES", "STATS_RD_SIZES", "run_stats"]
 
@@ -116,14 +117,19 @@ def run_stats(*, sizes=STATS_SIZES, rd_sizes=STATS_RD_SIZES, repeats: int = 3, s
                          f"{float(abs(np.longdouble(float(values[name])) - reference) / reference):.1e}")
                 lines.append(f"| {n} | {'U(0, 1)' if weighted else 'none'} | {name} | {best[name] * 1e3:.1f} | "
                              f"{best[name] / best['slicedkern']:.2f} | {error} |")
+    energy_distance(rng.normal(size=(8, 3)), rng.normal(size=(8, 3)), method="exact")   # compile / load
     peers = _peers_rd()
-    lines += ["", f"Energy distance in R^3, n = m, P = {_DIRECTIONS} random directions (auto rule: exact "
-              f"when (n^2 + nm + m^2)(d + 3) <= {SLICE_COST:g} P N (log2 N + d))", "",
+    compiled = compiled_energy_pairs(np, np.ones(1))
+    rule = (f"(nm + (n^2 + m^2) / 2)(d + 5) <= {SLICE_COST_COMPILED:g}" if compiled
+            else f"(n^2 + nm + m^2)(d + 3) <= {SLICE_COST:g}")
+    lines += ["", f"Energy distance in R^3, n = m, P = {_DIRECTIONS} random directions ("
+              f"{'compiled' if compiled else 'blockwise'} exact sums; auto rule: exact when {rule} "
+              "P N (log2 N + d))", "",
               "| n = m | method | time (ms) | value |", "|---:|---|---:|---:|"]
     for n in rd_sizes:
         x, y = rng.normal(size=(n, 3)), rng.normal(size=(n, 3)) + 0.1
         best, values = _interleaved(peers, (x, y), repeats)
-        took = _method("auto", _DIRECTIONS, n, n, 3, values_only=False, traced=False)
+        took = _method("auto", _DIRECTIONS, n, n, 3, values_only=False, traced=False, compiled=compiled)
         for name in peers:
             label = f"{name} ({took})" if name.endswith("auto") else name
             lines.append(f"| {n} | {label} | {best[name] * 1e3:.1f} | {float(values[name]):.6g} |")

@@ -8,6 +8,11 @@ statistics in R^d"). The energy distance uses Euclidean distances (``E_theta |<t
 (..., B, m) within :data:`BLOCK_PAIRS` pairs; distances are taken
 from coordinate differences (not ``|a|^2 + |b|^2 - 2 a.b``, which cancels for close points).
 
+NumPy arrays and CPU torch tensors that record no gradient sum the energy distance's pairs in
+compiled code instead (``slicedkern/backends/_pairs.py``: the same coordinate differences, each
+unordered within-sample pair once, about 3 ns a pair); the blockwise sums below serve every other
+case (gradients, JAX, GPUs, array-api-strict) and the pullbacks.
+
 A plan here has the interface :func:`slicedkern.vjp` expects of a composite op (``forward``,
 ``pullback``); the energy distance is written with array operations (torch autograd and
 ``jax.grad`` differentiate it), the MMD evaluates ``Phi`` on the host (values and
@@ -19,7 +24,7 @@ from __future__ import annotations
 import math
 
 from .._lib.typing import Array, Namespace
-from ..backends import to_host
+from ..backends import energy_distance_pairs, to_host
 from ._stat_plans import weight_gradients
 from .plan import broadcast
 from .radial import radial_profile
@@ -27,9 +32,14 @@ from .radial import radial_profile
 __all__ = ["DenseEnergyPlan", "DenseMMDPlan", "dense_cost"]
 
 
-def dense_cost(n: int, m: int, dim: int) -> float:
-    """Work of the dense statistic, in units of one coordinate difference: the pairs of
-    ``xx``, ``xy`` and ``yy`` times ``d + 3`` (difference, square, sum, root and weight)."""
+def dense_cost(n: int, m: int, dim: int, *, compiled: bool = False) -> float:
+    """Work of the dense statistic, in units of one coordinate difference: the pairs summed times
+    ``d`` plus the root, weight and sum of a pair. The blockwise sums visit every ordered pair of
+    ``xx``, ``xy`` and ``yy`` (``n^2 + nm + m^2``), at ``d + 3`` units a pair; the compiled ones each
+    unordered within-sample pair once (``nm + (n^2 + m^2) / 2``), at ``d + 5`` (their vectorised
+    differences are cheap next to the root: measured 0.15 (d + 5) ns a pair on one thread)."""
+    if compiled:
+        return float(n * m + (n * n + m * m) / 2) * (dim + 5)
     return float(n * n + n * m + m * m) * (dim + 3)
 
 
@@ -46,7 +56,8 @@ def _distances(xp, p, q):
         diff = p[..., :, k, None] - q[..., None, :, k]
         r2 = diff * diff if r2 is None else r2 + diff * diff
     pos = r2 > 0
-    r = xp.where(pos, xp.sqrt(xp.where(pos, r2, xp.ones_like(r2))), xp.zeros_like(r2))
+    # 0 for coincident points (no infinite slope of the root), NaN for a pair with a NaN coordinate
+    r = xp.where(pos, xp.sqrt(xp.where(pos, r2, xp.ones_like(r2))), xp.where(r2 == 0, xp.zeros_like(r2), r2))
     return r, pos
 
 
@@ -112,7 +123,10 @@ class DenseEnergyPlan(_DensePlan):
 
     def forward(self) -> Array:
         xs, ys, a, b = self.xs, self.ys, self.a, self.b
-        out = 2.0 * self.pair_sum(xs, a, ys, b) - self.pair_sum(xs, a, xs, a) - self.pair_sum(ys, b, ys, b)
+        # host-readable float64 arrays outside autograd: the compiled pair sums (same arithmetic)
+        out = energy_distance_pairs(self.xp, xs, ys, a, b, self.batch)
+        if out is None:
+            out = 2.0 * self.pair_sum(xs, a, ys, b) - self.pair_sum(xs, a, xs, a) - self.pair_sum(ys, b, ys, b)
         return self.xp.astype(out, self.out_dtype)
 
     def pullback(self, g) -> dict:

@@ -17,7 +17,7 @@ import numpy as np
 from .._lib.namespace import as_work, broadcast_shapes, shape_str
 from .._lib.typing import Array, Namespace
 from ..adapters.vjp import composite
-from ..backends import has_autograd, holds_everywhere, is_chunked, is_traced
+from ..backends import compiled_energy_pairs, has_autograd, holds_everywhere, is_chunked, is_traced
 from ..kernels import PiecewiseLinear
 from ..ops._validate import check_kernel, setup
 from ._chunked import COLUMN_FLOATS, ChunkedPlan, chunked_points, chunked_statistic, chunked_weights, host_directions
@@ -103,13 +103,21 @@ def _symmetric(kernel: PiecewiseLinear) -> PiecewiseLinear:
 _METHODS = ("auto", "sliced", "exact")
 
 #: Work of the sliced estimate per slice and pooled point and per unit of ``log2 N + d``, in units of
-#: one coordinate difference of the dense sums (:func:`~slicedkern.sliced._dense.dense_cost`). Measured
-#: with NumPy on CPU, side by side (n = m = 500 to 4000, d = 3 and 10): 1.2 to 2.3 for d = 3, 0.7
-#: for d = 10; 1.5 is kept (``python -m slicedkern bench --stats`` shows the choice next to both).
+#: one coordinate difference of the blockwise dense sums (:func:`~slicedkern.sliced._dense.dense_cost`).
+#: Measured with NumPy on CPU, side by side (n = m = 500 to 4000, d = 3 and 10): 1.2 to 2.3 for d = 3,
+#: 0.7 for d = 10; 1.5 is kept (``python -m slicedkern bench --stats`` shows the choice next to both).
 SLICE_COST = 1.5
+#: The same in units of the compiled dense sums (NumPy and CPU torch outside autograd with numba;
+#: slicedkern/backends/_pairs.py): 0.15 (d + 5) ns a pair on one thread against 1.0 to 1.5 ns a
+#: unit of the sliced estimate, measured side by side on a shared 2-core machine (d = 3 and 10,
+#: n = m = 1000 to 6000, P = 256, the compiled sums on one thread): 7 puts the
+#: crossover at n = m of about 3500 for d = 3 and 2600 for d = 10 (measured: about 5000 and 2700).
+#: With more threads the compiled sums are faster still, so the rule stays on the safe side.
+SLICE_COST_COMPILED = 7.0
 
 
-def _method(method: str, directions, n: int, m: int, dim: int, *, values_only: bool, traced: bool) -> str:
+def _method(method: str, directions, n: int, m: int, dim: int, *, values_only: bool, traced: bool,
+            compiled: bool = False) -> str:
     """``"sliced"`` or ``"exact"`` for the ``method=`` argument (rule in :func:`energy_distance`)."""
     if method not in _METHODS:
         raise ValueError(f"argument 'method' must be one of {_METHODS}, got {method!r}")
@@ -120,8 +128,8 @@ def _method(method: str, directions, n: int, m: int, dim: int, *, values_only: b
     if values_only or traced:
         return "sliced"
     size = n + m
-    sliced = SLICE_COST * int(directions) * size * (math.log2(size) + dim)
-    return "exact" if dense_cost(n, m, dim) <= sliced else "sliced"
+    sliced = (SLICE_COST_COMPILED if compiled else SLICE_COST) * int(directions) * size * (math.log2(size) + dim)
+    return "exact" if dense_cost(n, m, dim, compiled=compiled) <= sliced else "sliced"
 
 
 # ------------------------------------------------------------------------------ chunked (Dask)
@@ -172,7 +180,9 @@ def _plan_energy_distance(x: Array, y: Array, *, directions: int | Array | None 
     xs, ys, batch = _samples(xp, x, y, exact, work, tuple(a.shape[:-1]), tuple(b.shape[:-1]),
                              names=("x", "y", "x_weights", "y_weights"))
     traced = any(is_traced(v) for v in named.values() if v is not None)
-    if not exact and _method(method, directions, n, m, dim, values_only=False, traced=traced) == "exact":
+    compiled = not exact and not traced and compiled_energy_pairs(xp, x, y, x_weights, y_weights)
+    if not exact and _method(method, directions, n, m, dim, values_only=False, traced=traced,
+                             compiled=compiled) == "exact":
         raw = {k: None if w is None else as_work(xp, w, work) for k, w in (("x_weights", x_weights),
                                                                           ("y_weights", y_weights))}
         return DenseEnergyPlan(xp, xs, ys, a, b, raw=raw, batch=batch, out_dtype=out_dtype, device=device,
@@ -221,13 +231,18 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
         Seed of the directions when ``directions`` is an integer.
     method : {"auto", "sliced", "exact"}, default "auto"
         In R^d: ``"sliced"`` the sliced estimate, ``O(P N (log N + d))``; ``"exact"`` the dense
-        statistic ``2 E|X - Y| - E|X - X'| - E|Y - Y'|`` with Euclidean norms, summed blockwise in
-        ``O(N^2 d)`` time and bounded memory (``directions`` may then be omitted); ``"auto"`` takes
+        statistic ``2 E|X - Y| - E|X - X'| - E|Y - Y'|`` with Euclidean norms, in ``O(N^2 d)``
+        time and bounded memory (``directions`` may then be omitted): compiled (numba, each
+        within-sample pair once, parallel for large samples) for NumPy arrays and CPU torch tensors
+        that record no gradient, summed blockwise in array operations otherwise. ``"auto"`` takes
         ``"exact"`` when ``directions`` is an integer ``P`` (random directions: the exact statistic
-        is what they estimate) and ``(n^2 + n m + m^2) (d + 3) <= SLICE_COST P N (log2 N + d)``
-        (``SLICE_COST = 1.5``, measured on NumPy), else ``"sliced"``; with a directions array it
-        is ``"sliced"``. For example ``d = 3``: exact up to ``n = m`` of about 550 at ``P = 256``,
-        110 at ``P = 64``. For Dask arrays ``"exact"`` in R^d is refused (all ``n m`` pairs) and
+        is what they estimate) and the exact sums are the cheaper: compiled, when
+        ``(n m + (n^2 + m^2) / 2) (d + 5) <= 7 P N (log2 N + d)`` (``SLICE_COST_COMPILED``);
+        blockwise, when ``(n^2 + n m + m^2) (d + 3) <= 1.5 P N (log2 N + d)`` (``SLICE_COST``);
+        both constants measured on NumPy (docs/mathematics.rst, "Exact statistics in R^d"). Else,
+        and with a directions array, it is ``"sliced"``. For example ``d = 3``, NumPy: exact up
+        to ``n = m`` of about 3500 at ``P = 256``, 750 at ``P = 64``; torch under autograd: 560
+        at ``P = 256``. For Dask arrays ``"exact"`` in R^d is refused (all ``n m`` pairs) and
         ``"auto"`` is ``"sliced"``.
         Ignored for 1-D samples (always exact).
     xp : array namespace, optional

@@ -234,6 +234,7 @@ def small_calls(threads, calls=2000):
     gather + cumsum of the same data."""
     import numpy as np
 
+    sys.path.insert(0, str(HERE))           # this checkout's slicedkern, as the workers' PYTHONPATH does
     import slicedkern
     rng = np.random.default_rng(0)
     for length in (16, 1024):

@@ -7,8 +7,8 @@ hat, a per-row bandwidth requiring grad):
 * ``relu``: ``slicedkern.relu_attention(q, k, v)`` (centred, "abs" normaliser);
 * ``hat``: ``slicedkern.hat_attention(q, k, v, bandwidth)`` ("count" normaliser), bandwidth 0.5.
 
-Three implementations, timed interleaved (one repeat of each in turn, so that a shared machine's
-load hits them alike), minimum of ``--repeat``:
+Three implementations, each in a process of its own, timed interleaved (one repeat of each in
+turn, so that a shared machine's load hits them alike), minimum of ``--repeat``:
 
 * ``after``: this checkout (``PYTHONPATH`` = the repository of this script);
 * ``before``: ``--before`` (a checkout, optional), in a subprocess with ``PYTHONPATH`` set to it;
@@ -33,6 +33,9 @@ the same data as a yardstick.
 ``--jax`` times JAX instead (ReLU, float32 without x64, jitted, on the CPU): the forward next to
 NumPy's and the jitted ``value_and_grad`` next to torch's forward+backward, for each engine of
 ``--jax-engines`` (default: ``auto``, the sweep through a host callback, and ``scan``), in one process.
+
+On a machine with few cores, set ``OMP_WAIT_POLICY=passive``: the processes' OpenMP pools (torch's,
+numba's) otherwise spin after each parallel region and take the cores of the process being timed.
 
 Usage: ``python scripts/sweep_backward_speed.py [--lengths 16384 65536] [--repeat 3] [--small]``
 or ``python scripts/sweep_backward_speed.py --jax --lengths 16384 [--jax-engines auto scan]``
@@ -138,6 +141,10 @@ def worker(threads):
             # the reference computes the same function: compare outputs (float32 tolerance)
             ref = call(req["op"], "reference", q0, k0, v0, bw0)
             result["max_rel_diff"] = float((out.detach() - ref).abs().max() / ref.abs().max())
+        # free this call's graph (and the engine's residuals in it) before the next request, as a
+        # training step does after its backward: a forward-only request would otherwise keep it
+        # alive through the next call's allocations
+        del out, q, k, v, bw
         print(json.dumps(result), flush=True)
 
 
@@ -284,12 +291,16 @@ def main():
     impls = {"after": Worker(HERE, args.threads)}
     if args.before:
         impls["before"] = Worker(pathlib.Path(args.before), args.threads)
+    if not args.no_reference:
+        # a process of its own: after the reference's large temporaries, the next call in the same
+        # process pays for fresh pages (the allocator returned them), which would bias "after"
+        impls["reference"] = Worker(HERE, args.threads)
     print(f"torch CPU float32, torch threads = {args.threads}, rows = {args.rows}, D = {args.dim}, "
           f"min of {args.repeat} (interleaved)")
     for length in args.lengths:
         for op in args.ops:
             shape = dict(length=length, rows=args.rows, dim=args.dim, op=op)
-            names = list(impls) + ([] if args.no_reference else ["reference"])
+            names = list(impls)
             # warm-up (numba's cache, torch's allocator) and the check of the output against the reference
             check = impls["after"].ask(**shape, impl="after", backward=True, check=not args.no_check)
             if "before" in impls:
@@ -298,7 +309,7 @@ def main():
             best = {name: dict.fromkeys(kinds, float("inf")) for name in names}
             for _ in range(args.repeat):
                 for name in names:
-                    w = impls["after" if name == "reference" else name]
+                    w = impls[name]
                     seen = {"forward": w.ask(**shape, impl=name, backward=False)["forward"],
                             "backward": w.ask(**shape, impl=name, backward=True)["backward"],
                             "via loss": w.ask(**shape, impl=name, backward="loss")["backward"]}

@@ -307,8 +307,10 @@ def main():
                 impls["before"].ask(**shape, impl="before", backward=True)
             kinds = ("forward", "backward", "via loss")
             best = {name: dict.fromkeys(kinds, float("inf")) for name in names}
-            for _ in range(args.repeat):
-                for name in names:
+            for rep in range(args.repeat):
+                # the order rotates, so that no implementation always follows the reference (whose
+                # gigabytes of temporaries leave the next process to fault its pages in afresh)
+                for name in names[rep % len(names):] + names[:rep % len(names)]:
                     w = impls[name]
                     seen = {"forward": w.ask(**shape, impl=name, backward=False)["forward"],
                             "backward": w.ask(**shape, impl=name, backward=True)["backward"],

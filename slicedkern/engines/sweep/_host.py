@@ -138,7 +138,7 @@ def kernel_sum(x: Array, y: Array, w: Array, knots: Param, coeffs: Param, slope:
     options = (False, NO_NORMALIZER, 0, 0.0)
     out = np.empty((bsz, n, c))
     bad = forward_rows(scores, profile, options, rows(w, bsz, (m, c), F64), out,
-                       allocate_sorted(bsz, n, m), allocate_saved(bsz, n, c, False), plan)
+                       allocate_sorted(bsz, n, m), NOT_SAVED, plan)
     bad = bad_rows(bad, plan[0])
     if bad.any():
         out[bad] = np.nan
@@ -225,11 +225,12 @@ def _backward(scores, profile, options, tensors, shapes, kept=None):
     grads = (np.zeros((nch, bsz, n)), np.empty((nch, bsz, m)), np.empty((bsz, m, c), tensors[0].dtype),
              np.empty((nch, bsz, n_knots)), np.empty((nch, bsz, n_knots)))
     if kept is None:
-        sorted_rows, scale = allocate_sorted(bsz, n, m), np.zeros((bsz, n))
-        saved = (np.zeros((bsz, n)), np.zeros((bsz, n), np.bool_), np.zeros((bsz, c)), False)
+        # the forward's saved group, empty: the backward fills it itself (and sorts again)
+        sorted_rows = allocate_sorted(bsz, n, m)
+        scale, relu_sum, unclamped, totals, _ = allocate_saved(bsz, n, c, True)
     else:
         sorted_rows, (scale, relu_sum, unclamped, totals) = tuple(kept[:6]), kept[6:]
-        saved = (relu_sum, unclamped, totals, True)
+    saved = (relu_sum, unclamped, totals, kept is not None)
     terms = (scale, np.zeros((bsz, n)), np.zeros((bsz, n)), np.zeros((bsz, 3, c)), np.zeros((bsz, 2)))
     bad = backward_rows(scores, profile, options, tensors, grads, (sorted_rows, terms, saved),
                         (nch, width, workers))

@@ -44,6 +44,12 @@ class ArrayBackend:
         """Whether ``a`` is an abstract value (under ``jax.jit`` or ``torch.compile``)."""
         return False
 
+    def reads_context(self, a) -> bool:
+        """Whether Python context variables (:func:`slicedkern.use_engine`) may be read on a call with
+        ``a``: everywhere but inside ``torch.compile``, whose tracer cannot follow ``ContextVar.get``
+        (JAX traces plain Python, so its tracers read them, once, at trace time)."""
+        return True
+
     def host_readable(self, a) -> bool:
         """Whether a compiled CPU engine may read ``a``'s memory directly (NumPy, CPU torch)."""
         return False

@@ -189,6 +189,9 @@ class TorchBackend(ArrayBackend):
     def is_traced(self, a) -> bool:
         return torch.compiler.is_compiling()
 
+    def reads_context(self, a) -> bool:
+        return not torch.compiler.is_compiling()
+
     def host_readable(self, a) -> bool:
         # torch.func transforms wrap tensors without storage: data_ptr() raises on them (public API,
         # unlike functorch's own predicate), and a compiled graph needs traceable ops anyway.

@@ -50,7 +50,9 @@ def use_engine(name: str):
 
     The default belongs to the calling thread (and asyncio task): other threads keep theirs. It is
     read once per op call, so a backward runs on the engine its forward ran on wherever it is
-    called. An op's ``engine=`` argument wins over it.
+    called. An op's ``engine=`` argument wins over it. Under ``jax.jit`` it is read when the function
+    is traced (a jitted function keeps the engine of its first trace, as with any Python state);
+    inside ``torch.compile`` it is not read, and the automatic rule chooses.
 
     Examples
     --------
@@ -80,9 +82,9 @@ def select(spec, arrays, requested: str | None = None) -> Engine:
     """
     backend = backend_of(arrays[0])
     if requested is None:
-        # torch.compile cannot trace ContextVar.get; a traced call uses the automatic rule (which
-        # picks the scan there, the one engine that traces)
-        requested = "auto" if backend.is_traced(arrays[0]) else _default.get()
+        # torch.compile cannot trace ContextVar.get: a compiled call uses the automatic rule (which
+        # picks the scan there, the one engine that traces); JAX reads the default at trace time
+        requested = _default.get() if backend.reads_context(arrays[0]) else "auto"
     _check_name(requested, "engine")
     if requested != "auto":
         engine = _REGISTRY[requested]

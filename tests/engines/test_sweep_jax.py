@@ -77,6 +77,13 @@ def test_the_sweep_is_chosen_for_cpu_jax_arrays(x64):
     assert "sweep" in slicedkern.engines.available("jax")
     with slicedkern.use_engine("scan"):
         assert slicedkern.engine_for(q) == "scan"
+        f_scan = jax.jit(lambda q: (seen.append(slicedkern.engine_for(q)), q)[1])
+        f_scan(q)
+        # the context's default reaches a traced call: the jitted op is the array-API scan
+        traced = str(jax.make_jaxpr(lambda a, b, c: slicedkern.relu_attention(a, b, c))(q, k, v))
+    assert seen == ["sweep", "scan"]
+    assert "callback" not in traced
+    assert "callback" in str(jax.make_jaxpr(lambda a, b, c: slicedkern.relu_attention(a, b, c))(q, k, v))
 
 
 def test_forward_matches_scan_and_reference(x64):

@@ -18,7 +18,7 @@ from ._generic import ArrayBackend
 
 __all__ = ["ArrayBackend", "ops_for", "backend_of", "same_library", "holds_everywhere", "is_traced",
            "is_numpy_namespace", "to_host", "searchsorted_right", "take_rows", "finite_rows",
-           "sorted_weights", "prefix_table", "combine_rows", "materialize", "quiet_nonfinite",
+           "sorted_weights", "prefix_table", "combine_rows", "quiet_nonfinite",
            "quiet", "accurate_sum", "energy_distance_rows", "energy_distance_pairs",
            "compiled_energy_pairs",
            "has_autograd", "is_chunked"]
@@ -129,10 +129,6 @@ def prefix_table(xp, keys, weights, perm, *, take=None, ones=False):
 
 def combine_rows(xp, table, indices, parts, weights, columns, *, cache=None):
     return ops_for(xp).combine_rows(xp, table, indices, parts, weights, columns, cache=cache)
-
-
-def materialize(xp, *arrays):
-    return ops_for(xp).materialize(xp, *arrays)
 
 
 def quiet_nonfinite(xp) -> bool:

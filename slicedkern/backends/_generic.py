@@ -88,10 +88,6 @@ class ArrayBackend:
         return fn
 
     # -- primitives of the sort-scan --------------------------------------------------------------
-    def materialize(self, xp, *arrays):
-        """The arrays, computed in full before anything that uses them (identity but under JAX)."""
-        return arrays
-
     def searchsorted_right(self, xp, sorted_keys, values):
         """Batched ``#{j : sorted_keys[..., j] <= values[..., i]}``, shape (..., n), default int.
 

@@ -106,11 +106,6 @@ class JaxBackend(ArrayBackend):
     def compile(self, fn):
         return jax.jit(fn)
 
-    def materialize(self, xp, *arrays):
-        # In a loop whose steps each read the previous step's result twice (the Hillis-Steele scan),
-        # XLA would otherwise fuse the steps and recompute each one exponentially often.
-        return jax.lax.optimization_barrier(arrays)
-
     def searchsorted_right(self, xp, sorted_keys, values):
         """``jnp.searchsorted`` vectorised over the leading axes with ``vmap``."""
         lead = values.shape[:-1]

@@ -9,8 +9,8 @@ float32. Two interchangeable implementations share one interface:
 * :class:`DoubleFloat`: the backend has no float64 (JAX without ``jax_enable_x64``, some
   accelerators). A value is a :class:`Pair` ``hi + lo`` of float32 arrays,
   about 48 significant bits, with error-free transformations (Knuth's TwoSum, Dekker's split
-  product). Prefix sums use a Hillis-Steele scan of double-float additions, ``O(m log m)`` work
-  in ``log2 m`` fully parallel steps; nothing here is sequential or value-dependent, so it traces
+  product). Prefix sums use a work-efficient odd-even scan of double-float additions, ``O(m)``
+  work in ``2 log2 m`` parallel steps; nothing here is sequential or value-dependent, so it traces
   under ``jax.jit``.
 
 Both also build the prefix table (``table``) and evaluate ``combine``: the per-query weighted sum
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import array_api_compat as compat
 
-from ...backends import combine_rows, materialize, prefix_table, sorted_weights, take_rows
+from ...backends import combine_rows, prefix_table, sorted_weights, take_rows
 
 __all__ = ["arithmetic", "two_sum", "Plain", "DoubleFloat", "Pair"]
 
@@ -220,16 +220,12 @@ class DoubleFloat:
         zero_row = xp.zeros(hi.shape[:-2] + (1, hi.shape[-1]), dtype=hi.dtype, device=compat.device(hi))
         hi = xp.concat([zero_row, hi], axis=-2)
         lo = xp.concat([zero_row, lo], axis=-2)
-        n = hi.shape[-2]
-        step = 1
-        while step < n:  # Hillis-Steele: after the pass with ``step``, row i sums rows i-2*step+1..i
-            pad = xp.zeros(hi.shape[:-2] + (step, hi.shape[-1]), dtype=hi.dtype, device=compat.device(hi))
-            sh = xp.concat([pad, hi[..., :n - step, :]], axis=-2)
-            sl = xp.concat([pad, lo[..., :n - step, :]], axis=-2)
-            s, err = self._two_sum(hi, sh)
-            hi, lo = materialize(self.xp, *self._fast_two_sum(s, err + lo + sl))
-            step *= 2
-        return self._new(hi, lo)
+        return self._new(*_inclusive_scan(xp, self._add_pairs, (hi, lo)))
+
+    def _add_pairs(self, a, b):
+        """Double-float ``a + b`` of ``(hi, lo)`` tuples: the operator of the prefix-sum scan."""
+        s, err = self._two_sum(a[0], b[0])
+        return self._fast_two_sum(s, err + a[1] + b[1])
 
     def gather(self, table, index):
         hi, lo = self._parts(table)
@@ -257,3 +253,35 @@ class DoubleFloat:
         if divisor is not None:
             acc = self.div(acc, divisor[..., None])
         return acc
+
+
+def _interleave(xp, even, odd):
+    """Rows ``even[0], odd[0], even[1], odd[1], ...`` along axis -2 (``even`` one row longer or equal)."""
+    rows = even.shape[-2] + odd.shape[-2]
+    if even.shape[-2] > odd.shape[-2]:
+        pad = xp.zeros(odd.shape[:-2] + (1, odd.shape[-1]), dtype=odd.dtype, device=compat.device(odd))
+        odd = xp.concat([odd, pad], axis=-2)
+    both = xp.stack([even, odd], axis=-2)                        # (..., half, 2, c)
+    out = xp.reshape(both, tuple(both.shape[:-3]) + (2 * even.shape[-2], both.shape[-1]))
+    return out[..., :rows, :]
+
+
+def _inclusive_scan(xp, op, rows):
+    """Inclusive prefix scan of the tuple of arrays ``rows`` (each (..., n, c)) along axis -2 with the
+    associative ``op`` (tuple, tuple) -> tuple.
+
+    The odd-even recursion (Ladner and Fischer; Blelloch): combine neighbouring rows, scan the
+    half-length sequence, and fill the rows in between with one more ``op``: ``O(n)`` work in
+    ``2 log2 n`` steps, against the ``O(n log n)`` work of a Hillis-Steele scan. Written with slicing,
+    ``stack`` and ``reshape`` only, so that it serves every namespace and traces under ``jax.jit``
+    (for the double-float table: docs/mathematics.rst, "Numerics").
+    """
+    n = rows[0].shape[-2]
+    if n < 2:
+        return rows
+    pairs = op(tuple(r[..., 0:n - 1:2, :] for r in rows), tuple(r[..., 1::2, :] for r in rows))
+    odd = _inclusive_scan(xp, op, tuple(pairs))                 # the prefixes ending at rows 1, 3, 5, ...
+    upto = (n - 1) // 2                                          # rows 2, 4, ... each follow an odd prefix
+    tail = op(tuple(o[..., :upto, :] for o in odd), tuple(r[..., 2::2, :] for r in rows))
+    even = tuple(xp.concat([r[..., :1, :], t], axis=-2) for r, t in zip(rows, tail))
+    return tuple(_interleave(xp, e, o) for e, o in zip(even, odd))

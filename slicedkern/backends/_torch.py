@@ -144,10 +144,15 @@ def combine_rows(table, indices, parts, weights, columns, cache):
             if isinstance(weight, torch.Tensor):
                 weight = torch.broadcast_to(weight, lead + (n,)).reshape(nb, n)
             scale[:, :, j] = weight
-        source = table.view(nb * rows * 2, c)[:, columns]
-        out = torch.nn.functional.embedding_bag(index.view(nb * n, k), source,
+        source = table.view(nb * rows * 2, c)
+        # embedding_bag needs contiguous rows: a column slice would copy the whole table first,
+        # which costs more than summing the few extra columns a bag writes (the attention's
+        # indicator column beside the values) and dropping them from the result
+        whole = (c - width) * k <= 2 * width
+        out = torch.nn.functional.embedding_bag(index.view(nb * n, k), source if whole else source[:, columns],
                                                 per_sample_weights=scale.view(nb * n, k), mode="sum")
-    return out.view(*lead, n, out.shape[-1])
+        out = out.view(*lead, n, out.shape[-1])
+    return out[..., columns] if whole else out
 
 
 def _combine_columns(table, lead, n, indices, parts, weights, columns, cache):

@@ -95,9 +95,10 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
     ``None`` (the sweep keeps none): then they are recomputed here, one sort-scan of one column each.
     Returns ``(dq, dk, dv, (dknots, dcoeffs))``.
 
-    The values and the valid-key indicator are pulled back separately: the (..., n, Dv) work is one
-    kernel-sum VJP of ``v`` with the cotangent ``g / den`` (per-query factors, no copy of ``v``), and
-    the centring and normaliser terms ride on a one-column VJP of the indicator. The count and the
+    The values and the valid-key indicator are pulled back together, in one profile-sum VJP of
+    ``[v | indicator]``: the value columns with the cotangent ``g / den`` (per-query factors), the
+    indicator column with the centring and normaliser terms; one sort of the keys and one of the
+    queries serve both. The count and the
     centring mean are sums over the keys each query sees (per batch row, or running sums when
     causal), and the mean's cotangent goes back to the keys through their adjoint. NaN where the
     forward's output was: on bad queries, and on every key of a batch row with a bad key (causal:
@@ -123,7 +124,6 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
             den_c = count_c
         scale = scale / den_c
     gnum = gout * scale                                                 # (..., lq, Dv), work dtype
-    dq, dk, dv, params = keys.profiles_vjp(keys.q, keys.k, keys.v, [profile], [gnum], xp=xp)
 
     indicator_profiles, indicator_cots = [], []
     if center:
@@ -136,10 +136,17 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
         indicator_profiles.append(normalizer)
         indicator_cots.append(gden)
     if indicator_profiles:
-        dq2, dk2, _, params2 = keys.profiles_vjp(keys.q, keys.k, takef[..., None], indicator_profiles,
-                                                 indicator_cots, xp=xp)
-        dq, dk = dq + dq2, dk + dk2
-        params = _add_params(params, params2[:1]) if center else params
+        # one pull-back for the values and the indicator column (the last column of ``w``): one sort
+        # of the keys, one of the queries, and the rank searches of shared knots, for both
+        dv_cols = keys.v.shape[-1]
+        w = xp.concat([keys.v, xp.astype(takef, keys.v.dtype)[..., None]], axis=-1)
+        profiles = [profile.with_(columns=slice(0, dv_cols))] + [
+            p.with_(columns=slice(dv_cols, dv_cols + 1)) for p in indicator_profiles]
+        dq, dk, dw, params = keys.profiles_vjp(keys.q, keys.k, w, profiles, [gnum] + indicator_cots, xp=xp)
+        dv = dw[..., :dv_cols]
+        params = _add_params(params[:1], params[1:2]) if center else params[:1]
+    else:
+        dq, dk, dv, params = keys.profiles_vjp(keys.q, keys.k, keys.v, [profile], [gnum], xp=xp)
     if center:
         # mean_i = (sum of the values query i sees) / count_i, and R_i = relu_count_i multiplies it
         dv = dv - keys.to_keys(xp, aux["relu_count"] / count_c, gnum)

@@ -25,7 +25,7 @@ from ...kernels import Profile, is_fixed
 from ._scan import knot_sums, profile_sums, queries, sort_keys
 from ._wide import arithmetic
 
-__all__ = ["profiles_vjp", "knot_grads", "no_pairs_knot_grads", "indicator_sums", "column_range", "accumulate_columns"]
+__all__ = ["profiles_vjp", "knot_grads", "no_pairs_knot_grads", "indicator_sums", "column_range", "ColumnSums"]
 
 
 def column_range(profile: Profile, c: int) -> range:
@@ -35,13 +35,37 @@ def column_range(profile: Profile, c: int) -> range:
     return cols
 
 
-def accumulate_columns(xp, total, part, cols: range, c: int):
-    """``total`` (..., m, c) plus ``part`` placed in the columns ``cols`` (zeros elsewhere)."""
-    if len(cols) != c:
-        left = xp.zeros(part.shape[:-1] + (cols.start,), dtype=part.dtype, device=compat.device(part))
-        right = xp.zeros(part.shape[:-1] + (c - cols.stop,), dtype=part.dtype, device=compat.device(part))
-        part = xp.concat([left, part, right], axis=-1)
-    return part if total is None else total + part
+class ColumnSums:
+    """Gradients of column ranges of ``w`` (..., m, c), summed and assembled into one array at the end.
+
+    Parts of the same range are added; the ranges are cut at every boundary and the pieces concatenated
+    once (zeros where no range reaches), so that a part is never padded to the full width first.
+    """
+
+    def __init__(self, c: int):
+        self.c = c
+        self.parts: dict = {}
+
+    def add(self, part, cols: range) -> None:
+        key = (cols.start, cols.stop)
+        self.parts[key] = part if key not in self.parts else self.parts[key] + part
+
+    def assemble(self, xp):
+        if list(self.parts) == [(0, self.c)]:
+            return self.parts[(0, self.c)]
+        cuts = sorted({0, self.c, *(b for key in self.parts for b in key)})
+        like = next(iter(self.parts.values()))
+        pieces = []
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            piece = None
+            for (start, stop), part in self.parts.items():
+                if start <= a and b <= stop:
+                    block = part[..., a - start:b - start]
+                    piece = block if piece is None else piece + block
+            if piece is None:
+                piece = xp.zeros(like.shape[:-1] + (b - a,), dtype=like.dtype, device=compat.device(like))
+            pieces.append(piece)
+        return pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-1)
 
 
 def profiles_vjp(x, y, w, profiles: Sequence[Profile], cotangents, *, xp, param_grads=True):
@@ -93,13 +117,13 @@ def profiles_vjp(x, y, w, profiles: Sequence[Profile], cotangents, *, xp, param_
     sums = profile_sums(ys, skx, reflected + [r.with_(derivative=True) for r in reflected], xp=xp, ar=ar,
                         strict=True)
     values, slopes = sums[:len(profiles)], sums[len(profiles):]
-    dw = dy = None
+    dw, dy = ColumnSums(c), None
     for p, val, slope in zip(profiles, values, slopes):
         cols = column_range(p, c)
-        dw = accumulate_columns(xp, dw, ar.value(val), cols, c)
+        dw.add(ar.value(val), cols)
         term = xp.sum(w[..., cols.start:cols.stop] * ar.value(slope), axis=-1)
         dy = term if dy is None else dy + term
-    return dx, dy, dw, knot_grads(sk, xs, profiles, cotangents, xp=xp, ar=ar, param_grads=param_grads)
+    return dx, dy, dw.assemble(xp), knot_grads(sk, xs, profiles, cotangents, xp=xp, ar=ar, param_grads=param_grads)
 
 
 def _no_pairs_vjp(x, y, w, profiles, *, xp, param_grads):

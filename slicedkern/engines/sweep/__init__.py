@@ -33,7 +33,7 @@ from ..._lib.namespace import as_work
 from ...backends import backend_of, to_host
 from ...kernels import is_fixed
 from .._base import Engine
-from ..scan._backward import accumulate_columns, column_range
+from ..scan._backward import ColumnSums, column_range
 
 __all__ = ["SweepEngine", "AVAILABLE"]
 
@@ -182,7 +182,8 @@ class SweepEngine(Engine):
 
     def causal_profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
         c = w.shape[-1]
-        dx = dy = dw = None
+        dx = dy = None
+        dw = ColumnSums(c)
         params = []
         for p, g in zip(profiles, cotangents):
             cols = column_range(p, c)
@@ -193,10 +194,10 @@ class SweepEngine(Engine):
             px, py, pw = (as_work(xp, a, x.dtype) for a in (px, py, pw))
             dx = px if dx is None else dx + px
             dy = py if dy is None else dy + py
-            dw = accumulate_columns(xp, dw, pw, cols, c)
+            dw.add(pw, cols)
             params.append(_param_tuple(p, dkn, dco) if want else (tuple(None for _ in p.knots),
                                                                    tuple(None for _ in p.coeffs)))
-        return dx, dy, dw, params
+        return dx, dy, dw.assemble(xp), params
 
     # -- the fused backward (overrides the generic one of engines/_vjp.py) ------------------------
     def kernel_sum_vjp(self, x, y, w, profile, g, *, xp):
@@ -243,17 +244,18 @@ class SweepEngine(Engine):
     # -- the generic primitives (engines/_vjp.py runs on them too) --------------------------------
     def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
         c = w.shape[-1]
-        dx = dy = dw = None
+        dx = dy = None
+        dw = ColumnSums(c)
         params = []
         for p, g in zip(profiles, cotangents):
             cols = column_range(p, c)
             px, py, pw, pparams = self.kernel_sum_vjp(x, y, w[..., cols.start:cols.stop], p, g, xp=xp)
             dx = px if dx is None else dx + px
             dy = py if dy is None else dy + py
-            dw = accumulate_columns(xp, dw, pw, cols, c)
+            dw.add(pw, cols)
             params.append(pparams if param_grads else (tuple(None for _ in p.knots),
                                                         tuple(None for _ in p.coeffs)))
-        return dx, dy, dw, params
+        return dx, dy, dw.assemble(xp), params
 
     def indicator_sums(self, q, k, ones, profiles, *, xp):
         return [self.kernel_sum(q, k, ones, p, xp=xp) for p in profiles]

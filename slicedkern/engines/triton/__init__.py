@@ -23,7 +23,7 @@ from ..._spec import normalizer_profile
 from ...kernels import Profile
 from .._base import Engine
 from .._nanpolicy import screen
-from ..scan._backward import accumulate_columns, column_range, knot_grads
+from ..scan._backward import ColumnSums, column_range, knot_grads
 from ..scan._scan import queries, sort_keys
 from ..scan._wide import arithmetic
 from ._sums import build_table, interpreted, profile_sum
@@ -137,7 +137,7 @@ class TritonEngine(Engine):
         # dw and dy: the reflected profiles over one sort of the queries carrying every cotangent
         stacked = _rows(xp, xp.concat(list(cotangents), axis=-1), 2)
         queried = build_table(xp, xr, stacked)
-        dw = dy = None
+        dw, dy = ColumnSums(c), None
         start = 0
         for p, g in zip(profiles, cotangents):
             span = range(start, start + g.shape[-1])
@@ -146,12 +146,12 @@ class TritonEngine(Engine):
             val = profile_sum(xp, queried, yr, r, batch, span, strict=True)
             slope = profile_sum(xp, queried, yr, r.with_(derivative=True), batch, span, strict=True)
             cols = column_range(p, c)
-            dw = accumulate_columns(xp, dw, val, cols, c)
+            dw.add(val, cols)
             term = xp.sum(_rows(xp, w, 2)[..., cols.start:cols.stop] * slope, axis=-1)
             dy = term if dy is None else dy + term
         dx = xp.reshape(dx, batch + (n,))
         dy = xp.reshape(dy, batch + (m,))
-        dw = xp.reshape(dw, batch + (m, c))
+        dw = xp.reshape(dw.assemble(xp), batch + (m, c))
         if param_grads and not all(p.is_fixed for p in profiles):
             # knot and coefficient gradients: the scan's knot sums (one (n, c) gather per array knot)
             ar = arithmetic(xp, x.dtype)

@@ -19,6 +19,7 @@ __all__ = [
     "has_float64",
     "as_work",
     "shape_str",
+    "inclusive_scan",
 ]
 
 
@@ -122,3 +123,34 @@ def broadcast_shapes(*shapes, names=None) -> tuple:
     return tuple(out)
 
 
+def _interleave(xp, even, odd):
+    """Rows ``even[0], odd[0], even[1], odd[1], ...`` along axis -2 (``even`` one row longer or equal)."""
+    rows = even.shape[-2] + odd.shape[-2]
+    if even.shape[-2] > odd.shape[-2]:
+        pad = xp.zeros(odd.shape[:-2] + (1, odd.shape[-1]), dtype=odd.dtype, device=compat.device(odd))
+        odd = xp.concat([odd, pad], axis=-2)
+    both = xp.stack([even, odd], axis=-2)                        # (..., half, 2, c)
+    out = xp.reshape(both, tuple(both.shape[:-3]) + (2 * even.shape[-2], both.shape[-1]))
+    return out[..., :rows, :]
+
+
+def inclusive_scan(xp, op, rows):
+    """Inclusive prefix scan of the tuple of arrays ``rows`` (each (..., n, c)) along axis -2 with the
+    associative ``op`` (tuple, tuple) -> tuple.
+
+    The odd-even recursion (Ladner and Fischer; Blelloch): combine neighbouring rows, scan the
+    half-length sequence, and fill the rows in between with one more ``op``: ``O(n)`` work in
+    ``2 log2 n`` steps, against the ``O(n log n)`` work of a Hillis-Steele scan. Written with slicing,
+    ``stack`` and ``reshape`` only, so that it serves every namespace and traces under ``jax.jit``
+    (the scan engine's double-float tables, and JAX's float64 ones, where XLA's own ``cumsum`` on
+    the CPU is slower: docs/backends.rst, "Accumulation").
+    """
+    n = rows[0].shape[-2]
+    if n < 2:
+        return rows
+    pairs = op(tuple(r[..., 0:n - 1:2, :] for r in rows), tuple(r[..., 1::2, :] for r in rows))
+    odd = inclusive_scan(xp, op, tuple(pairs))                 # the prefixes ending at rows 1, 3, 5, ...
+    upto = (n - 1) // 2                                          # rows 2, 4, ... each follow an odd prefix
+    tail = op(tuple(o[..., :upto, :] for o in odd), tuple(r[..., 2::2, :] for r in rows))
+    even = tuple(xp.concat([r[..., :1, :], t], axis=-2) for r, t in zip(rows, tail))
+    return tuple(_interleave(xp, e, o) for e, o in zip(even, odd))

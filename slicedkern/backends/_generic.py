@@ -144,8 +144,11 @@ class ArrayBackend:
         Returns (..., m + 1, 2 C), ``C = c + ones``: row ``p`` holds ``[sum_{j<p} w_j, sum_{j<p} y_j w_j]``.
         """
         wide = self.sorted_weights(xp, weights, perm, keys.dtype, take=take, ones=ones)
-        table = xp.concat([wide, keys[..., None] * wide], axis=-1)
-        return xp.cumulative_sum(table, axis=-2, include_initial=True)
+        return self.exclusive_rows(xp, xp.concat([wide, keys[..., None] * wide], axis=-1))
+
+    def exclusive_rows(self, xp, a):
+        """Exclusive prefix sums of ``a`` (..., m, C) along axis -2: (..., m + 1, C), row 0 zero."""
+        return xp.cumulative_sum(a, axis=-2, include_initial=True)
 
     def combine_rows(self, xp, table, indices, parts, weights, columns, *, cache=None):
         """``sum_k weights[k][..., i] * table[..., indices[k][..., i], part_k * c + columns]``.

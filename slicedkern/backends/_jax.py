@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._lib.namespace import inclusive_scan
 from ._generic import ArrayBackend
 
 try:  # JAX >= 0.7: a callback that reads XLA's buffers in place and writes its results into them
@@ -20,6 +21,11 @@ def _search_row(keys, vals):
 
 
 _search_rows = jax.vmap(_search_row)
+
+
+def _add_rows(a, b):
+    """The operator of a plain prefix sum for :func:`inclusive_scan`: tuples of one array."""
+    return (a[0] + b[0],)
 
 
 def _varies_over_manual_axes(a) -> bool:
@@ -105,6 +111,14 @@ class JaxBackend(ArrayBackend):
 
     def compile(self, fn):
         return jax.jit(fn)
+
+    def exclusive_rows(self, xp, a):
+        if jax.default_backend() != "cpu":
+            return super().exclusive_rows(xp, a)
+        # XLA's cumsum on the CPU takes ~1.8x the odd-even scan's time on the tables the scan engine
+        # builds (4 x 65537 x 66 float64: 354 ms against 196 ms); on accelerators it keeps its own
+        zero = jnp.zeros(a.shape[:-2] + (1, a.shape[-1]), dtype=a.dtype)
+        return inclusive_scan(xp, _add_rows, (jnp.concatenate([zero, a], axis=-2),))[0]
 
     def searchsorted_right(self, xp, sorted_keys, values):
         """``jnp.searchsorted`` vectorised over the leading axes with ``vmap``."""

@@ -6,7 +6,8 @@ import array_api_compat
 import numpy as np
 import pytest
 
-from slicedkern.engines.scan._wide import DoubleFloat, _inclusive_scan
+from slicedkern._lib.namespace import inclusive_scan
+from slicedkern.engines.scan._wide import DoubleFloat
 
 xp = array_api_compat.array_namespace(np.zeros(1))
 
@@ -17,7 +18,7 @@ def test_odd_even_scan_is_the_exact_prefix_sum_to_double_float_precision(n):
     # mixed magnitudes: a float32 running sum of these loses every small term
     a = (rng.standard_normal((2, n, 3)) * 10.0 ** rng.integers(-6, 7, (2, n, 3))).astype(np.float32)
     df = DoubleFloat(xp)
-    hi, lo = _inclusive_scan(xp, df._add_pairs, (a, np.zeros_like(a)))
+    hi, lo = inclusive_scan(xp, df._add_pairs, (a, np.zeros_like(a)))
     assert hi.shape == lo.shape == a.shape and hi.dtype == np.float32
     got = hi.astype(np.float64) + lo.astype(np.float64)
     exact = np.cumsum(a.astype(np.float64), axis=1)
@@ -38,3 +39,16 @@ def test_table_rows_are_exclusive_prefix_sums_of_w_and_yw():
     w64, y64 = w.astype(np.float64), y.astype(np.float64)[..., None]
     expected = np.concatenate([np.zeros((2, 1, 6)), np.cumsum(np.concatenate([w64, y64 * w64], -1), 1)], 1)
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 1001])
+def test_jax_exclusive_rows_is_the_exclusive_cumulative_sum(n):
+    jnp = pytest.importorskip("jax.numpy")
+    from slicedkern.backends import ops_for
+
+    a = np.random.default_rng(n).standard_normal((3, n, 4)).astype(np.float32)
+    jxp = array_api_compat.array_namespace(jnp.zeros(1))
+    got = np.asarray(ops_for(jxp).exclusive_rows(jxp, jnp.asarray(a)))
+    expected = np.concatenate([np.zeros((3, 1, 4)), np.cumsum(a.astype(np.float64), axis=1)], axis=1)
+    assert got.shape == (3, n + 1, 4)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * n)

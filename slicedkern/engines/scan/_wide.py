@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import array_api_compat as compat
 
+from ..._lib.namespace import inclusive_scan
 from ...backends import combine_rows, prefix_table, sorted_weights, take_rows
 
 __all__ = ["arithmetic", "two_sum", "Plain", "DoubleFloat", "Pair"]
@@ -220,7 +221,7 @@ class DoubleFloat:
         zero_row = xp.zeros(hi.shape[:-2] + (1, hi.shape[-1]), dtype=hi.dtype, device=compat.device(hi))
         hi = xp.concat([zero_row, hi], axis=-2)
         lo = xp.concat([zero_row, lo], axis=-2)
-        return self._new(*_inclusive_scan(xp, self._add_pairs, (hi, lo)))
+        return self._new(*inclusive_scan(xp, self._add_pairs, (hi, lo)))
 
     def _add_pairs(self, a, b):
         """Double-float ``a + b`` of ``(hi, lo)`` tuples: the operator of the prefix-sum scan."""
@@ -254,34 +255,3 @@ class DoubleFloat:
             acc = self.div(acc, divisor[..., None])
         return acc
 
-
-def _interleave(xp, even, odd):
-    """Rows ``even[0], odd[0], even[1], odd[1], ...`` along axis -2 (``even`` one row longer or equal)."""
-    rows = even.shape[-2] + odd.shape[-2]
-    if even.shape[-2] > odd.shape[-2]:
-        pad = xp.zeros(odd.shape[:-2] + (1, odd.shape[-1]), dtype=odd.dtype, device=compat.device(odd))
-        odd = xp.concat([odd, pad], axis=-2)
-    both = xp.stack([even, odd], axis=-2)                        # (..., half, 2, c)
-    out = xp.reshape(both, tuple(both.shape[:-3]) + (2 * even.shape[-2], both.shape[-1]))
-    return out[..., :rows, :]
-
-
-def _inclusive_scan(xp, op, rows):
-    """Inclusive prefix scan of the tuple of arrays ``rows`` (each (..., n, c)) along axis -2 with the
-    associative ``op`` (tuple, tuple) -> tuple.
-
-    The odd-even recursion (Ladner and Fischer; Blelloch): combine neighbouring rows, scan the
-    half-length sequence, and fill the rows in between with one more ``op``: ``O(n)`` work in
-    ``2 log2 n`` steps, against the ``O(n log n)`` work of a Hillis-Steele scan. Written with slicing,
-    ``stack`` and ``reshape`` only, so that it serves every namespace and traces under ``jax.jit``
-    (for the double-float table: docs/mathematics.rst, "Numerics").
-    """
-    n = rows[0].shape[-2]
-    if n < 2:
-        return rows
-    pairs = op(tuple(r[..., 0:n - 1:2, :] for r in rows), tuple(r[..., 1::2, :] for r in rows))
-    odd = _inclusive_scan(xp, op, tuple(pairs))                 # the prefixes ending at rows 1, 3, 5, ...
-    upto = (n - 1) // 2                                          # rows 2, 4, ... each follow an odd prefix
-    tail = op(tuple(o[..., :upto, :] for o in odd), tuple(r[..., 2::2, :] for r in rows))
-    even = tuple(xp.concat([r[..., :1, :], t], axis=-2) for r, t in zip(rows, tail))
-    return tuple(_interleave(xp, e, o) for e, o in zip(even, odd))

@@ -30,9 +30,11 @@ forward+backward of the reference over that of ``after``. ``--small`` also print
 per call of the NumPy forward at L = 16 and 1024 (8 rows, D = 64) and a sort + gather + cumsum of
 the same data as a yardstick.
 
-``--jax`` times JAX instead (ReLU, float32 without x64, jitted, on the CPU): the forward next to
-NumPy's and the jitted ``value_and_grad`` next to torch's forward+backward, for each engine of
-``--jax-engines`` (default: ``auto``, the sweep through a host callback, and ``scan``), in one process.
+``--jax`` times JAX instead (ReLU, float32 inputs, jitted, on the CPU; ``--x64`` enables
+``jax_enable_x64``, so that the scan accumulates in float64 as torch's does, not in double-float):
+the forward next to NumPy's and the jitted ``value_and_grad`` next to torch's forward+backward, for
+each engine of ``--jax-engines`` (default: ``auto``, the sweep through a host callback, and
+``scan``, then compared with torch on the scan engine too), in one process.
 
 On a machine with few cores, set ``OMP_WAIT_POLICY=passive``: the processes' OpenMP pools (torch's,
 numba's) otherwise spin after each parallel region and take the cores of the process being timed.
@@ -187,7 +189,10 @@ def jax_calls(args):
     sys.path.insert(0, str(HERE))           # this checkout's slicedkern, as the workers' PYTHONPATH does
     import slicedkern
     print(f"slicedkern from {pathlib.Path(slicedkern.__file__).parent}")
-    print(f"JAX {jax.__version__} on {jax.default_backend()}, float32 (x64 off), jitted; NumPy and torch "
+    if args.x64:
+        jax.config.update("jax_enable_x64", True)
+    x64 = "on" if args.x64 else "off"
+    print(f"JAX {jax.__version__} on {jax.default_backend()}, float32 (x64 {x64}), jitted; NumPy and torch "
           f"(threads = {args.threads}); rows = {args.rows}, D = {args.dim}, min of {args.repeat} (interleaved)")
     for length in args.lengths:
         rng = np.random.default_rng(length)
@@ -196,9 +201,9 @@ def jax_calls(args):
         tq, tk, tv, tg = (torch.from_numpy(a) for a in (q, k, v, g))
         jq, jk, jv, jg = (jnp.asarray(a) for a in (q, k, v, g))
 
-        def torch_train():
+        def torch_train(engine=None):
             a, b, c = (t.clone().requires_grad_(True) for t in (tq, tk, tv))
-            (slicedkern.relu_attention(a, b, c) * tg).sum().backward()
+            (slicedkern.relu_attention(a, b, c, engine=engine) * tg).sum().backward()
 
         def jax_fns(engine):
             fwd = jax.jit(lambda a, b, c: slicedkern.relu_attention(a, b, c, engine=engine))
@@ -209,6 +214,9 @@ def jax_calls(args):
 
         cases = {"numpy forward": lambda: slicedkern.relu_attention(q, k, v),
                  "torch forward": lambda: slicedkern.relu_attention(tq, tk, tv), "torch fwd+bwd": torch_train}
+        if "scan" in args.jax_engines:      # the issue's comparison: JAX and torch on the same engine
+            cases["torch[scan] forward"] = lambda: slicedkern.relu_attention(tq, tk, tv, engine="scan")
+            cases["torch[scan] fwd+bwd"] = lambda: torch_train("scan")
         for engine in args.jax_engines:
             fwd, train = jax_fns(None if engine == "auto" else engine)
             cases[f"jax[{engine}] forward"], cases[f"jax[{engine}] fwd+bwd"] = fwd, train
@@ -229,10 +237,11 @@ def jax_calls(args):
         for name in cases:
             print(f"  {name:22s} {best[name] * 1e3:10.1f} ms   (first call {compile_s[name]:7.2f} s)")
         for engine in args.jax_engines:
+            torch_name = "torch[scan]" if engine == "scan" else "torch"
             print(f"  jax[{engine}]: forward / NumPy forward = "
                   f"{best[f'jax[{engine}] forward'] / best['numpy forward']:.2f} (target <= 3); "
-                  f"fwd+bwd / torch fwd+bwd = {best[f'jax[{engine}] fwd+bwd'] / best['torch fwd+bwd']:.2f} "
-                  "(target <= 1.5)")
+                  f"fwd+bwd / {torch_name} fwd+bwd = "
+                  f"{best[f'jax[{engine}] fwd+bwd'] / best[f'{torch_name} fwd+bwd']:.2f} (target <= 1.5)")
 
 
 # ---------------------------------------------------------------------------------------- small calls
@@ -279,6 +288,7 @@ def main():
     parser.add_argument("--small", action="store_true", help="also time small NumPy calls")
     parser.add_argument("--jax", action="store_true",
                         help="time JAX (jitted, float32, CPU) against NumPy and torch instead (ReLU only)")
+    parser.add_argument("--x64", action="store_true", help="with --jax: enable jax_enable_x64 (float64 work)")
     parser.add_argument("--jax-engines", nargs="+", default=["auto", "scan"],
                         help="with --jax: the JAX engines to time ('auto': the sweep on the CPU)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

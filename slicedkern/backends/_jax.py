@@ -21,6 +21,7 @@ def _search_row(keys, vals):
 
 
 _search_rows = jax.vmap(_search_row)
+_take_rows = jax.vmap(lambda table, index: table[index])
 
 
 def _add_rows(a, b):
@@ -119,6 +120,17 @@ class JaxBackend(ArrayBackend):
         # builds (4 x 65537 x 66 float64: 354 ms against 196 ms); on accelerators it keeps its own
         zero = jnp.zeros(a.shape[:-2] + (1, a.shape[-1]), dtype=a.dtype)
         return inclusive_scan(xp, _add_rows, (jnp.concatenate([zero, a], axis=-2),))[0]
+
+    def take_rows(self, xp, table, index):
+        # Row indexing vmapped over the batch, which XLA lowers to a gather of whole rows. The
+        # generic take_along_axis gathers element by element: with ranks fresh from a search,
+        # XLA on the CPU ran a ReLU sum (4 x 65536 queries, 33 columns) in 520 ms that way, 97 ms
+        # this way.
+        lead = jnp.broadcast_shapes(table.shape[:-2], index.shape[:-1])
+        rows, cols = table.shape[-2], table.shape[-1]
+        flat_table = jnp.reshape(jnp.broadcast_to(table, lead + (rows, cols)), (-1, rows, cols))
+        flat_index = jnp.reshape(jnp.broadcast_to(index, lead + index.shape[-1:]), (-1, index.shape[-1]))
+        return jnp.reshape(_take_rows(flat_table, flat_index), lead + (index.shape[-1], cols))
 
     def searchsorted_right(self, xp, sorted_keys, values):
         """``jnp.searchsorted`` vectorised over the leading axes with ``vmap``."""

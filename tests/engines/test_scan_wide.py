@@ -52,3 +52,20 @@ def test_jax_exclusive_rows_is_the_exclusive_cumulative_sum(n):
     expected = np.concatenate([np.zeros((3, 1, 4)), np.cumsum(a.astype(np.float64), axis=1)], axis=1)
     assert got.shape == (3, n + 1, 4)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * n)
+
+
+@pytest.mark.parametrize("table_lead, index_lead", [((2, 3), (2, 3)), ((1, 3), (2, 3)), ((2, 3), (3,)), ((), (4,))])
+def test_jax_take_rows_gathers_whole_rows_with_broadcast_batch_axes(table_lead, index_lead):
+    jnp = pytest.importorskip("jax.numpy")
+    from slicedkern.backends import ops_for
+
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal(table_lead + (9, 5))
+    index = rng.integers(0, 9, index_lead + (7,))
+    jxp = array_api_compat.array_namespace(jnp.zeros(1))
+    got = np.asarray(ops_for(jxp).take_rows(jxp, jnp.asarray(table), jnp.asarray(index)))
+    lead = np.broadcast_shapes(table_lead, index_lead)
+    expected = np.take_along_axis(np.broadcast_to(table, lead + (9, 5)),
+                                  np.broadcast_to(index, lead + (7,))[..., None], axis=-2)
+    assert got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected.astype(got.dtype))

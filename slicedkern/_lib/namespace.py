@@ -20,6 +20,7 @@ __all__ = [
     "as_work",
     "shape_str",
     "inclusive_scan",
+    "exclusive_scan",
 ]
 
 
@@ -154,3 +155,11 @@ def inclusive_scan(xp, op, rows):
     tail = op(tuple(o[..., :upto, :] for o in odd), tuple(r[..., 2::2, :] for r in rows))
     even = tuple(xp.concat([r[..., :1, :], t], axis=-2) for r, t in zip(rows, tail))
     return tuple(_interleave(xp, e, o) for e, o in zip(even, odd))
+
+
+def exclusive_scan(xp, op, rows):
+    """:func:`inclusive_scan` of ``rows`` behind a zero row: each result (..., n + 1, c), row ``p``
+    combining input rows ``0 .. p - 1`` (``op`` must take zero rows as its identity)."""
+    first = rows[0]
+    zero = xp.zeros(first.shape[:-2] + (1, first.shape[-1]), dtype=first.dtype, device=compat.device(first))
+    return inclusive_scan(xp, op, tuple(xp.concat([zero, r], axis=-2) for r in rows))

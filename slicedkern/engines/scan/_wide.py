@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import array_api_compat as compat
 
-from ..._lib.namespace import inclusive_scan
+from ..._lib.namespace import exclusive_scan
 from ...backends import combine_rows, prefix_table, sorted_weights, take_rows
 
 __all__ = ["arithmetic", "two_sum", "Plain", "DoubleFloat", "Pair"]
@@ -218,10 +218,7 @@ class DoubleFloat:
         e = e + kl[..., None] * w
         hi = xp.concat([w, p], axis=-1)
         lo = xp.concat([xp.zeros_like(w), e], axis=-1)
-        zero_row = xp.zeros(hi.shape[:-2] + (1, hi.shape[-1]), dtype=hi.dtype, device=compat.device(hi))
-        hi = xp.concat([zero_row, hi], axis=-2)
-        lo = xp.concat([zero_row, lo], axis=-2)
-        return self._new(*inclusive_scan(xp, self._add_pairs, (hi, lo)))
+        return self._new(*exclusive_scan(xp, self._add_pairs, (hi, lo)))
 
     def _add_pairs(self, a, b):
         """Double-float ``a + b`` of ``(hi, lo)`` tuples: the operator of the prefix-sum scan."""
@@ -254,4 +251,3 @@ class DoubleFloat:
         if divisor is not None:
             acc = self.div(acc, divisor[..., None])
         return acc
-

@@ -1,11 +1,38 @@
-"""Repository-level pytest configuration: skip the doctests of layers whose framework is missing.
+"""Repository-level pytest configuration: modules whose framework is missing are not collected.
 
-``pytest`` collects ``slicedkern/`` for its doctests (``--doctest-modules``); the layer modules
-import their framework at the top (``slicedkern.nn.torch`` needs torch, ``slicedkern.nn.flax``
-needs Flax), so they are left out where it is not installed.
+``pytest`` collects ``slicedkern/`` for its doctests (``--doctest-modules``), which imports every
+module of the package; the modules below import an optional framework at their top, so where it is
+not installed they are left out (their tests skip through ``pytest.importorskip``). The README's
+test command must collect on a venv with only the ``[test]`` extra: ``.ci/run`` runs it there first,
+and ``tests/test_architecture.py`` checks that every module importing a framework at its top is in
+this table.
 """
 
 import importlib.util
 
-collect_ignore = [path for path, module in (("slicedkern/nn/torch.py", "torch"), ("slicedkern/nn/flax.py", "flax"))
-                  if importlib.util.find_spec(module) is None]
+#: path (relative to the repository root) -> the top-level modules it needs
+OPTIONAL_MODULES = {
+    "slicedkern/adapters/_torch.py": ("torch",),
+    "slicedkern/adapters/_jax.py": ("jax",),
+    "slicedkern/backends/_torch.py": ("torch",),
+    "slicedkern/backends/_jax.py": ("jax",),
+    "slicedkern/backends/_dask.py": ("dask",),
+    "slicedkern/distributed/_torch.py": ("torch",),
+    "slicedkern/distributed/_jax.py": ("jax",),
+    "slicedkern/nn/torch.py": ("torch",),
+    "slicedkern/nn/flax.py": ("flax", "jax"),
+    "slicedkern/engines/sweep/_causal_host.py": ("numba",),
+    "slicedkern/engines/sweep/_convert.py": ("numba",),
+    "slicedkern/engines/sweep/_kernels_backward.py": ("numba",),
+    "slicedkern/engines/sweep/_kernels_forward.py": ("numba",),
+    "slicedkern/engines/sweep/_kernels_causal.py": ("numba",),
+    "slicedkern/engines/sweep/_kernels_common.py": ("numba",),
+    "tests/_distributed_jax.py": ("jax",),
+}
+
+
+def _missing(modules: tuple[str, ...]) -> bool:
+    return any(importlib.util.find_spec(name) is None for name in modules)
+
+
+collect_ignore = [path for path, modules in OPTIONAL_MODULES.items() if _missing(modules)]

@@ -40,13 +40,20 @@ def kernel_matrix(x, y, kernel):
     return kernel(x[..., :, None] - y[..., None, :])
 
 
+def _nan_rows(xp, x, out):
+    """NaN rows for non-finite queries ``x`` (..., n) in ``out`` (..., n, c), whether or not the query
+    sees a key (docs/mathematics.rst, "Non-finite input")."""
+    nan = xp.asarray(float("nan"), dtype=out.dtype, device=compat.device(out))
+    return xp.where(xp.isfinite(x)[..., None], out, nan)
+
+
 def kernel_sum(x, y, w, kernel):
     """Dense ``S_i = sum_j f(x_i - y_j) w_j``; w (..., m) or (..., m, c)."""
     xp, out_dtype, (x, y, w) = _prep(x, y, w)
     vector = w.ndim == y.ndim
     if vector:
         w = w[..., None]
-    s = kernel_matrix(x, y, kernel) @ w
+    s = _nan_rows(xp, x, kernel_matrix(x, y, kernel) @ w)
     return xp.astype(s[..., 0] if vector else s, out_dtype)
 
 
@@ -66,7 +73,8 @@ def _attention(q, k, v, weights_of, key_mask, center, normalize, eps, causal=Fal
     """``weights_of(r)`` gives the kernel matrix from the differences ``r = q_i - k_j``.
 
     Every sum runs over the keys each query sees (all valid keys, or with ``causal`` the valid keys
-    at or before its position); the centring mean and the count too. A query that sees no key gets 0.
+    at or before its position); the centring mean and the count too. A query that sees no key gets 0,
+    unless its score is not finite: a non-finite query's row is NaN.
     """
     xp, out_dtype, (q, k, v) = _prep(q, k, v)
     r = q[..., :, None] - k[..., None, :]
@@ -92,7 +100,7 @@ def _attention(q, k, v, weights_of, key_mask, center, normalize, eps, causal=Fal
         den_kernel = Abs() if normalize == "abs" else ReLU()
         den = xp.sum(xp.where(keep, den_kernel(r), zero), axis=-1)[..., None]
         out = num / xp.maximum(den, xp.full_like(den, eps))
-    return xp.astype(out, out_dtype)
+    return xp.astype(_nan_rows(xp, q, out), out_dtype)
 
 
 def relu_attention(q, k, v, *, key_mask=None, center=True, normalize="abs", eps=1e-6, causal=False):

@@ -145,3 +145,38 @@ def test_modules_stay_small(name):
 
 def test_layer_table_covers_every_group():
     assert {_group(name) for name in MODULES} <= set(LAYERS)
+
+
+OPTIONAL_FRAMEWORKS = {"torch", "jax", "flax", "numba", "dask", "cupy", "triton", "distributed"}
+
+
+def _top_level_framework_imports(path: pathlib.Path) -> set[str]:
+    """Optional frameworks a file imports unconditionally at its top (not in a ``try`` or a function)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found & OPTIONAL_FRAMEWORKS
+
+
+def test_modules_needing_a_framework_are_skipped_where_it_is_missing():
+    """The README's test command collects on a venv with only ``[test]`` (issue 23, item 1): every
+    package module and tests helper that imports a framework at its top is in the root conftest's
+    table, so ``--doctest-modules`` leaves it out where that framework is missing."""
+    import importlib.util
+
+    repo = ROOT.parent
+    spec = importlib.util.spec_from_file_location("_root_conftest", repo / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    table = conftest.OPTIONAL_MODULES
+    files = list(ROOT.rglob("*.py")) + [p for p in (repo / "tests").rglob("_*.py") if p.name != "__init__.py"]
+    missing = {}
+    for path in files:
+        needs = _top_level_framework_imports(path)
+        rel = path.relative_to(repo).as_posix()
+        if needs and not needs <= set(table.get(rel, ())):
+            missing[rel] = sorted(needs)
+    assert not missing, f"add to OPTIONAL_MODULES in conftest.py: {missing}"

@@ -46,23 +46,28 @@ class Record:
     out: Any
     residuals: tuple
     squeeze: bool
+    #: the objects the caller passed for each of ``names`` (before validation), or None
+    sources: tuple
 
 
 #: The records of the innermost :func:`slicedkern.vjp` of this thread / task, or None.
 recording: contextvars.ContextVar[list | None] = contextvars.ContextVar("slicedkern_vjp", default=None)
 
 
-def run(xp, spec, engine, arrays, names, out_dtype, *, squeeze=False):
+def run(xp, spec, engine, arrays, names, out_dtype, *, squeeze=False, sources=None):
     """Forward of ``spec`` on ``engine`` over ``arrays`` (named ``names``), cast to ``out_dtype``.
 
-    ``squeeze`` drops a trailing axis of size one (``kernel_sum`` with vector weights).
+    ``squeeze`` drops a trailing axis of size one (``kernel_sum`` with vector weights). ``sources``
+    are the caller's objects behind ``arrays`` (what :func:`slicedkern.vjp` matches, by identity,
+    with a wrapper's arguments).
     """
     records = None if is_traced(arrays[0]) else recording.get()
     if records is not None:
         out, residuals = engine.forward(spec, arrays, xp=xp, for_backward=True)
         if out.dtype != out_dtype:
             out = xp.astype(out, out_dtype)
-        records.append(Record(xp, spec, engine, arrays, names, out, residuals, squeeze))
+        records.append(Record(xp, spec, engine, arrays, names, out, residuals, squeeze,
+                              sources if sources is not None else (None,) * len(names)))
     else:
         for owns, load in _ROWS:
             if owns(xp):

@@ -30,22 +30,28 @@ def composite(planner):
     return mark
 
 
-def _positions(fn, args, kwargs, rec) -> dict:
-    """Which positional argument of ``fn`` each differentiable input of the op came from.
+def _positions(fn, args, rec) -> dict[str, list[int]]:
+    """The positional arguments of ``fn`` each input of the op is, by identity: ``{name: [index, ...]}``.
 
-    By name when ``fn`` is the op itself (or shares its parameter names); otherwise (a wrapper such
-    as a lambda) the op's array inputs are matched, in order, with ``fn``'s positional arrays.
+    Matching by identity, not by name or order, keeps a wrapper that renames or reorders the op's
+    arguments (``lambda q, k, v: relu_attention(k, q, v)``) right; an argument passed twice collects
+    both gradients. A floating array argument of ``fn`` that reaches the op only after a computation
+    (``relu_attention(2 * q, k, v)``) has a gradient :func:`vjp` cannot know: that is an error, never a
+    silently missing term.
     """
-    try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
-        by_name = {name: i for i, name in enumerate(list(bound.arguments)[:len(args)])}
-    except (TypeError, ValueError):
-        by_name = {}
-    wanted = [name for name in rec.names if name != "key_mask"]
-    if any(name in by_name for name in wanted):
-        return by_name
-    array_positions = [i for i, a in enumerate(args) if compat.is_array_api_obj(a)]
-    return dict(zip(wanted, array_positions))
+    positions = {}
+    for name, source in zip(rec.names, rec.sources):
+        if source is not None and name != "key_mask":
+            positions[name] = [i for i, arg in enumerate(args) if arg is source]
+    used = {i for hits in positions.values() for i in hits}
+    lost = [i for i, arg in enumerate(args) if i not in used and compat.is_array_api_obj(arg)
+            and rec.xp.isdtype(arg.dtype, "real floating")]
+    if lost:
+        raise TypeError(f"vjp differentiates the arrays that {getattr(fn, '__name__', fn)!r} passes unchanged to "
+                        f"one slicedkern op; its positional argument(s) {lost} do not reach the op as they are "
+                        "(computed on first, or unused). Differentiate the computation with a framework's "
+                        "autograd, or pass such arrays as keyword arguments (they get no gradient)")
+    return positions
 
 
 def _gradient_like(xp, grad, arg):
@@ -103,7 +109,9 @@ def vjp(fn, *args, **kwargs):
         ``pullback(g)`` with ``g`` shaped like ``out`` returns a tuple with one entry per positional
         argument: the gradient of ``sum(g * out)`` with respect to it (same shape and dtype), or
         ``None`` where the argument is not a differentiable array. When ``fn`` wraps an op (a
-        lambda, say), the op's array inputs are matched in order with ``fn``'s positional arrays.
+        lambda, say), each of the op's inputs is found among ``fn``'s positional arguments by
+        identity, so renaming or reordering is safe; a floating array argument that reaches the op
+        only through a computation raises ``TypeError`` (its gradient would need that computation's).
 
     Examples
     --------
@@ -127,7 +135,7 @@ def vjp(fn, *args, **kwargs):
         raise TypeError(f"vjp supports slicedkern's sort-scan ops, called once; {getattr(fn, '__name__', fn)!r} "
                         f"made {len(records)} such calls")
     rec = records[0]
-    positional = _positions(fn, args, kwargs, rec)
+    positional = _positions(fn, args, rec)
     xp = rec.xp
 
     def pullback(g):
@@ -141,13 +149,14 @@ def vjp(fn, *args, **kwargs):
         grads = rec.engine.backward(rec.spec, rec.arrays, rec.out, rec.residuals, g, xp=xp)
         result = [None] * len(args)
         for name, grad in zip(rec.names, grads):
-            if grad is None or name not in positional:
+            if grad is None:
                 continue
-            index = positional[name]
-            original = args[index]
             if rec.squeeze and name == "w":
                 grad = grad[..., 0]
-            result[index] = _gradient_like(xp, sum_to(xp, grad, original.shape), original)
+            for index in positional.get(name, ()):
+                original = args[index]
+                term = _gradient_like(xp, sum_to(xp, grad, original.shape), original)
+                result[index] = term if result[index] is None else result[index] + term
         return tuple(result)
 
     return out, pullback

@@ -21,7 +21,7 @@ __all__ = ["ArrayBackend", "ops_for", "backend_of", "same_library", "holds_every
            "sorted_weights", "prefix_table", "combine_rows", "quiet_nonfinite",
            "quiet", "accurate_sum", "energy_distance_rows", "energy_distance_pairs",
            "compiled_energy_pairs",
-           "has_autograd", "is_chunked"]
+           "has_autograd", "is_chunked", "without_gradient"]
 
 def _numpy_row():
     from ._numpy import NumpyBackend
@@ -99,6 +99,11 @@ def holds_everywhere(xp, a, predicate) -> bool | None:
     """``all(predicate(ns, a))`` when ``a``'s values are known now (``ns`` the namespace it is
     checked in), ``None`` when ``a`` is traced."""
     return backend_of(a).holds_everywhere(xp, a, predicate)
+
+
+def without_gradient(a, message: str):
+    """``a``, marked so that differentiating through it (torch autograd, ``jax.grad``) raises ``message``."""
+    return backend_of(a).without_gradient(a, message)
 
 
 def to_host(a):

@@ -44,6 +44,11 @@ class ArrayBackend:
         """Whether ``a`` is an abstract value (under ``jax.jit`` or ``torch.compile``)."""
         return False
 
+    def without_gradient(self, a, message: str):
+        """``a`` itself, marked so that differentiating through it raises ``message`` (an op that
+        has no gradient must never let an autograd system treat it as constant, silently)."""
+        return a
+
     def reads_context(self, a) -> bool:
         """Whether Python context variables (:func:`slicedkern.use_engine`) may be read on a call with
         ``a``: everywhere but inside ``torch.compile``, whose tracer cannot follow ``ContextVar.get``

@@ -41,6 +41,20 @@ def _standard(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32) if a.dtype.kind not in "fcbiu" else a
 
 
+def _identity(a, message):
+    return a
+
+
+#: The identity, whose derivative raises: marks a value that has no gradient (DecodeCache). A custom
+#: JVP serves ``jax.grad``, ``jvp`` and ``linearize`` alike, and leaves ``jit`` and ``vmap`` untouched.
+_no_gradient = jax.custom_jvp(_identity, nondiff_argnums=(1,))
+
+
+@_no_gradient.defjvp
+def _no_gradient_jvp(message, primals, tangents):
+    raise TypeError(message)
+
+
 class JaxBackend(ArrayBackend):
     library = "jax"
     autograd = True
@@ -50,6 +64,9 @@ class JaxBackend(ArrayBackend):
 
     def owns_array(self, a) -> bool:
         return compat.is_jax_array(a)
+
+    def without_gradient(self, a, message: str):
+        return _no_gradient(a, message)
 
     def is_traced(self, a) -> bool:
         return isinstance(a, jax.core.Tracer)
@@ -127,6 +144,9 @@ class JaxBackend(ArrayBackend):
         # this way.
         lead = jnp.broadcast_shapes(table.shape[:-2], index.shape[:-1])
         rows, cols = table.shape[-2], table.shape[-1]
+        if 0 in lead or rows == 0 or cols == 0 or index.shape[-1] == 0:
+            # nothing to gather (a reshape to (-1, ...) of an empty array has no size to infer)
+            return jnp.zeros(lead + (index.shape[-1], cols), dtype=table.dtype)
         flat_table = jnp.reshape(jnp.broadcast_to(table, lead + (rows, cols)), (-1, rows, cols))
         flat_index = jnp.reshape(jnp.broadcast_to(index, lead + index.shape[-1:]), (-1, index.shape[-1]))
         return jnp.reshape(_take_rows(flat_table, flat_index), lead + (index.shape[-1], cols))

@@ -180,6 +180,22 @@ def _combine_columns(table, lead, n, indices, parts, weights, columns, cache):
 
 
 
+class _NoGradient(torch.autograd.Function):
+    """The identity, whose backward raises: marks a value that has no gradient (DecodeCache)."""
+
+    @staticmethod
+    def forward(a, message):
+        return a.view_as(a)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.message = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(ctx.message)
+
+
 class TorchBackend(ArrayBackend):
     library = "torch"
     autograd = True
@@ -190,6 +206,11 @@ class TorchBackend(ArrayBackend):
 
     def owns_array(self, a) -> bool:
         return compat.is_torch_array(a)
+
+    def without_gradient(self, a, message: str):
+        if torch.is_grad_enabled() and a.requires_grad:
+            return _NoGradient.apply(a, message)
+        return a
 
     def is_traced(self, a) -> bool:
         return torch.compiler.is_compiling()

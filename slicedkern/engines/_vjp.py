@@ -105,6 +105,10 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
     of a batch row in which some query saw a bad key).
     """
     work = q.dtype
+    if q.shape[-1] == 0 or k.shape[-1] == 0:
+        # no query or no key: causal and non-causal attention are the same (zero) map, as the causal
+        # forwards' own early returns have it
+        causal = False
     keys = (_SeenKeys if causal else _AllKeys)(engine, q, k, v, key_mask, xp)
     if aux is None:
         if causal:
@@ -120,6 +124,12 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
         if isinstance(normalizer, Profile):
             # no key seen: the forward divided by 1 (its numerator is an empty sum)
             den_c = xp.where(count > 0, clamp_min(xp, aux["den"], eps), xp.ones_like(aux["den"]))
+            if _vanishes_where_normalizer_does(profile, normalizer):
+                # a normaliser sum of exactly 0 (ties, the first key) means every term of the row is 0:
+                # its output is 0 and pulls nothing back. Left in, g / eps would multiply the rounding
+                # of the prefix sums over the queries (|q| 2^-52 per pair): 1.7e10 instead of -0.9 at
+                # |q| = 1e20 (issue 23, item 10)
+                scale = xp.where(aux["den"] == 0, zero, scale)
         else:
             den_c = count_c
         scale = scale / den_c
@@ -158,6 +168,23 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
     dq = xp.where(keys.good, dq, nan)
     dk = xp.where(keys.row_bad[..., None], nan, dk)
     return dq, dk, dv, params[0]
+
+
+def _vanishes_where_normalizer_does(profile: Profile, normalizer: Profile) -> bool:
+    """Whether the value profile ``f`` is 0 at every difference ``r = q - k`` of a row whose normaliser
+    sum is exactly 0: ``r <= 0`` for the ReLU normaliser, ``r = 0`` for ``|r|`` (ReLU attention, say;
+    not a hat, whose ``f(0) = 1``). Fixed profiles only; ``f`` is piecewise linear, so it is checked at
+    its knots in the zero set and one step left of them."""
+    if not (profile.is_fixed and normalizer.is_fixed):
+        return False
+
+    def value(p, r):
+        return p.intercept + p.slope * r + sum(c * max(r - t, 0.0) for t, c in zip(p.knots, p.coeffs))
+
+    if value(normalizer, -1.0) != 0.0:          # |r|: zero only at r = 0
+        return value(profile, 0.0) == 0.0
+    points = [0.0] + [t for t in profile.knots if t <= 0.0]
+    return all(value(profile, r) == 0.0 for r in points + [min(points) - 1.0])
 
 
 def _add_params(a, b):

@@ -16,7 +16,8 @@ For input tokens ``x`` (queries), ``y`` (keys) and ``z`` (values), with ``H`` he
 ``Dh = embed_dim / H``:
 
 1. ``Q = W_q x``, ``K = W_k y``, ``V = W_v z`` (shape ``(..., L, embed_dim)``), optionally with
-   rotary position embeddings applied to ``Q`` and ``K`` head by head (``rope=True``);
+   rotary position embeddings applied to ``Q`` and ``K`` head by head (``rope=True``; keys at
+   positions ``0..Lk-1``, queries at the last ``Lq`` of them, as ``is_causal`` aligns them);
 2. one score per head and token, ``s = Pi(Q)`` and ``t = Pi(K)`` of shape ``(..., L, H)``, with the
    same learned map ``Pi``: linear (``score="linear"``) or a one-hidden-layer MLP of width
    ``embed_dim`` with GELU (``score="mlp"``). ``Pi`` reads one token at a time, so no token ever
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 
 from .. import hat_attention, hat_mixture_attention, kernel_attention, relu_attention
 from ..kernels import PiecewiseLinear
+from ..ops._validate import check_bool
 
 __all__: list[str] = []
 
@@ -222,6 +224,8 @@ def check_forward(config: LayerConfig, query_shape: Sequence[int], key_shape: Se
     Shapes follow ``torch.nn.MultiheadAttention``: ``(L, E)`` unbatched, ``(L, N, E)`` or, with
     ``batch_first``, ``(N, L, E)``; ``key_padding_mask`` ``(S,)`` or ``(N, S)``.
     """
+    check_bool(is_causal, "is_causal")        # the ops' rule: "yes" or 1 is an error, not True
+    check_bool(need_weights, "need_weights")
     if need_weights:
         raise ValueError("need_weights=True: sliced attention never forms the Lq x Lk attention weights "
                          "(that is what makes it O(L log L)); call it with need_weights=False, "

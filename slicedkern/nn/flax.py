@@ -44,17 +44,18 @@ class FixedBandwidth(nnx.Variable):
     """The log-bandwidths of a layer built with ``learn_bandwidth=False``: state, not a parameter."""
 
 
-def rotary_embedding(x: jax.Array, num_heads: int) -> jax.Array:
+def rotary_embedding(x: jax.Array, num_heads: int, offset: int = 0) -> jax.Array:
     """Rotate each head's features of ``x`` (N, L, E) by position (RoPE, half-split layout).
 
-    The same rotation as :func:`slicedkern.nn.torch.rotary_embedding`.
+    The same rotation as :func:`slicedkern.nn.torch.rotary_embedding`: the tokens of ``x`` take the
+    positions ``offset, ..., offset + L - 1``.
     """
     batch, length, embed_dim = x.shape
     half = embed_dim // num_heads // 2
     heads = x.reshape(batch, length, num_heads, 2, half)
     # Angles in float32 at least: positions past 256 are not even integers in bfloat16.
     dtype = jnp.promote_types(x.dtype, jnp.float32)
-    position = jnp.arange(length, dtype=dtype)
+    position = jnp.arange(offset, offset + length, dtype=dtype)
     frequency = ROPE_BASE ** (-jnp.arange(half, dtype=dtype) / half)
     angle = (position[:, None] * frequency)[:, None, :]                       # (L, 1, half)
     cos, sin = jnp.cos(angle), jnp.sin(angle)
@@ -256,7 +257,8 @@ class SlicedAttention(nnx.Module):
         heads, head_dim = cfg.num_heads, cfg.head_dim
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if cfg.rope:
-            q, k = rotary_embedding(q, heads), rotary_embedding(k, heads)
+            # queries are the last Lq positions of the key sequence, as the causal rule aligns them
+            q, k = rotary_embedding(q, heads, offset=k_len - q_len), rotary_embedding(k, heads)
         q_scores = jnp.swapaxes(self.scores(q), 1, 2)                          # (N, H, Lq)
         k_scores = jnp.swapaxes(self.scores(k), 1, 2)                          # (N, H, Lk)
         v = jnp.swapaxes(v.reshape(batch, k_len, heads, head_dim), 1, 2)       # (N, H, Lk, Dh)

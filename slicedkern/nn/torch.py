@@ -35,18 +35,19 @@ from . import ROPE_BASE, attention_op, check_forward, layer_config, op_arguments
 __all__ = ["SlicedAttention", "SlicedTransformerEncoderLayer", "SlicedTransformerEncoder"]
 
 
-def rotary_embedding(x: Tensor, num_heads: int) -> Tensor:
+def rotary_embedding(x: Tensor, num_heads: int, offset: int = 0) -> Tensor:
     """Rotate each head's features of ``x`` (N, L, E) by position (RoPE, half-split layout).
 
     Feature ``i`` of the first half of a head and feature ``i`` of its second half form a pair,
-    rotated by the angle ``position * ROPE_BASE ** (-2 i / head_dim)``.
+    rotated by the angle ``position * ROPE_BASE ** (-2 i / head_dim)``; the tokens of ``x`` take the
+    positions ``offset, ..., offset + L - 1``.
     """
     batch, length, embed_dim = x.shape
     half = embed_dim // num_heads // 2
     heads = x.reshape(batch, length, num_heads, 2, half)
     # Angles in float32 at least: positions past 256 are not even integers in bfloat16.
     dtype = torch.promote_types(x.dtype, torch.float32)
-    position = torch.arange(length, device=x.device, dtype=dtype)
+    position = torch.arange(offset, offset + length, device=x.device, dtype=dtype)
     frequency = ROPE_BASE ** (-torch.arange(half, device=x.device, dtype=dtype) / half)
     angle = (position[:, None] * frequency)[:, None, :]                      # (L, 1, half)
     cos, sin = torch.cos(angle), torch.sin(angle)
@@ -101,7 +102,8 @@ class SlicedAttention(nn.Module):
         Inputs and outputs are ``(N, L, E)`` if True, ``(L, N, E)`` otherwise.
     rope : bool, default False
         Apply rotary position embeddings to the projected queries and keys, head by head, before
-        scoring (positions ``0..L-1``; needs an even head width).
+        scoring (needs an even head width). Keys take the positions ``0..Lk-1`` and queries the last
+        ``Lq`` of them, ``Lk-Lq..Lk-1``, the alignment of ``is_causal``.
     device, dtype : optional
         Of the parameters.
 
@@ -250,7 +252,8 @@ class SlicedAttention(nn.Module):
         heads, head_dim = cfg.num_heads, cfg.head_dim
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if cfg.rope:
-            q, k = rotary_embedding(q, heads), rotary_embedding(k, heads)
+            # queries are the last Lq positions of the key sequence, as the causal rule aligns them
+            q, k = rotary_embedding(q, heads, offset=k_len - q_len), rotary_embedding(k, heads)
         q_scores = self.scores(q).transpose(1, 2)                         # (N, H, Lq)
         k_scores = self.scores(k).transpose(1, 2)                         # (N, H, Lk)
         v = v.reshape(batch, k_len, heads, head_dim).transpose(1, 2)      # (N, H, Lk, Dh)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numbers
 
+import array_api_compat as compat
+
 from .._lib.namespace import as_work, shape_str
 from .._lib.typing import Array, ArrayOrFloat, Namespace
 from .._spec import AttentionSpec
@@ -37,8 +39,25 @@ _RELU = ReLU()
 
 def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, causal, engine, xp):
     """Shared validation and dispatch of every attention op (see :func:`prepare`)."""
-    return run(*prepare(q, k, v, hats, kernel=kernel, key_mask=key_mask, center=center, normalize=normalize,
-                        eps=eps, causal=causal, engine=engine, xp=xp))
+    # the caller's own objects, so that slicedkern.vjp finds each input among a wrapper's arguments
+    sources = {"q": q, "k": k, "v": v, "key_mask": key_mask, **(hats.sources if hats is not None else {})}
+    xp, spec, chosen, inputs, names, out_dtype = prepare(
+        q, k, v, hats, kernel=kernel, key_mask=key_mask, center=center, normalize=normalize, eps=eps,
+        causal=causal, engine=engine, xp=xp)
+    out = run(xp, spec, chosen, inputs, names, out_dtype, sources=tuple(sources.get(n) for n in names))
+    return nan_rows_without_keys(xp, inputs[0], inputs[1], out)
+
+
+def nan_rows_without_keys(xp, queries, keys, out):
+    """With no key at all (``Lk = 0``) the engines return zeros; a non-finite query's row is NaN
+    there too, as it is when keys exist but it sees none (docs/mathematics.rst, "Non-finite input":
+    one rule). ``queries`` (..., n), ``keys`` (..., m), ``out`` (..., n, c) or (..., n)."""
+    if keys.shape[-1] != 0 or queries.shape[-1] == 0 or 0 in out.shape:
+        return out
+    vector = out.ndim == queries.ndim
+    nan = xp.asarray(float("nan"), dtype=out.dtype, device=compat.device(out))
+    ok = xp.isfinite(queries) if vector else xp.isfinite(queries)[..., None]
+    return xp.where(ok, out, nan)
 
 
 def prepare(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, causal=False, engine, xp):
@@ -53,13 +72,15 @@ def prepare(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, cau
     need_ndim(q, "q", 1, "(..., Lq)")
     need_ndim(k, "k", 1, "(..., Lk)")
     need_ndim(v, "v", 2, "(..., Lk, Dv)")
-    if k.ndim == v.ndim and q.ndim == v.ndim:
-        raise ValueError(f"arguments 'q' and 'k' must be one projected score per token, shape (..., L), "
-                         f"with 'v' of shape (..., Lk, Dv); got 'q' {shape_str(q)}, 'k' {shape_str(k)} and "
-                         f"'v' {shape_str(v)}. If q and k carry a feature axis E (as in "
-                         "scaled_dot_product_attention), project them to one score per token first, e.g. "
-                         "q @ w_q with w_q of shape (E,) (docs/getting_started.rst)")
     if v.shape[-2] != k.shape[-1]:
+        if k.ndim >= 2 and k.ndim == v.ndim and k.shape[-2] == v.shape[-2]:
+            # k (..., Lk, E) beside v (..., Lk, Dv): SDPA's layout, with a feature axis (only when the
+            # score reading does not fit: q (3, 6), k (3, 7), v (7, 2) is three rows sharing v)
+            raise ValueError(f"arguments 'q' and 'k' must be one projected score per token, shape (..., L), "
+                             f"with 'v' of shape (..., Lk, Dv); got 'q' {shape_str(q)}, 'k' {shape_str(k)} and "
+                             f"'v' {shape_str(v)}. If q and k carry a feature axis E (as in "
+                             "scaled_dot_product_attention), project them to one score per token first, e.g. "
+                             "q @ w_q with w_q of shape (E,) (docs/getting_started.rst)")
         raise ValueError(f"arguments 'k' and 'v' must have the same number of keys Lk, got {shape_str(k)} "
                          f"and {shape_str(v)}")
     arrays, cores = {"q": q, "k": k, "v": v}, {"q": 1, "k": 1, "v": 2}
@@ -211,6 +232,7 @@ def hat_spec(bandwidths, weights, names):
             return {"kernel": HatMixture(alphas, betas)}, {}
         return {"alphas": alphas or (), "betas": betas or ()}, params
 
+    build.sources = {("bandwidth" if single else "bandwidths"): bandwidths, "weights": weights}
     return build
 
 

@@ -8,11 +8,16 @@ import array_api_compat as compat
 
 from .._lib.namespace import shape_str
 from .._spec import normalizer_profile
+from ..backends import without_gradient
 from ..engines.scan._decode import Runs
 from ..kernels import Hat, HatMixture, PiecewiseLinear, Profile, ReLU
 from ._validate import check_bool, check_eps, check_normalize, setup
+from .attention import nan_rows_without_keys
 
 __all__ = ["DecodeCache"]
+
+_NO_GRADIENT = ("DecodeCache is inference-only: its outputs have no gradient. Generate without differentiating "
+                "(torch.no_grad(), or outside jax.grad); to train, call the attention op with causal=True")
 
 #: op name -> (its keywords with their defaults, as in the attention ops)
 _OPTIONS = {
@@ -61,8 +66,11 @@ class DecodeCache:
     The keys are kept as sorted runs of decreasing sizes merged like the carries of a binary counter:
     ``O(log n)`` runs, each key re-sorted ``O(log n)`` times, so an append costs amortised
     ``O(D log^2 n)`` and an attend of ``M`` queries ``O(M (log^2 n + D log n))``, with no ``O(n)``
-    work per token; memory ``O(n D)`` like a softmax KV cache. Inference only (no gradients), fixed
-    (float) bandwidths and weights, no key mask; any array-API backend.
+    work per token; memory ``O(n D)`` like a softmax KV cache. Inference only: differentiating an
+    output (torch ``backward``, ``jax.grad``) through the cache's keys, values or queries raises
+    (``RuntimeError`` on torch, ``TypeError`` on JAX) rather than leaving their gradients silently
+    empty; generate under ``torch.no_grad()``. Fixed (float) bandwidths and weights, no key mask; any
+    array-API backend.
 
     Parameters
     ----------
@@ -126,13 +134,15 @@ class DecodeCache:
                              f"Dv = {dv}, the same library; got {shape_str(k)} and {shape_str(v)}")
         if k.shape[-1] == 0:
             return
+        # the runs keep no autograd history: an output that depends on k or v raises when differentiated
+        k, v = without_gradient(k, _NO_GRADIENT), without_gradient(v, _NO_GRADIENT)
         self._runs.append(xp.astype(k, work0), v)
 
     def attend(self, q):
         """Attention of queries ``q`` (..., M) over every key appended so far: (..., M, Dv).
 
-        Zero where no key has been appended; NaN for a non-finite query, and for every query once a
-        non-finite key or value has been appended (it sees that key).
+        Zero where no key has been appended; NaN for a non-finite query (keys appended or not), and
+        for every query once a non-finite key or value has been appended (it sees that key).
         """
         if self._shape is None:
             raise ValueError("argument 'q': append keys and values before attending (the cache is empty)")
@@ -142,6 +152,7 @@ class DecodeCache:
             raise ValueError(f"argument 'q' must have shape {batch} + (M,) from the cache's library, "
                              f"got {shape_str(q)}")
         if self._runs.length == 0 or q.shape[-1] == 0:
-            return xp.zeros(q.shape + (dv,), dtype=xp.result_type(out_dtype, q_dtype), device=compat.device(q))
-        out = self._runs.attend(xp.astype(q, work))
+            empty = xp.zeros(q.shape + (dv,), dtype=xp.result_type(out_dtype, q_dtype), device=compat.device(q))
+            return nan_rows_without_keys(xp, q, q[..., :0], empty)
+        out = self._runs.attend(xp.astype(without_gradient(q, _NO_GRADIENT), work))
         return xp.astype(out, xp.result_type(out_dtype, q_dtype))

@@ -9,6 +9,7 @@ from ..adapters import run
 from ..engines import select
 from ..kernels import PiecewiseLinear
 from ._validate import broadcast_all, check_kernel, need_ndim, setup
+from .attention import nan_rows_without_keys
 
 __all__ = ["kernel_sum"]
 
@@ -52,6 +53,7 @@ def kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, engine:
     >>> slicedkern.kernel_sum(x, y, w, ReLU())
     array([0., 3.])
     """
+    sources = (x, y, w)              # the caller's objects, for slicedkern.vjp
     xp, device, out_dtype, work = setup({"x": x, "y": y, "w": w}, xp, required=("x", "y", "w"))
     check_kernel(kernel)
     need_ndim(x, "x", 1, "(..., n)")
@@ -70,4 +72,6 @@ def kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, engine:
     w = arrays["w"]                  # widened inside the prefix sums, after the gather
     spec = KernelSumSpec(kernel)
     inputs = (x, y, w)
-    return run(xp, spec, select(spec, inputs, engine), inputs, ("x", "y", "w"), out_dtype, squeeze=vector)
+    out = run(xp, spec, select(spec, inputs, engine), inputs, ("x", "y", "w"), out_dtype, squeeze=vector,
+              sources=sources)
+    return nan_rows_without_keys(xp, x, y, out)

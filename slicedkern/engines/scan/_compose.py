@@ -51,8 +51,8 @@ def _power_of_two_scaled(xp, ar, w):
     in the weights, so the row's result is scaled back exactly. Plain float64 needs none of it.
     Returns ``(w, factor)``: ``factor`` (..., 1, 1) multiplies the result, ``None`` when unscaled.
     """
-    if not ar.wide:
-        return w, None
+    if not ar.wide or w.shape[-1] == 0 or w.shape[-2] == 0:
+        return w, None         # (no weight: nothing to scale, and no maximum to take)
     work = xp.float32
     w = xp.astype(w, work)
     size = xp.where(xp.isfinite(w), xp.abs(w), xp.zeros_like(w))

@@ -272,9 +272,9 @@ def test_rope_positions_queries_at_the_end_of_the_keys():
 def test_flax_rope_positions_queries_at_the_end_of_the_keys():
     jax = pytest.importorskip("jax")
     nnx = pytest.importorskip("flax.nnx")
-    from slicedkern.nn.flax import SlicedAttention
-
     from _helpers import jax_x64
+
+    from slicedkern.nn.flax import SlicedAttention
     with jax_x64(True):
         attn = SlicedAttention(8, 2, rope=True, batch_first=True, param_dtype=jax.numpy.float64,
                                rngs=nnx.Rngs(0))
@@ -293,3 +293,43 @@ def test_layer_is_causal_must_be_a_boolean(bad):
     x = torch.randn(1, 5, 8)
     with pytest.raises(TypeError, match="'is_causal' must be True or False"):
         attn(x, x, x, is_causal=bad)
+
+
+# ---------------------------------------------------- 6. numba threads follow the caller's framework
+def test_sweep_on_torch_tensors_uses_torchs_thread_count(monkeypatch):
+    torch = pytest.importorskip("torch")
+    numba = pytest.importorskip("numba")
+    from slicedkern.engines import sweep
+
+    seen = []
+    bridge = sweep._bridge()
+    original = bridge.attention
+
+    def spy(*args, **kwargs):
+        seen.append(numba.get_num_threads())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(bridge, "attention", spy)
+    before_torch, before_numba = torch.get_num_threads(), numba.get_num_threads()
+    q, v = torch.randn(2, 64, dtype=torch.float64), torch.randn(2, 64, 3, dtype=torch.float64)
+    try:
+        torch.set_num_threads(1)
+        slicedkern.relu_attention(q, q, v, engine="sweep")
+    finally:
+        torch.set_num_threads(before_torch)
+    assert seen == [1]
+    assert numba.get_num_threads() == before_numba          # restored for the calling thread
+
+
+def test_numpy_arrays_follow_omp_num_threads(monkeypatch):
+    numba = pytest.importorskip("numba")
+    from slicedkern.backends import compiled_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    before = numba.get_num_threads()
+    with compiled_threads(np.zeros(3)) as threads:
+        assert threads == 1 and numba.get_num_threads() == 1
+    assert numba.get_num_threads() == before
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    with compiled_threads(np.zeros(3)) as threads:
+        assert threads == before

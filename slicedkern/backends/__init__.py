@@ -21,7 +21,7 @@ __all__ = ["ArrayBackend", "ops_for", "backend_of", "same_library", "holds_every
            "sorted_weights", "prefix_table", "combine_rows", "quiet_nonfinite",
            "quiet", "accurate_sum", "energy_distance_rows", "energy_distance_pairs",
            "compiled_energy_pairs",
-           "has_autograd", "is_chunked", "without_gradient"]
+           "has_autograd", "is_chunked", "without_gradient", "compiled_threads"]
 
 def _numpy_row():
     from ._numpy import NumpyBackend
@@ -104,6 +104,12 @@ def holds_everywhere(xp, a, predicate) -> bool | None:
 def without_gradient(a, message: str):
     """``a``, marked so that differentiating through it (torch autograd, ``jax.grad``) raises ``message``."""
     return backend_of(a).without_gradient(a, message)
+
+
+def compiled_threads(a):
+    """A context: numba's thread count in the calling thread capped, for its duration, by what
+    ``a``'s library allows (:meth:`ArrayBackend.compiled_threads`)."""
+    return backend_of(a).compiled_threads()
 
 
 def to_host(a):

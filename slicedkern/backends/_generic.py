@@ -7,6 +7,7 @@ what their library does faster or differently; everything else falls through to 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import array_api_compat as compat
 import numpy as np
@@ -43,6 +44,34 @@ class ArrayBackend:
     def is_traced(self, a) -> bool:
         """Whether ``a`` is an abstract value (under ``jax.jit`` or ``torch.compile``)."""
         return False
+
+    def cpu_threads(self) -> int | None:
+        """How many threads a compiled CPU kernel (numba) may use on this library's arrays, or None for
+        numba's own count (``NUMBA_NUM_THREADS``, by default the cores): ``OMP_NUM_THREADS`` when it is
+        set, the variable NumPy's BLAS and torch follow (docs/backends.rst, "Threads")."""
+        value = os.environ.get("OMP_NUM_THREADS", "")
+        return int(value) if value.isdigit() and int(value) > 0 else None
+
+    @contextlib.contextmanager
+    def compiled_threads(self):
+        """Numba's thread count, in the calling thread, capped by :meth:`cpu_threads` for the duration
+        of the block and restored afterwards (``numba.set_num_threads`` is per calling thread, so
+        concurrent callers do not see each other's)."""
+        try:
+            import numba  # only around a compiled call, which needs numba anyway
+        except ImportError:
+            yield None
+            return
+        cap = self.cpu_threads()
+        before = numba.get_num_threads()
+        if cap is None or cap >= before:
+            yield before
+            return
+        numba.set_num_threads(cap)
+        try:
+            yield cap
+        finally:
+            numba.set_num_threads(before)
 
     def without_gradient(self, a, message: str):
         """``a`` itself, marked so that differentiating through it raises ``message`` (an op that

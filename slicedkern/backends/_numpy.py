@@ -52,4 +52,5 @@ class NumpyBackend(ArrayBackend):
     def energy_distance_pairs(self, xp, x, y, a, b, batch):
         if any(v.dtype != np.float64 for v in (x, y, a, b)):
             return None
-        return energy_pair_sums(x, y, a, b, tuple(batch))
+        with self.compiled_threads():
+            return energy_pair_sums(x, y, a, b, tuple(batch))

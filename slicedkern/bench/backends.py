@@ -290,3 +290,39 @@ class Sdpa:
         if self.dev.type == "cuda":
             torch.cuda.synchronize()
         return out
+
+
+class NumpySoftmax:
+    """Softmax attention written in NumPy, where torch (and so SDPA) is not installed.
+
+    The same problem as :class:`Sdpa`: ``(batch, 1, L, D)`` float32 queries, keys and values,
+    ``softmax(q k^T / sqrt(D)) v`` with the row maximum subtracted; one batched matmul each way, in
+    float32 (the ``L x L`` weights are formed, as a plain softmax attention does).
+
+    Parameters
+    ----------
+    backend : BenchBackend
+        The bench backend, for the batch size and ``D``.
+    """
+
+    probe = "tracemalloc"
+
+    def __init__(self, backend: BenchBackend):
+        self.backend = backend
+
+    def inputs(self, backend: BenchBackend, n: int) -> tuple:
+        """``q, k, v`` of shape ``(batch, 1, n, D)`` float32, and no cotangent."""
+        b = self.backend
+        rng = np.random.default_rng(n)
+        shape = (b.batch, 1, n, b.dim)
+        return tuple(rng.standard_normal(shape, dtype=np.float32) for _ in range(3)) + (None,)
+
+    def run(self, q, k, v, g):
+        """The forward (``g`` unused)."""
+        scores = q @ np.swapaxes(k, -1, -2)
+        scores *= np.float32(1.0 / np.sqrt(q.shape[-1]))
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        return scores @ v
+

@@ -9,7 +9,10 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass, field
 
-__all__ = ["Column", "Timing", "Memory", "BenchResult", "MEMORY_METHODS", "plot"]
+__all__ = ["Column", "Timing", "Memory", "BenchResult", "MEMORY_METHODS", "SOFTMAX_KEYS", "plot"]
+
+#: The softmax-attention baselines: torch's SDPA where torch is installed, else a NumPy softmax.
+SOFTMAX_KEYS = ("sdpa", "softmax")
 
 
 @dataclass(frozen=True)
@@ -163,8 +166,9 @@ class BenchResult:
                         [[str(n)] + [format_time(self.times.get((n, col.key), Timing()))
                                      for col in self.columns] for n in self.sizes])
         lines.append("")
-        mem_keys = self.sliced_forward_keys() + [k for k in ("sdpa", "dense") if self.column(k)]
-        speed_keys = [k for k in ("sdpa", "dense") if self.column(k)]
+        baselines = [k for k in (*SOFTMAX_KEYS, "dense") if self.column(k)]
+        mem_keys = self.sliced_forward_keys() + baselines
+        speed_keys = baselines
         head = ([("L", "")] + [("speed-up", "vs " + self.column(k).title) for k in speed_keys]
                 + [("peak MiB", self.column(k).title + (" " + self.column(k).sub
                                                        if k.startswith("relu") else ""))
@@ -190,11 +194,11 @@ class BenchResult:
         c = self.config
         out = [
             "notes:",
-            "  sliced attention gets one score per token, q, k: (batch, L), v: (batch, L, D); SDPA gets "
-            "its natural inputs q, k, v: (batch, 1, L, D) (one head): the same L and D; the "
+            "  sliced attention gets one score per token, q, k: (batch, L), v: (batch, L, D); softmax "
+            "attention gets its natural inputs q, k, v: (batch, 1, L, D) (one head): the same L and D; the "
             "projections that make the scores are not timed.",
             f"  '~' = not run because one call would take over --budget {c['budget']:g} s: "
-            f"extrapolated from the largest L measured (x L^2 for SDPA and dense, x L log L for the "
+            f"extrapolated from the largest L measured (x L^2 for softmax and dense, x L log L for the "
             f"others; the sliced ReLU forward is measured up to {c['headline_factor']} x the "
             f"budget).",
             f"  'skip' = dense reference not run above L = {c['dense_max']} (O(L^2) float64 memory).",

@@ -22,9 +22,17 @@ import slicedkern
 from slicedkern import engines, reference
 from slicedkern._lib.backends import Backend
 
-from .backends import BACKEND_NAMES, BenchBackend, Sdpa, default_backend, installed_backends, make_backend
+from .backends import (
+    BACKEND_NAMES,
+    BenchBackend,
+    NumpySoftmax,
+    Sdpa,
+    default_backend,
+    installed_backends,
+    make_backend,
+)
 from .measure import Probe, Progress, predict, timed
-from .results import BenchResult, Column, Memory, Timing
+from .results import SOFTMAX_KEYS, BenchResult, Column, Memory, Timing
 
 __all__ = ["DEFAULT_SIZES", "HEADLINE_FACTOR", "DENSE_MAX", "run_bench", "sweep_serves"]
 
@@ -109,11 +117,16 @@ def _build_tasks(backend: BenchBackend, engine_names: list[str], with_sdpa: bool
         sdpa = Sdpa(sdpa_device, backend)
         tasks.append(Task(Column("sdpa", "SDPA fwd", "softmax", quadratic=True),
                           lambda b: sdpa.run, sdpa.inputs, sdpa.probe))
+    else:
+        # without torch the softmax baseline is a NumPy one: the headline comparison holds on every install
+        softmax = NumpySoftmax(backend)
+        tasks.append(Task(Column("softmax", "softmax fwd", "NumPy", quadratic=True),
+                          lambda b: softmax.run, softmax.inputs, softmax.probe))
     tasks.append(Task(Column("dense", "dense fwd", "ReLU O(L^2)", quadratic=True),
                       lambda b: b.forward(reference.relu_attention), same_inputs, probe))
     for t in tasks:
         # SDPA runs on torch whatever the backend: it is not jitted, so nothing to compile per shape
-        t.per_shape_compile = backend.member is Backend.JAX and t.column.key != "sdpa"
+        t.per_shape_compile = backend.member is Backend.JAX and t.column.key not in SOFTMAX_KEYS
     return tasks
 
 
@@ -224,7 +237,8 @@ def _run(bar: Progress, backend: str, sizes: list[int], device: str, batch: int,
     else:
         notes.append(f"sweep engine: not shown ({why})")
     if not with_sdpa:
-        notes.append("SDPA: not shown (torch is not installed)")
+        notes.append("softmax: SDPA needs torch (not installed here); the softmax column is the same "
+                     "attention written in NumPy, float32")
     tasks = _build_tasks(be, engine_names, with_sdpa, device)
     result = BenchResult(
         config=dict(backend=backend, device=device, batch=batch, dim=dim, dtype="float32",

@@ -8,6 +8,9 @@
 * The energy distance in R^3 with ``P = 256`` random directions: ``method="sliced"``, ``"exact"``
   (the compiled dense sums on NumPy, with numba), ``"auto"`` (and which one it took), and the dense
   statistic from SciPy's ``cdist`` (``n m`` memory).
+* The sliced energy distance in R^10 with ``P = 256`` fixed directions, the same data on NumPy
+  (float64) and torch (float32 and float64, CPU), where torch is installed: the time of each and its
+  ratio to NumPy's (issue 23 found torch 5-6x NumPy's time here).
 
 Times are the best of ``repeats`` calls, the methods interleaved in each repeat (fair on a busy
 machine). SciPy is optional: its rows are left out without it.
@@ -24,10 +27,12 @@ from ..backends import compiled_energy_pairs
 from ..sliced import energy_distance
 from ..sliced.stats import SLICE_COST, SLICE_COST_COMPILED, _method
 
-__all__ = ["STATS_SIZES", "STATS_RD_SIZES", "run_stats"]
+__all__ = ["STATS_SIZES", "STATS_RD_SIZES", "STATS_SLICED_SIZES", "run_stats"]
 
 STATS_SIZES = (100_000, 1_000_000)
 STATS_RD_SIZES = (500, 2000)
+STATS_SLICED_SIZES = (20_000,)
+_SLICED_DIM = 10
 _DIRECTIONS = 256
 
 
@@ -80,7 +85,35 @@ def _interleaved(peers: dict, args: tuple, repeats: int) -> tuple[dict, dict]:
     return best, values
 
 
-def run_stats(*, sizes=STATS_SIZES, rd_sizes=STATS_RD_SIZES, repeats: int = 3, seed: int = 0) -> str:
+def _sliced_across_libraries(sizes, repeats: int, rng) -> list[str]:
+    """The sliced energy distance on NumPy and on torch, the same points and directions."""
+    if importlib.util.find_spec("torch") is None:
+        return []
+    import torch
+
+    from ..sliced import directions as make_directions
+    theta = make_directions(_DIRECTIONS, _SLICED_DIM, seed=0)
+    lines = ["", f"Sliced energy distance in R^{_SLICED_DIM}, n = m, P = {_DIRECTIONS} fixed directions, NumPy "
+             f"against torch on the CPU ({torch.get_num_threads()} torch threads); time: best of {repeats}, "
+             "interleaved", "", "| n = m | library | time (ms) | time / NumPy | value |", "|---:|---|---:|---:|---:|"]
+    for n in sizes:
+        x, y = rng.normal(size=(n, _SLICED_DIM)), rng.normal(size=(n, _SLICED_DIM)) + 0.1
+        cases = {"NumPy float64": (x, y, theta)}
+        for dtype in (torch.float32, torch.float64):
+            cases[f"torch {str(dtype).split('.')[-1]}"] = tuple(torch.tensor(a, dtype=dtype) for a in (x, y, theta))
+        peers = {name: (lambda args: lambda: energy_distance(args[0], args[1], directions=args[2]))(args)
+                 for name, args in cases.items()}
+        for fn in peers.values():
+            fn()                                                        # first call: compile / load
+        best, values = _interleaved(peers, (), repeats)
+        for name in peers:
+            lines.append(f"| {n} | {name} | {best[name] * 1e3:.1f} | {best[name] / best['NumPy float64']:.2f} | "
+                         f"{float(values[name]):.6g} |")
+    return lines
+
+
+def run_stats(*, sizes=STATS_SIZES, rd_sizes=STATS_RD_SIZES, sliced_sizes=STATS_SLICED_SIZES, repeats: int = 3,
+              seed: int = 0) -> str:
     """Run both sections and return them as Markdown tables (module docstring).
 
     Parameters
@@ -89,6 +122,8 @@ def run_stats(*, sizes=STATS_SIZES, rd_sizes=STATS_RD_SIZES, repeats: int = 3, s
         ``n = m`` of the 1-D section.
     rd_sizes : sequence of int
         ``n = m`` of the R^3 section.
+    sliced_sizes : sequence of int
+        ``n = m`` of the NumPy-against-torch section (left out without torch).
     repeats : int
         Timed calls per method and size (the best is reported).
     seed : int
@@ -133,4 +168,5 @@ def run_stats(*, sizes=STATS_SIZES, rd_sizes=STATS_RD_SIZES, repeats: int = 3, s
         for name in peers:
             label = f"{name} ({took})" if name.endswith("auto") else name
             lines.append(f"| {n} | {label} | {best[name] * 1e3:.1f} | {float(values[name]):.6g} |")
+    lines += _sliced_across_libraries(sliced_sizes, repeats, rng)
     return "\n".join(lines)

@@ -30,7 +30,7 @@ import array_api_compat as compat
 import numpy as np
 
 from ..._lib.namespace import as_work
-from ...backends import backend_of, to_host
+from ...backends import backend_of, compiled_threads, to_host
 from ...kernels import is_fixed
 from .._base import Engine
 from ..scan._backward import ColumnSums, column_range
@@ -86,8 +86,15 @@ def _host_profile(profile, batch, xp) -> dict:
 
 
 def _call(fn, results, *arrays):
-    """``fn(*arrays)`` on the host through the arrays' backend row (a callback for JAX arrays)."""
-    return backend_of(arrays[0]).host_call(fn, results, *arrays)
+    """``fn(*arrays)`` on the host through the arrays' backend row (a callback for JAX arrays), with
+    as many numba threads as the arrays' library allows (torch's count for torch tensors)."""
+    first = arrays[0]
+
+    def run(*host):
+        with compiled_threads(first):
+            return fn(*host)
+
+    return backend_of(first).host_call(run, results, *arrays)
 
 
 def _param_tuple(profile, dknots, dcoeffs):
@@ -158,8 +165,9 @@ class SweepEngine(Engine):
             # backward will follow the sweep's sort and per-query terms are kept as residuals, so that
             # the backward neither sorts again nor re-sweeps the scores; a forward alone does not pay
             # for writing them
-            result = _bridge().attention(q, k, v, key_mask, center=center, normalizer=normalize, eps=eps,
-                                         keep=for_backward, **build(params))
+            with compiled_threads(q):
+                result = _bridge().attention(q, k, v, key_mask, center=center, normalizer=normalize, eps=eps,
+                                             keep=for_backward, **build(params))
             return result if for_backward else (result, ())
 
         def compute(q, k, v, *rest):
@@ -172,9 +180,10 @@ class SweepEngine(Engine):
         return out, ()
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp):
-        out, take, relu_count, den = _bridge().causal_attention(
-            q, k, v, key_mask, center=center, normalizer=normalize, eps=eps,
-            **_host_profile(profile, tuple(q.shape[:-1]), xp))
+        with compiled_threads(q):
+            out, take, relu_count, den = _bridge().causal_attention(
+                q, k, v, key_mask, center=center, normalizer=normalize, eps=eps,
+                **_host_profile(profile, tuple(q.shape[:-1]), xp))
         residuals = (take, as_work(xp, relu_count, q.dtype)[..., None])
         if normalize in ("abs", "relu"):
             residuals += (as_work(xp, den, q.dtype)[..., None],)
@@ -188,9 +197,10 @@ class SweepEngine(Engine):
         for p, g in zip(profiles, cotangents):
             cols = column_range(p, c)
             want = param_grads and not p.is_fixed
-            px, py, pw, dkn, dco = _bridge().causal_profile_vjp(
-                x, y, w[..., cols.start:cols.stop], g, strict_knots=p.strict_knots, param_grads=want,
-                **_host_profile(p, tuple(x.shape[:-1]), xp))
+            with compiled_threads(x):
+                px, py, pw, dkn, dco = _bridge().causal_profile_vjp(
+                    x, y, w[..., cols.start:cols.stop], g, strict_knots=p.strict_knots, param_grads=want,
+                    **_host_profile(p, tuple(x.shape[:-1]), xp))
             px, py, pw = (as_work(xp, a, x.dtype) for a in (px, py, pw))
             dx = px if dx is None else dx + px
             dy = py if dy is None else dy + py

@@ -13,6 +13,13 @@
 * JAX compiles every eager op once per input shape (seconds per new shape on CPU), so the suite
   shares a few canonical shapes (``_helpers.N, M, C``). Tests marked ``new_shapes`` use shapes of
   their own; JAX runs them only with ``--jax-all`` or ``SLICEDKERN_JAX_ALL=1``.
+* Profiles. The default run (the README's ``python -m pytest``) is sized to pass in about ten
+  minutes on two cores with torch and JAX installed: every test function runs on every backend and
+  engine, but JAX (60 % of the full suite's time, nearly all of it compiling) runs **one** case of
+  each parametrised test function, a different one per function (a stable choice by the test's
+  name), and the tests marked ``exhaustive`` (slow compiles, oversized cases) are left out.
+  ``--exhaustive`` or ``SLICEDKERN_EXHAUSTIVE=1`` runs the whole matrix, and the fuzz suite's long
+  profile (tests/fuzz/conftest.py) unless ``$SLICEDKERN_FUZZ`` names another; CI runs both.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import zlib
 
 import pytest
 
@@ -36,11 +44,17 @@ def pytest_addoption(parser):
                           f"(default: ${ENV_VAR} or all)")
     parser.addoption("--jax-all", action="store_true", default=False,
                      help="also run the tests marked new_shapes on JAX (slow: one compile per shape)")
+    parser.addoption("--exhaustive", action="store_true", default=False,
+                     help=f"the whole matrix: every JAX case, the tests marked exhaustive, and the fuzz "
+                          f"suite's long profile (default: ${EXHAUSTIVE_ENV} or off)")
 
 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "new_shapes: compiles shapes no other test uses; on JAX only with --jax-all")
+    config.addinivalue_line(
+        "markers", "exhaustive: slow (compiles, oversized cases) beside tests that cover the same code; "
+                   "runs only with --exhaustive")
     try:
         selected_backends(config)
     except ValueError as exc:
@@ -55,6 +69,40 @@ def pytest_generate_tests(metafunc):
     if "xp_pair" in metafunc.fixturenames:
         pairs = list(itertools.combinations(names, 2))
         metafunc.parametrize("xp_pair", pairs, indirect=True, ids=[f"{a}-{b}" for a, b in pairs])
+
+
+EXHAUSTIVE_ENV = "SLICEDKERN_EXHAUSTIVE"
+
+
+def exhaustive(config) -> bool:
+    """Whether the whole matrix runs (``--exhaustive`` or ``$SLICEDKERN_EXHAUSTIVE``)."""
+    return bool(config.getoption("--exhaustive")) or os.environ.get(EXHAUSTIVE_ENV, "") not in ("", "0")
+
+
+def _jax_case(item) -> bool:
+    """A JAX case of a parametrised test: the ``xp`` axis on JAX, or JAX's own x64 on / off axis."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return False
+    backend = callspec.params.get("xp")
+    return (isinstance(backend, str) and backend.split("-")[0] == "jax") or "x64" in callspec.params
+
+
+def pytest_collection_modifyitems(config, items):
+    """The default profile (module docstring): one JAX case per test function, no ``exhaustive``."""
+    if exhaustive(config):
+        return
+    left_out = {id(item) for item in items if item.get_closest_marker("exhaustive") is not None}
+    jax_cases: dict[str, list] = {}
+    for item in items:
+        if id(item) not in left_out and _jax_case(item):
+            jax_cases.setdefault(item.nodeid.split("[")[0], []).append(item)
+    for function, cases in jax_cases.items():
+        kept = cases[zlib.crc32(function.encode()) % len(cases)]
+        left_out |= {id(item) for item in cases if item is not kept}
+    if left_out:
+        config.hook.pytest_deselected(items=[item for item in items if id(item) in left_out])
+        items[:] = [item for item in items if id(item) not in left_out]
 
 
 @pytest.fixture

@@ -317,6 +317,7 @@ def test_sliced_causal_attention(cxp, rng):
     np.testing.assert_allclose(to_numpy(out), expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.exhaustive      # 70 s of eager JAX compiles; test_double_float_gradients runs this forward too
 @pytest.mark.new_shapes
 def test_double_float_work_dtype(rng):
     """JAX without float64: the double-float path (single-position leaves, wide sums and totals)."""

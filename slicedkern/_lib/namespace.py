@@ -6,7 +6,6 @@ framework or asks which framework an array belongs to (that is the backend regis
 
 from __future__ import annotations
 
-import functools
 import math
 
 import array_api_compat as compat
@@ -57,10 +56,18 @@ def check_floating(xp, named_arrays: dict):
             raise TypeError(f"argument {name!r} must have a real floating dtype, got {shape_str(a)}")
 
 
-@functools.lru_cache(maxsize=256)
+#: ``(namespace, dtype) -> is it real floating``: a plain dict, not an lru_cache, which torch.compile
+#: would warn about in the user's log (backends/__init__.py, ``_BY_TYPE``)
+_REAL_FLOATING: dict = {}
+
+
 def _real_floating(xp, dtype) -> bool:
     """``xp.isdtype(dtype, "real floating")``, asked once per namespace and dtype."""
-    return xp.isdtype(dtype, "real floating")
+    key = (xp, dtype)
+    answer = _REAL_FLOATING.get(key)
+    if answer is None:
+        answer = _REAL_FLOATING[key] = bool(xp.isdtype(dtype, "real floating"))
+    return answer
 
 
 def has_float64(xp, device) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 import array_api_compat as compat
 
-from ..backends import is_traced
+from ..backends import is_traced, ops_for
 
 __all__ = ["run", "Record", "recording"]
 
@@ -30,8 +30,8 @@ def _jax_apply():
     return apply
 
 
-#: (namespace test, loader of the adapter's ``apply``); other namespaces have no autograd system.
-_ROWS = ((compat.is_torch_namespace, _torch_apply), (compat.is_jax_namespace, _jax_apply))
+#: registry row's library -> loader of its adapter's ``apply``; other libraries have no autograd system.
+_ROWS = {"torch": _torch_apply, "jax": _jax_apply}
 
 
 @dataclass
@@ -69,10 +69,9 @@ def run(xp, spec, engine, arrays, names, out_dtype, *, squeeze=False, sources=No
         records.append(Record(xp, spec, engine, arrays, names, out, residuals, squeeze,
                               sources if sources is not None else (None,) * len(names)))
     else:
-        for owns, load in _ROWS:
-            if owns(xp):
-                out = load()(spec, engine, arrays, out_dtype)
-                break
+        load = _ROWS.get(ops_for(xp).library)
+        if load is not None:
+            out = load()(spec, engine, arrays, out_dtype)
         else:
             out, _ = engine.forward(spec, arrays, xp=xp)
     if out.dtype != out_dtype:

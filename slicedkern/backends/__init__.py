@@ -12,6 +12,8 @@ in :data:`_ROWS` (see docs/architecture.rst).
 
 from __future__ import annotations
 
+import sys
+
 import array_api_compat as compat
 
 from ._generic import ArrayBackend
@@ -21,7 +23,8 @@ __all__ = ["ArrayBackend", "ops_for", "backend_of", "same_library", "holds_every
            "sorted_weights", "prefix_table", "combine_rows", "quiet_nonfinite",
            "quiet", "accurate_sum", "energy_distance_rows", "energy_distance_pairs",
            "compiled_energy_pairs",
-           "has_autograd", "is_chunked", "without_gradient", "compiled_threads"]
+           "has_autograd", "is_chunked", "without_gradient", "compiled_threads", "array_namespace", "is_array",
+           "learn_types", "learn_loaded_frameworks"]
 
 def _numpy_row():
     from ._numpy import NumpyBackend
@@ -61,20 +64,85 @@ def _row(library, load) -> ArrayBackend:
     return row
 
 
+#: namespace -> registry row, memoised in a plain dict (see ``_BY_TYPE`` below for why not a cache)
+_BY_NAMESPACE: dict = {}
+
+
 def ops_for(xp) -> ArrayBackend:
     """The registry row of namespace ``xp`` (the generic one for libraries without a row)."""
-    for library, owns_namespace, _, load in _ROWS:
-        if owns_namespace(xp):
-            return _row(library, load)
-    return _GENERIC
+    key = _namespace_key(xp)
+    row = _BY_NAMESPACE.get(key)
+    if row is None:
+        row = _GENERIC
+        for library, owns_namespace, _, load in _ROWS:
+            if owns_namespace(xp):
+                row = _row(library, load)
+                break
+        _BY_NAMESPACE[key] = row
+    return row
+
+
+def _namespace_key(xp):
+    """A namespace's module name (a string, which torch.compile looks up in a dict as a constant)."""
+    name = getattr(xp, "__name__", None)
+    return name if isinstance(name, str) else xp
+
+
+#: ``type(a) -> (registry row, array-API namespace or None)``, filled on first sight of a type. A plain
+#: dict on purpose: array-api-compat memoises its type tests with ``functools.lru_cache``, and
+#: ``torch.compile`` warns once per such cache it traces through (92 lines in a user's log from one
+#: compiled layer: issue 23, item 5); a dict lookup it traces silently. Both answers depend on the
+#: type alone.
+_BY_TYPE: dict[type, tuple] = {}
+
+
+def _by_type(a) -> tuple:
+    entry = _BY_TYPE.get(type(a))
+    if entry is None:
+        row = _GENERIC
+        for library, _, owns_array, load in _ROWS:
+            if owns_array(a):
+                row = _row(library, load)
+                break
+        space = compat.array_namespace(a) if compat.is_array_api_obj(a) else None
+        entry = _BY_TYPE[type(a)] = (row, space)
+        if space is not None:
+            _BY_NAMESPACE.setdefault(_namespace_key(space), row)
+    return entry
 
 
 def backend_of(a) -> ArrayBackend:
     """The registry row of array ``a``."""
-    for library, _, owns_array, load in _ROWS:
-        if owns_array(a):
-            return _row(library, load)
-    return _GENERIC
+    return _by_type(a)[0]
+
+
+def array_namespace(a):
+    """``array_api_compat.array_namespace(a)`` of one array, memoised by its type; ``TypeError`` for
+    an object of no array library."""
+    space = _by_type(a)[1]
+    if space is None:
+        raise TypeError(f"{type(a).__module__}.{type(a).__name__} is not an array of an array-API library")
+    return space
+
+
+def is_array(a) -> bool:
+    """``array_api_compat.is_array_api_obj(a)``, memoised by type."""
+    return _by_type(a)[1] is not None
+
+
+def learn_loaded_frameworks() -> None:
+    """:func:`learn_types` for torch's tensor types if torch is already imported (never imports it):
+    so that a first call traced by ``torch.compile`` finds them memoised."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "empty") and hasattr(torch, "nn"):
+        learn_types(torch.empty(0), torch.nn.Parameter(torch.empty(0), requires_grad=False))
+
+
+def learn_types(*arrays) -> None:
+    """Fill the type memo for ``arrays`` now (eagerly, outside any ``torch.compile`` trace): the layers
+    and ``import slicedkern`` call it for torch's tensor types when torch is loaded."""
+    for a in arrays:
+        _by_type(a)
 
 
 def same_library(a, b) -> bool:
@@ -176,3 +244,8 @@ def is_chunked(xp) -> bool:
     """Whether ``xp``'s arrays are lazy and split into chunks (Dask): the sliced ops then build a
     chunked plan (slicedkern/sliced/_chunked.py) whose primitives are the row's methods."""
     return ops_for(xp).chunked
+
+
+# torch imported before slicedkern (the usual order): its tensor types are memoised now, eagerly,
+# rather than inside a first call that torch.compile traces
+learn_loaded_frameworks()

@@ -29,10 +29,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..backends import learn_types
 from ..kernels import PiecewiseLinear
 from . import ROPE_BASE, attention_op, check_forward, layer_config, op_arguments
 
 __all__ = ["SlicedAttention", "SlicedTransformerEncoderLayer", "SlicedTransformerEncoder"]
+
+# the tensor types memoised before any forward, which torch.compile may trace first: it warns about
+# every functools.lru_cache it meets, and array-api-compat's type tests are such caches
+learn_types(torch.empty(0), nn.Parameter(torch.empty(0), requires_grad=False))
 
 
 def rotary_embedding(x: Tensor, num_heads: int, offset: int = 0) -> Tensor:

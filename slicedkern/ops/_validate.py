@@ -20,7 +20,7 @@ from .._lib.namespace import (
     shape_str,
 )
 from .._spec import NORMALIZERS
-from ..backends import holds_everywhere, is_chunked, same_library
+from ..backends import array_namespace, holds_everywhere, is_array, is_chunked, same_library
 from ..kernels import PiecewiseLinear
 
 __all__ = ["setup", "namespace_of", "need_ndim", "check_kernel", "check_normalize", "check_eps",
@@ -41,7 +41,7 @@ def namespace_of(named_arrays: dict, xp=None, *, required=()):
     """
     for name in required:
         a = named_arrays.get(name)
-        if a is None or is_scalar(a) or not compat.is_array_api_obj(a):
+        if a is None or is_scalar(a) or not is_array(a):
             raise TypeError(f"argument {name!r} must be an array (NumPy, torch, JAX, CuPy or another "
                             f"array-API library), got {type(a).__name__}")
     arrays = {k: a for k, a in named_arrays.items() if a is not None and not is_scalar(a)}
@@ -52,7 +52,7 @@ def namespace_of(named_arrays: dict, xp=None, *, required=()):
     spaces = {}
     for name, a in arrays.items():
         try:
-            spaces[name] = _NUMPY_NAMESPACE if type(a) is np.ndarray else compat.array_namespace(a)
+            spaces[name] = _NUMPY_NAMESPACE if type(a) is np.ndarray else array_namespace(a)
         except TypeError as exc:
             raise TypeError(f"argument {name!r} is not an array of a supported library "
                             f"(got {type(a).__name__})") from exc
@@ -181,7 +181,7 @@ def positive_param(xp, value, name, device, work):
 def floating_param(xp, value, name, device, work, expected="a number, a sequence of numbers or an array"):
     """An array parameter checked against the namespace and device of the other arrays, and its dtype."""
     try:
-        space = compat.array_namespace(value)
+        space = array_namespace(value)
     except TypeError:
         raise TypeError(f"argument {name!r} must be {expected}, got {type(value).__name__}") from None
     if not same_library(space, xp):

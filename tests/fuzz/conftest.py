@@ -64,9 +64,16 @@ settings.register_profile(
 BACKEND_SHARE = {"jax": 0.2, "array_api_strict": 0.5}
 
 
+#: ``--exhaustive`` (tests/conftest.py) chooses the long profile where ``$SLICEDKERN_FUZZ`` is unset
+_EXHAUSTIVE = {"on": False}
+
+
 def fuzz_profile() -> tuple[str, int | None]:
-    """``(profile name, examples per test or None)`` from ``$SLICEDKERN_FUZZ``."""
+    """``(profile name, examples per test or None)`` from ``$SLICEDKERN_FUZZ`` (``--exhaustive``:
+    the long profile when it is unset)."""
     value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value == "" and _EXHAUSTIVE["on"]:
+        value = "long"
     if value in ("", "ci", "0"):
         return "slicedkern-fuzz-ci", None
     if value == "long":
@@ -77,6 +84,9 @@ def fuzz_profile() -> tuple[str, int | None]:
 
 
 def pytest_configure(config):
+    # the rule of tests/conftest.py's exhaustive(): the option, or $SLICEDKERN_EXHAUSTIVE
+    _EXHAUSTIVE["on"] = bool(config.getoption("--exhaustive")) or os.environ.get(
+        "SLICEDKERN_EXHAUSTIVE", "") not in ("", "0")
     fuzz_profile()       # a bad $SLICEDKERN_FUZZ is a usage error before anything runs
 
 

@@ -23,7 +23,6 @@ compilation (docs/backends.rst, "First call").
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import array_api_compat as compat
@@ -41,6 +40,7 @@ _F64 = np.dtype(np.float64)
 
 
 _bridge_module = None
+_NUMBA_FOUND = importlib.util.find_spec("numba") is not None
 
 
 def _bridge():
@@ -121,9 +121,10 @@ class SweepEngine(Engine):
     supports_causal = True
 
     @staticmethod
-    @functools.cache
     def installed() -> bool:
-        return importlib.util.find_spec("numba") is not None      # asked once: every call selects
+        # asked once (every call selects an engine); a module constant, not a functools.cache, which
+        # torch.compile would warn about in the user's log
+        return _NUMBA_FOUND
 
     def decline(self, spec, arrays, backend):
         reason = super().decline(spec, arrays, backend)

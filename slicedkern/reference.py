@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import array_api_compat as compat
 
-from ._lib.namespace import compute_dtypes
+from ._lib.namespace import array_device, compute_dtypes
 from .kernels import Abs, HatMixture, ReLU, hat_profile
 
 __all__ = ["kernel_sum", "relu_attention", "hat_attention", "hat_mixture_attention",
@@ -29,7 +29,7 @@ def _prep(*arrays):
     present = [a for a in arrays if a is not None]
     xp = compat.array_namespace(*present)
     out, work = compute_dtypes(xp, [a for a in present if xp.isdtype(a.dtype, "real floating")],
-                               compat.device(present[0]))
+                               array_device(present[0]))
     cast = [None if a is None or not xp.isdtype(a.dtype, "real floating") else xp.astype(a, work)
             for a in arrays]
     return xp, out, cast
@@ -43,7 +43,7 @@ def kernel_matrix(x, y, kernel):
 def _nan_rows(xp, x, out):
     """NaN rows for non-finite queries ``x`` (..., n) in ``out`` (..., n, c), whether or not the query
     sees a key (docs/mathematics.rst, "Non-finite input")."""
-    nan = xp.asarray(float("nan"), dtype=out.dtype, device=compat.device(out))
+    nan = xp.asarray(float("nan"), dtype=out.dtype, device=array_device(out))
     return xp.where(xp.isfinite(x)[..., None], out, nan)
 
 
@@ -63,8 +63,8 @@ def _visible(xp, q, k, valid, causal):
     keep = valid[..., None, :] != 0
     if causal:
         lq, lk = q.shape[-1], k.shape[-1]
-        i = xp.arange(lq, device=compat.device(q))[:, None]
-        j = xp.arange(lk, device=compat.device(q))[None, :]
+        i = xp.arange(lq, device=array_device(q))[:, None]
+        j = xp.arange(lk, device=array_device(q))[None, :]
         keep = keep & (j <= i + (lk - lq))
     return keep
 
@@ -78,11 +78,11 @@ def _attention(q, k, v, weights_of, key_mask, center, normalize, eps, causal=Fal
     """
     xp, out_dtype, (q, k, v) = _prep(q, k, v)
     r = q[..., :, None] - k[..., None, :]
-    valid = (xp.ones(k.shape, dtype=q.dtype, device=compat.device(q)) if key_mask is None
+    valid = (xp.ones(k.shape, dtype=q.dtype, device=array_device(q)) if key_mask is None
              else xp.astype(key_mask, q.dtype))
     valid = xp.broadcast_to(valid, k.shape) if valid.ndim < k.ndim else valid
     keep = _visible(xp, q, k, valid, causal)
-    zero = xp.zeros((), dtype=q.dtype, device=compat.device(q))
+    zero = xp.zeros((), dtype=q.dtype, device=array_device(q))
     seen = xp.astype(keep, q.dtype)                              # (..., Lq, Lk)
     kmat = xp.where(keep, weights_of(r), zero)
     v = xp.where(valid[..., :, None] != 0, v, zero)

@@ -19,7 +19,9 @@
   each parametrised test function, a different one per function (a stable choice by the test's
   name), and the tests marked ``exhaustive`` (slow compiles, oversized cases) are left out.
   ``--exhaustive`` or ``SLICEDKERN_EXHAUSTIVE=1`` runs the whole matrix, and the fuzz suite's long
-  profile (tests/fuzz/conftest.py) unless ``$SLICEDKERN_FUZZ`` names another; CI runs both.
+  profile (tests/fuzz/conftest.py) unless ``$SLICEDKERN_FUZZ`` names another. CI runs the default
+  profile, then ``--exhaustive --rest``: only what the default left out, and the fuzz suite again
+  with the long profile (time-boxed there with ``$SLICEDKERN_FUZZ``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def pytest_addoption(parser):
     parser.addoption("--exhaustive", action="store_true", default=False,
                      help=f"the whole matrix: every JAX case, the tests marked exhaustive, and the fuzz "
                           f"suite's long profile (default: ${EXHAUSTIVE_ENV} or off)")
+    parser.addoption("--rest", action="store_true", default=False,
+                     help="with --exhaustive: only what the default profile leaves out, and the fuzz suite "
+                          "(CI runs the default profile first, then this)")
 
 
 def pytest_configure(config):
@@ -89,9 +94,21 @@ def _jax_case(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The default profile (module docstring): one JAX case per test function, no ``exhaustive``."""
+    """The default profile (module docstring): one JAX case per test function, no ``exhaustive``;
+    with ``--exhaustive --rest``, only what the default profile leaves out and the fuzz suite."""
+    left_out = _left_out_by_default(items)
     if exhaustive(config):
-        return
+        if not config.getoption("--rest"):
+            return
+        left_out = {id(item) for item in items
+                    if id(item) not in left_out and not item.nodeid.startswith("tests/fuzz/")}
+    if left_out:
+        config.hook.pytest_deselected(items=[item for item in items if id(item) in left_out])
+        items[:] = [item for item in items if id(item) not in left_out]
+
+
+def _left_out_by_default(items) -> set:
+    """``id()`` of the items the default profile leaves out."""
     left_out = {id(item) for item in items if item.get_closest_marker("exhaustive") is not None}
     jax_cases: dict[str, list] = {}
     for item in items:
@@ -100,9 +117,7 @@ def pytest_collection_modifyitems(config, items):
     for function, cases in jax_cases.items():
         kept = cases[zlib.crc32(function.encode()) % len(cases)]
         left_out |= {id(item) for item in cases if item is not kept}
-    if left_out:
-        config.hook.pytest_deselected(items=[item for item in items if id(item) in left_out])
-        items[:] = [item for item in items if id(item) not in left_out]
+    return left_out
 
 
 @pytest.fixture

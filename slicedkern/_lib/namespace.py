@@ -11,6 +11,8 @@ import math
 import array_api_compat as compat
 
 __all__ = [
+    "array_device",
+    "answer_device_directly",
     "is_scalar",
     "check_same_device",
     "check_floating",
@@ -21,6 +23,26 @@ __all__ = [
     "inclusive_scan",
     "exclusive_scan",
 ]
+
+
+#: Array types whose ``.device`` is the array-API device (torch tensors, registered by the backend
+#: registry's torch row): asked directly, not through ``array_api_compat.device``, whose type tests
+#: are ``functools.lru_cache``s that ``torch.compile`` warns about in the user's log (a plain dict it
+#: traces silently; backends/__init__.py, ``_BY_TYPE``).
+_DIRECT_DEVICE: dict = {}
+
+
+def answer_device_directly(*types) -> None:
+    """Let :func:`array_device` read ``.device`` of arrays of these types."""
+    for t in types:
+        _DIRECT_DEVICE[t] = True
+
+
+def array_device(a):
+    """``array_api_compat.device(a)``."""
+    if _DIRECT_DEVICE.get(type(a), False):
+        return a.device
+    return compat.device(a)
 
 
 def shape_str(a) -> str:
@@ -37,7 +59,7 @@ def check_same_device(named_arrays: dict):
     for name, a in named_arrays.items():
         if a is None or is_scalar(a):
             continue
-        dev = compat.device(a)
+        dev = array_device(a)
         if dev is None:             # tracers have no device
             continue
         if name0 is None:
@@ -63,7 +85,8 @@ _REAL_FLOATING: dict = {}
 
 def _real_floating(xp, dtype) -> bool:
     """``xp.isdtype(dtype, "real floating")``, asked once per namespace and dtype."""
-    key = (xp, dtype)
+    # keyed by the namespace's name: torch.compile cannot hash a module inside a key
+    key = (getattr(xp, "__name__", None) or id(xp), dtype)
     answer = _REAL_FLOATING.get(key)
     if answer is None:
         answer = _REAL_FLOATING[key] = bool(xp.isdtype(dtype, "real floating"))
@@ -103,7 +126,7 @@ def as_work(xp, a, work):
 def clamp_min(xp, a, lower: float):
     """``max(a, lower)`` elementwise, ``lower`` a Python float (``xp.clip`` of some wrappers does not
     trace under ``torch.compile(dynamic=True)``)."""
-    return xp.maximum(a, xp.asarray(lower, dtype=a.dtype, device=compat.device(a)))
+    return xp.maximum(a, xp.asarray(lower, dtype=a.dtype, device=array_device(a)))
 
 
 def ceil_log2(n: int) -> int:
@@ -135,7 +158,7 @@ def _interleave(xp, even, odd):
     """Rows ``even[0], odd[0], even[1], odd[1], ...`` along axis -2 (``even`` one row longer or equal)."""
     rows = even.shape[-2] + odd.shape[-2]
     if even.shape[-2] > odd.shape[-2]:
-        pad = xp.zeros(odd.shape[:-2] + (1, odd.shape[-1]), dtype=odd.dtype, device=compat.device(odd))
+        pad = xp.zeros(odd.shape[:-2] + (1, odd.shape[-1]), dtype=odd.dtype, device=array_device(odd))
         odd = xp.concat([odd, pad], axis=-2)
     both = xp.stack([even, odd], axis=-2)                        # (..., half, 2, c)
     out = xp.reshape(both, tuple(both.shape[:-3]) + (2 * even.shape[-2], both.shape[-1]))
@@ -168,5 +191,5 @@ def exclusive_scan(xp, op, rows):
     """:func:`inclusive_scan` of ``rows`` behind a zero row: each result (..., n + 1, c), row ``p``
     combining input rows ``0 .. p - 1`` (``op`` must take zero rows as its identity)."""
     first = rows[0]
-    zero = xp.zeros(first.shape[:-2] + (1, first.shape[-1]), dtype=first.dtype, device=compat.device(first))
+    zero = xp.zeros(first.shape[:-2] + (1, first.shape[-1]), dtype=first.dtype, device=array_device(first))
     return inclusive_scan(xp, op, tuple(xp.concat([zero, r], axis=-2) for r in rows))

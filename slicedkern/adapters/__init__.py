@@ -14,8 +14,6 @@ import contextvars
 from dataclasses import dataclass
 from typing import Any
 
-import array_api_compat as compat
-
 from ..backends import is_traced, ops_for
 
 __all__ = ["run", "Record", "recording"]

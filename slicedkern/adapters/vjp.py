@@ -30,19 +30,27 @@ def composite(planner):
     return mark
 
 
-def _positions(fn, args, rec) -> dict[str, list[int]]:
-    """The positional arguments of ``fn`` each input of the op is, by identity: ``{name: [index, ...]}``.
+def _positions(fn, args, kwargs, rec) -> dict[str, list[int]]:
+    """The positional arguments of ``fn`` each input of the op is: ``{name: [index, ...]}``.
 
-    Matching by identity, not by name or order, keeps a wrapper that renames or reorders the op's
-    arguments (``lambda q, k, v: relu_attention(k, q, v)``) right; an argument passed twice collects
-    both gradients. A floating array argument of ``fn`` that reaches the op only after a computation
-    (``relu_attention(2 * q, k, v)``) has a gradient :func:`vjp` cannot know: that is an error, never a
-    silently missing term.
+    When ``fn`` is the op itself (or a wrapper with the op's parameter names, in place), by name: each
+    position gets its own input's gradient, even where one array fills two (``kernel_sum(x, x, w)``).
+    Otherwise by identity, so that a wrapper that renames or reorders the op's arguments
+    (``lambda q, k, v: relu_attention(k, q, v)``) stays right, and an argument passed twice collects
+    both gradients. A floating array argument of such a wrapper that reaches the op only after a
+    computation (``relu_attention(2 * q, k, v)``) has a gradient :func:`vjp` cannot know: that is an
+    error, never a silently missing term.
     """
-    positions = {}
-    for name, source in zip(rec.names, rec.sources):
-        if source is not None and name != "key_mask":
-            positions[name] = [i for i, arg in enumerate(args) if arg is source]
+    sources = {name: source for name, source in zip(rec.names, rec.sources)
+               if source is not None and name != "key_mask"}
+    try:
+        bound = list(inspect.signature(fn).bind(*args, **kwargs).arguments)[:len(args)]
+    except (TypeError, ValueError):
+        bound = []
+    by_name = {name: i for i, name in enumerate(bound)}
+    if sources and all(name in by_name and args[by_name[name]] is source for name, source in sources.items()):
+        return {name: [by_name[name]] for name in sources}
+    positions = {name: [i for i, arg in enumerate(args) if arg is source] for name, source in sources.items()}
     used = {i for hits in positions.values() for i in hits}
     lost = [i for i, arg in enumerate(args) if i not in used and compat.is_array_api_obj(arg)
             and rec.xp.isdtype(arg.dtype, "real floating")]
@@ -135,7 +143,7 @@ def vjp(fn, *args, **kwargs):
         raise TypeError(f"vjp supports slicedkern's sort-scan ops, called once; {getattr(fn, '__name__', fn)!r} "
                         f"made {len(records)} such calls")
     rec = records[0]
-    positional = _positions(fn, args, rec)
+    positional = _positions(fn, args, kwargs, rec)
     xp = rec.xp
 
     def pullback(g):

@@ -73,13 +73,17 @@ def ops_for(xp) -> ArrayBackend:
     key = _namespace_key(xp)
     row = _BY_NAMESPACE.get(key)
     if row is None:
-        row = _GENERIC
-        for library, owns_namespace, _, load in _ROWS:
-            if owns_namespace(xp):
-                row = _row(library, load)
-                break
-        _BY_NAMESPACE[key] = row
+        row = _BY_NAMESPACE[key] = _first_row(1, xp)
     return row
+
+
+def _first_row(test: int, value) -> ArrayBackend:
+    """The first row of :data:`_ROWS` whose test number ``test`` (1: namespace, 2: array) accepts
+    ``value``, loaded; the generic row if none does."""
+    for row in _ROWS:
+        if row[test](value):
+            return _row(row[0], row[3])
+    return _GENERIC
 
 
 def _namespace_key(xp):
@@ -99,11 +103,7 @@ _BY_TYPE: dict[type, tuple] = {}
 def _by_type(a) -> tuple:
     entry = _BY_TYPE.get(type(a))
     if entry is None:
-        row = _GENERIC
-        for library, _, owns_array, load in _ROWS:
-            if owns_array(a):
-                row = _row(library, load)
-                break
+        row = _first_row(2, a)
         space = compat.array_namespace(a) if compat.is_array_api_obj(a) else None
         entry = _BY_TYPE[type(a)] = (row, space)
         if space is not None:

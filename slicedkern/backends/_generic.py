@@ -12,7 +12,7 @@ import os
 import array_api_compat as compat
 import numpy as np
 
-from .._lib.namespace import ceil_log2
+from .._lib.namespace import array_device, ceil_log2
 
 __all__ = ["ArrayBackend"]
 
@@ -129,7 +129,7 @@ class ArrayBackend:
         static length ``m`` only, so it is safe under JIT tracing.
         """
         m = sorted_keys.shape[-1]
-        dev = compat.device(values)
+        dev = array_device(values)
         lo = xp.zeros(values.shape, dtype=xp.int64, device=dev)
         if m == 0:
             return lo
@@ -164,11 +164,11 @@ class ArrayBackend:
         if wide.dtype != dtype:
             wide = xp.astype(wide, dtype)
         if ones:
-            one = xp.ones(tuple(perm.shape) + (1,), dtype=dtype, device=compat.device(wide))
+            one = xp.ones(tuple(perm.shape) + (1,), dtype=dtype, device=array_device(wide))
             wide = xp.concat([wide, one], axis=-1)
         if take is not None:
             keep = xp.take_along_axis(take, perm, axis=-1)
-            wide = xp.where(keep[..., None], wide, xp.asarray(0.0, dtype=dtype, device=compat.device(wide)))
+            wide = xp.where(keep[..., None], wide, xp.asarray(0.0, dtype=dtype, device=array_device(wide)))
         return wide
 
     def prefix_table(self, xp, keys, weights, perm, *, take=None, ones=False):
@@ -223,7 +223,7 @@ class ArrayBackend:
         length = v.shape[-1]
         while length > 64:
             if length % 2:
-                pad = xp.zeros(tuple(v.shape[:-1]) + (1,), dtype=v.dtype, device=compat.device(v))
+                pad = xp.zeros(tuple(v.shape[:-1]) + (1,), dtype=v.dtype, device=array_device(v))
                 v = xp.concat([v, pad], axis=-1)
                 length += 1
             v = v[..., 0:length:2] + v[..., 1:length:2]

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+
 import array_api_compat as compat
 import numpy as np
 import torch
 
+from .._lib.namespace import answer_device_directly
 from ._generic import ArrayBackend
 from ._merge1d import energy_distance_rows
 from ._pairs import available, energy_pair_sums
@@ -179,6 +185,52 @@ def _combine_columns(table, lead, n, indices, parts, weights, columns, cache):
     return acc.expand(nb, n, width).reshape(*lead, n, width)
 
 
+
+
+# a tensor's .device is its array-API device (what array_api_compat.device returns for it)
+answer_device_directly(torch.Tensor, torch.nn.Parameter)
+
+
+def _allow_pure_caches(dynamo_utils) -> None:
+    """Tell ``torch.compile`` that array-api-compat's memoised type tests (``functools.lru_cache``s of
+    pure functions of a type) may be traced through: dynamo otherwise prints a warning per cache it
+    meets, ours (through array-api-compat's wrappers) included, in the user's log (issue 23, item 5).
+    torch does the same for einops; a torch without the hook changes nothing."""
+    allow = getattr(dynamo_utils, "allow_lru_cache_wrapper_trace_without_warning", None)
+    if allow is None:
+        return
+    from array_api_compat.common import _helpers
+    for value in vars(_helpers).values():
+        if isinstance(value, functools._lru_cache_wrapper):
+            allow(value)
+
+
+class _WhenDynamoLoads(importlib.abc.MetaPathFinder):
+    """Runs :func:`_allow_pure_caches` right after ``torch._dynamo.utils`` is imported (by the user's
+    first ``torch.compile``), without importing dynamo ourselves (1.8 s)."""
+
+    target = "torch._dynamo.utils"
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.target:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                _allow_pure_caches(module)
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+if _WhenDynamoLoads.target in sys.modules:
+    _allow_pure_caches(sys.modules[_WhenDynamoLoads.target])
+elif not any(isinstance(f, _WhenDynamoLoads) for f in sys.meta_path):
+    sys.meta_path.insert(0, _WhenDynamoLoads())
 
 
 class _NoGradient(torch.autograd.Function):

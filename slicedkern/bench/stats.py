@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from ..backends import compiled_energy_pairs
+from ..sliced import directions as make_directions
 from ..sliced import energy_distance
 from ..sliced.stats import SLICE_COST, SLICE_COST_COMPILED, _method
 
@@ -91,7 +92,6 @@ def _sliced_across_libraries(sizes, repeats: int, rng) -> list[str]:
         return []
     import torch
 
-    from ..sliced import directions as make_directions
     theta = make_directions(_DIRECTIONS, _SLICED_DIM, seed=0)
     lines = ["", f"Sliced energy distance in R^{_SLICED_DIM}, n = m, P = {_DIRECTIONS} fixed directions, NumPy "
              f"against torch on the CPU ({torch.get_num_threads()} torch threads); time: best of {repeats}, "

@@ -24,9 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import array_api_compat as compat
-
-from .._lib.namespace import clamp_min
+from .._lib.namespace import array_device, clamp_min
 from .._spec import bandwidth_ok, normalizer_profile, profile_of, unpack
 from ..engines._causal_grid import CausalGrid, running_sum, screen_causal
 from ..engines._vjp import _add_params
@@ -71,10 +69,10 @@ def _later_rows(xp, comm, total: int, n: int, dev):
 def _scan_ranks(xp, comm, per_rank, *, after: bool):
     """Sum of ``per_rank`` (...) over the ranks before this one (after it, with ``after``), and over all."""
     gathered = comm.gather(per_rank[None, ...], 0)                        # (P, ...): O(P B c) numbers
-    rank, index = _ranks(xp, comm, gathered.shape[0], compat.device(per_rank))
+    rank, index = _ranks(xp, comm, gathered.shape[0], array_device(per_rank))
     pick = (index > rank) if after else (index < rank)
     pick = xp.reshape(pick, (gathered.shape[0],) + (1,) * per_rank.ndim)
-    zero = xp.zeros((), dtype=gathered.dtype, device=compat.device(gathered))
+    zero = xp.zeros((), dtype=gathered.dtype, device=array_device(gathered))
     return xp.sum(xp.where(pick, gathered, zero), axis=0), xp.sum(gathered, axis=0)
 
 
@@ -83,7 +81,7 @@ def forward(spec, engine, comm, arrays, *, xp):
     q, k, v, mask, params = unpack(spec, arrays)
     profile = profile_of(spec, params)
     normalizer = normalizer_profile(spec.normalize)
-    work, dev = q.dtype, compat.device(q)
+    work, dev = q.dtype, array_device(q)
     n, dv = q.shape[-1], v.shape[-1]
     sc = screen_causal(xp, CausalGrid(n, n), q, k, v, mask)               # the NaN rule inside the shard
     takef = xp.astype(sc.take, work)[..., None]
@@ -135,7 +133,7 @@ def backward(spec, engine, comm, arrays, saved: CausalSaved, gout, *, xp):
     q, k, v, mask, params = unpack(spec, arrays)
     profile = profile_of(spec, params)
     normalizer = normalizer_profile(spec.normalize)
-    work, dev = q.dtype, compat.device(q)
+    work, dev = q.dtype, array_device(q)
     dv = v.shape[-1]
     s = saved
     good = s.q_good[..., None]

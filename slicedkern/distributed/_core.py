@@ -26,9 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import array_api_compat as compat
-
-from .._lib.namespace import clamp_min
+from .._lib.namespace import array_device, clamp_min
 from .._spec import bandwidth_ok, normalizer_profile, param_grads, profile_of, unpack
 from ..engines._nanpolicy import sanitize_keys
 from ..engines._vjp import _add_params
@@ -60,7 +58,7 @@ def forward(spec, engine, comm, arrays, *, xp):
     q, k, v, mask, params = unpack(spec, arrays)
     profile = profile_of(spec, params)
     normalizer = normalizer_profile(spec.normalize)
-    work, dev = q.dtype, compat.device(q)
+    work, dev = q.dtype, array_device(q)
     dv = v.shape[-1]
     x, y, w, q_ok, row_ok = sanitize_keys(xp, q, k, v, mask)
     take = xp.broadcast_to(row_ok[..., None], k.shape)
@@ -112,7 +110,7 @@ def backward(spec, engine, comm, arrays, saved: Saved, gout, *, xp):
     dv = v.shape[-1]
     s = saved
     good = (s.q_ok & s.row_ok[..., None])[..., None]
-    zero = xp.zeros((), dtype=work, device=compat.device(q))
+    zero = xp.zeros((), dtype=work, device=array_device(q))
     gnum = gout * (xp.astype(good, work) / s.den_c)                       # (..., n_r, Dv)
     columns, indicator_profiles = [gnum], []
     if spec.center:
@@ -135,7 +133,7 @@ def backward(spec, engine, comm, arrays, saved: Saved, gout, *, xp):
     if spec.center:
         g_mean = comm.sum(-(xp.matrix_transpose(s.relu_count) @ gnum))    # (..., 1, Dv)
         dw = dw + g_mean / s.count
-    nan = xp.asarray(float("nan"), dtype=work, device=compat.device(q))
+    nan = xp.asarray(float("nan"), dtype=work, device=array_device(q))
     dv_ = dw * xp.where(s.row_ok[..., None, None], s.takef, nan)
     return gradients(xp, spec, comm, params, grads, xp.where(s.q_ok & s.row_ok[..., None], dq, nan),
                      xp.where(s.row_ok[..., None], dk, nan), xp.astype(dv_, v.dtype))

@@ -33,9 +33,7 @@ fused backward of its own (the sweep) overrides them and returns the same gradie
 
 from __future__ import annotations
 
-import array_api_compat as compat
-
-from .._lib.namespace import as_work
+from .._lib.namespace import array_device, as_work
 from .._spec import KernelSumSpec, bandwidth_ok, normalizer_profile, param_grads, profile_of, unpack
 from ..kernels import Profile
 from . import _vjp
@@ -91,7 +89,7 @@ class Engine:
                                             **options)
         ok = bandwidth_ok(xp, spec, params)
         if ok is not None:
-            nan = xp.asarray(float("nan"), dtype=out.dtype, device=compat.device(out))
+            nan = xp.asarray(float("nan"), dtype=out.dtype, device=array_device(out))
             out = xp.where(ok[..., None, None], out, nan)
         return out, residuals
 

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import array_api_compat as compat
-
-from .._lib.namespace import ceil_log2, clamp_min
+from .._lib.namespace import array_device, ceil_log2, clamp_min
 
 __all__ = ["CausalGrid", "CausalScreen", "screen_causal", "running_sum"]
 
@@ -34,7 +32,7 @@ def _pad(xp, a, before: int, after: int, fill, axis: int):
         if count == 0:
             parts.append(None)
         elif isinstance(fill, (bool, int, float)):
-            parts.append(xp.full(tuple(shape), fill, dtype=a.dtype, device=compat.device(a)))
+            parts.append(xp.full(tuple(shape), fill, dtype=a.dtype, device=array_device(a)))
         else:
             parts.append(xp.broadcast_to(xp.astype(fill, a.dtype), tuple(shape)))
     pieces = [p for p in (parts[0], a, parts[1]) if p is not None]
@@ -128,13 +126,13 @@ def screen_causal(xp, grid: CausalGrid, q, k, v, key_mask) -> CausalScreen:
     seen_bad = running_sum(xp, xp.astype(bad, xp.int32), axis=-1) > 0
     poisoned = grid.at_queries(xp, seen_bad)
     good = q_ok & ~poisoned
-    zero = xp.asarray(0.0, dtype=k.dtype, device=compat.device(k))
+    zero = xp.asarray(0.0, dtype=k.dtype, device=array_device(k))
     takef = xp.astype(take, k.dtype)
     # keys that take no part sit at the mean of those that do, out of the way of each block's median
     # shift (docs/mathematics.rst, "Numerics"), as in the non-causal screening
     fill = xp.sum(xp.where(take, k, zero), axis=-1, keepdims=True) / clamp_min(
         xp, xp.sum(takef, axis=-1, keepdims=True), 1.0)
     k = xp.where(take, k, fill)
-    v = xp.where(take[..., None], v, xp.asarray(0.0, dtype=v.dtype, device=compat.device(v)))
+    v = xp.where(take[..., None], v, xp.asarray(0.0, dtype=v.dtype, device=array_device(v)))
     q = xp.where(q_ok, q, zero)
     return CausalScreen(q, k, v, take, good, xp.any(poisoned, axis=-1))

@@ -8,9 +8,7 @@ combination (NaN where bad), not as a pass over the output.
 
 from __future__ import annotations
 
-import array_api_compat as compat
-
-from .._lib.namespace import clamp_min
+from .._lib.namespace import array_device, clamp_min
 from ..backends import finite_rows
 
 __all__ = ["screen", "sanitize_keys"]
@@ -18,7 +16,7 @@ __all__ = ["screen", "sanitize_keys"]
 
 def _fill_masked(xp, y, take, key_mask):
     """Zero ``y`` where it takes no part; masked keys sit at the mean of the valid ones instead."""
-    zero = xp.asarray(0.0, dtype=y.dtype, device=compat.device(y))
+    zero = xp.asarray(0.0, dtype=y.dtype, device=array_device(y))
     y = xp.where(take, y, zero)
     if key_mask is not None:
         # Masked keys sit at the mean of the valid ones: they stay out of the sums (zero weight)
@@ -37,7 +35,7 @@ def sanitize_keys(xp, x, y, w, key_mask):
     queries, ``row_ok`` (...) batch rows whose participating keys and weights are all finite.
     """
     sc = screen(xp, x, y, w, key_mask, defer=False)
-    w_zero = xp.asarray(0.0, dtype=w.dtype, device=compat.device(w))
+    w_zero = xp.asarray(0.0, dtype=w.dtype, device=array_device(w))
     return sc.x, sc.y, xp.where(sc.take[..., None], w, w_zero), sc.q_ok, sc.row_ok
 
 
@@ -58,9 +56,9 @@ class _Screened:
         """``den`` broadcast to (..., n), NaN on bad queries and bad rows: the one place the policy
         touches the output, as the factor the combination divides by."""
         good = self.q_ok & self.row_ok[..., None]
-        nan = xp.asarray(float("nan"), dtype=self.x.dtype, device=compat.device(self.x))
+        nan = xp.asarray(float("nan"), dtype=self.x.dtype, device=array_device(self.x))
         if isinstance(den, (int, float)):
-            den = xp.asarray(float(den), dtype=self.x.dtype, device=compat.device(self.x))
+            den = xp.asarray(float(den), dtype=self.x.dtype, device=array_device(self.x))
         return xp.where(good, den, nan)
 
 
@@ -85,7 +83,7 @@ def screen(xp, x, y, w, key_mask, *, defer) -> _Screened:
     if key_mask is not None:
         take = take & key_mask
     y = _fill_masked(xp, y, take, key_mask)
-    zero = xp.asarray(0.0, dtype=x.dtype, device=compat.device(x))
+    zero = xp.asarray(0.0, dtype=x.dtype, device=array_device(x))
     x = xp.where(q_ok, x, zero)
     return _Screened(x, y, q_ok, row_ok, take, key_mask if defer else take, defer)
 

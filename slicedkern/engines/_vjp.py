@@ -10,9 +10,8 @@ backward pass" and "Causal attention").
 
 from __future__ import annotations
 
-import array_api_compat as compat
-
-from .._lib.namespace import clamp_min
+from .._lib.namespace import array_device, clamp_min
+from ..backends import holds_everywhere
 from ..kernels import Profile
 from ._causal_grid import CausalGrid, running_sum, screen_causal
 from ._nanpolicy import sanitize_keys
@@ -26,13 +25,13 @@ def kernel_sum_vjp(engine, x, y, w, profile: Profile, g, *, xp):
     A non-finite query contributes nothing to ``dy`` and ``dw`` (as in :func:`attention_vjp`).
     """
     x, y, w, q_ok, row_ok = sanitize_keys(xp, x, y, w, None)
-    g = xp.where(q_ok[..., None], g, xp.zeros((), dtype=g.dtype, device=compat.device(g)))
+    g = xp.where(q_ok[..., None], g, xp.zeros((), dtype=g.dtype, device=array_device(g)))
     dx, dy, dw, params = engine.profiles_vjp(x, y, w, [profile], [g], xp=xp)
     return (*_nan_rows(xp, dx, dy, dw, q_ok, row_ok), params[0])
 
 
 def _nan_rows(xp, dx, dy, dw, q_ok, row_ok):
-    nan = xp.asarray(float("nan"), dtype=dx.dtype, device=compat.device(dx))
+    nan = xp.asarray(float("nan"), dtype=dx.dtype, device=array_device(dx))
     return (xp.where(q_ok & row_ok[..., None], dx, nan), xp.where(row_ok[..., None], dy, nan),
             xp.where(row_ok[..., None, None], dw, nan))
 
@@ -118,18 +117,12 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
     count = keys.seen(xp, takef[..., None])                             # (..., lq or 1, 1)
     count_c = clamp_min(xp, count, 1.0)
     good = keys.good[..., None]                                         # (..., lq, 1)
-    zero = xp.zeros((), dtype=work, device=compat.device(q))
+    zero = xp.zeros((), dtype=work, device=array_device(q))
     scale = xp.astype(good, work)
     if normalizer is not None:
         if isinstance(normalizer, Profile):
             # no key seen: the forward divided by 1 (its numerator is an empty sum)
             den_c = xp.where(count > 0, clamp_min(xp, aux["den"], eps), xp.ones_like(aux["den"]))
-            if _vanishes_where_normalizer_does(profile, normalizer):
-                # a normaliser sum of exactly 0 (ties, the first key) means every term of the row is 0:
-                # its output is 0 and pulls nothing back. Left in, g / eps would multiply the rounding
-                # of the prefix sums over the queries (|q| 2^-52 per pair): 1.7e10 instead of -0.9 at
-                # |q| = 1e20 (issue 23, item 10)
-                scale = xp.where(aux["den"] == 0, zero, scale)
         else:
             den_c = count_c
         scale = scale / den_c
@@ -149,11 +142,28 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
         # one pull-back for the values and the indicator column (the last column of ``w``): one sort
         # of the keys, one of the queries, and the rank searches of shared knots, for both
         dv_cols = keys.v.shape[-1]
-        w = xp.concat([keys.v, xp.astype(takef, keys.v.dtype)[..., None]], axis=-1)
+        columns = [keys.v, xp.astype(takef, keys.v.dtype)[..., None]]
+        silent = _silent_rows(xp, profile, normalizer, aux.get("den"), good)
+        value_cots = [gnum]
+        if silent is not None:
+            # Rows whose normaliser sum is exactly 0 while the profile vanishes wherever it does (ReLU
+            # attention; ties, a first key): their output is 0 and their value gradient exactly 0,
+            # but g / eps times the rounding of the sums over the queries (|q| 2^-52 a pair) would
+            # reach dv: 1.7e10 for -0.9 at |q| = 1e20 (issue 23, item 10). Their cotangent goes
+            # through a copy of the value columns whose gradient is dropped: dq and dk keep its
+            # tie-rule terms (H(0) = 1), dv gets none of it.
+            columns.append(keys.v)
+            value_cots = [xp.where(silent, zero, gnum), xp.where(silent, gnum, zero)]
+        w = xp.concat(columns, axis=-1)
         profiles = [profile.with_(columns=slice(0, dv_cols))] + [
             p.with_(columns=slice(dv_cols, dv_cols + 1)) for p in indicator_profiles]
-        dq, dk, dw, params = keys.profiles_vjp(keys.q, keys.k, w, profiles, [gnum] + indicator_cots, xp=xp)
+        if silent is not None:
+            profiles.append(profile.with_(columns=slice(dv_cols + 1, 2 * dv_cols + 1)))
+        dq, dk, dw, params = keys.profiles_vjp(keys.q, keys.k, w, profiles,
+                                               value_cots[:1] + indicator_cots + value_cots[1:], xp=xp)
         dv = dw[..., :dv_cols]
+        if silent is not None:
+            params = _add_params(params[:1], params[-1:]) + params[1:-1]
         params = _add_params(params[:1], params[1:2]) if center else params[:1]
     else:
         dq, dk, dv, params = keys.profiles_vjp(keys.q, keys.k, keys.v, [profile], [gnum], xp=xp)
@@ -162,12 +172,34 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
         dv = dv - keys.to_keys(xp, aux["relu_count"] / count_c, gnum)
 
     # keys not taken get no gradient; bad rows get NaN (the forward's NaN policy)
-    nan = xp.asarray(float("nan"), dtype=work, device=compat.device(q))
+    nan = xp.asarray(float("nan"), dtype=work, device=array_device(q))
     key_factor = xp.where(keys.row_bad[..., None], nan, takef)[..., None]
     dv = dv * key_factor
     dq = xp.where(keys.good, dq, nan)
     dk = xp.where(keys.row_bad[..., None], nan, dk)
     return dq, dk, dv, params[0]
+
+
+def _silent_rows(xp, profile: Profile, normalizer, den, good):
+    """``(..., lq, 1)`` True on the rows whose normaliser sum is exactly 0 and whose every term is
+    then 0 (:func:`_vanishes_where_normalizer_does`), or None when no row can be (or, traced, for
+    the ``|r|`` normaliser, whose sum is 0 only when every key seen ties with the query)."""
+    if not isinstance(normalizer, Profile) or not _vanishes_where_normalizer_does(profile, normalizer):
+        return None
+    none_zero = holds_everywhere(xp, den, lambda ns, a: a != 0)
+    if none_zero or (none_zero is None and not _zero_below(normalizer)):
+        return None
+    return good & (den == 0)
+
+
+def _value(p: Profile, r: float) -> float:
+    """A fixed profile at ``r``."""
+    return p.intercept + p.slope * r + sum(c * max(r - t, 0.0) for t, c in zip(p.knots, p.coeffs))
+
+
+def _zero_below(normalizer: Profile) -> bool:
+    """Whether the normaliser is 0 for every ``r <= 0`` (ReLU), not only at 0 (``|r|``)."""
+    return _value(normalizer, -1.0) == 0.0
 
 
 def _vanishes_where_normalizer_does(profile: Profile, normalizer: Profile) -> bool:
@@ -177,14 +209,10 @@ def _vanishes_where_normalizer_does(profile: Profile, normalizer: Profile) -> bo
     its knots in the zero set and one step left of them."""
     if not (profile.is_fixed and normalizer.is_fixed):
         return False
-
-    def value(p, r):
-        return p.intercept + p.slope * r + sum(c * max(r - t, 0.0) for t, c in zip(p.knots, p.coeffs))
-
-    if value(normalizer, -1.0) != 0.0:          # |r|: zero only at r = 0
-        return value(profile, 0.0) == 0.0
+    if not _zero_below(normalizer):             # |r|: zero only at r = 0
+        return _value(profile, 0.0) == 0.0
     points = [0.0] + [t for t in profile.knots if t <= 0.0]
-    return all(value(profile, r) == 0.0 for r in points + [min(points) - 1.0])
+    return all(_value(profile, r) == 0.0 for r in points + [min(points) - 1.0])
 
 
 def _add_params(a, b):

@@ -11,6 +11,7 @@ import array_api_compat as compat
 import numpy as np
 
 from .._lib.namespace import (
+    array_device,
     as_work,
     broadcast_shapes,
     check_floating,
@@ -186,8 +187,8 @@ def floating_param(xp, value, name, device, work, expected="a number, a sequence
         raise TypeError(f"argument {name!r} must be {expected}, got {type(value).__name__}") from None
     if not same_library(space, xp):
         raise TypeError(f"argument {name!r} comes from a different array library than the other arrays")
-    if compat.device(value) is not None and device is not None and compat.device(value) != device:
-        raise TypeError(f"argument {name!r} is on device {compat.device(value)}, the other arrays on "
+    if array_device(value) is not None and device is not None and array_device(value) != device:
+        raise TypeError(f"argument {name!r} is on device {array_device(value)}, the other arrays on "
                         f"{device}")
     if not xp.isdtype(value.dtype, "real floating"):
         raise TypeError(f"argument {name!r} must have a real floating dtype, got {shape_str(value)}")

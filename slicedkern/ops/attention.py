@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import numbers
 
-import array_api_compat as compat
-
-from .._lib.namespace import as_work, shape_str
+from .._lib.namespace import array_device, as_work, shape_str
 from .._lib.typing import Array, ArrayOrFloat, Namespace
 from .._spec import AttentionSpec
 from ..adapters import run
@@ -55,7 +53,7 @@ def nan_rows_without_keys(xp, queries, keys, out):
     if keys.shape[-1] != 0 or queries.shape[-1] == 0 or 0 in out.shape:
         return out
     vector = out.ndim == queries.ndim
-    nan = xp.asarray(float("nan"), dtype=out.dtype, device=compat.device(out))
+    nan = xp.asarray(float("nan"), dtype=out.dtype, device=array_device(out))
     ok = xp.isfinite(queries) if vector else xp.isfinite(queries)[..., None]
     return xp.where(ok, out, nan)
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import numbers
 
-import array_api_compat as compat
-
-from .._lib.namespace import shape_str
+from .._lib.namespace import array_device, shape_str
 from .._spec import normalizer_profile
 from ..backends import without_gradient
 from ..engines.scan._decode import Runs
@@ -152,7 +150,7 @@ class DecodeCache:
             raise ValueError(f"argument 'q' must have shape {batch} + (M,) from the cache's library, "
                              f"got {shape_str(q)}")
         if self._runs.length == 0 or q.shape[-1] == 0:
-            empty = xp.zeros(q.shape + (dv,), dtype=xp.result_type(out_dtype, q_dtype), device=compat.device(q))
+            empty = xp.zeros(q.shape + (dv,), dtype=xp.result_type(out_dtype, q_dtype), device=array_device(q))
             return nan_rows_without_keys(xp, q, q[..., :0], empty)
         out = self._runs.attend(xp.astype(without_gradient(q, _NO_GRADIENT), work))
         return xp.astype(out, xp.result_type(out_dtype, q_dtype))

@@ -23,8 +23,7 @@ For a hat, or a mixture of hats with positive weights, every term of ``MMD^2_V``
 
 from __future__ import annotations
 
-import array_api_compat as compat
-
+from .._lib.namespace import array_device
 from .._lib.typing import Array, Namespace
 from ..backends import accurate_sum
 from ..kernels import PiecewiseLinear
@@ -42,7 +41,7 @@ def _shifted_sort(xp, v, tau: float):
     (TwoSum): a short interval next to a shifted point is not the difference of two rounded
     ``v - tau``, so its relative error is a few ``eps`` whatever ``|v| / tau``.
     """
-    device = compat.device(v)
+    device = array_device(v)
     flags = xp.concat([xp.ones(v.shape, dtype=v.dtype, device=device),
                        xp.zeros(v.shape, dtype=v.dtype, device=device)], axis=-1)
     perm = xp.argsort(xp.concat([v - tau, v], axis=-1), axis=-1, stable=True)

@@ -13,7 +13,7 @@ import numbers
 import array_api_compat as compat
 import numpy as np
 
-from .._lib.namespace import has_float64, shape_str
+from .._lib.namespace import array_device, has_float64, shape_str
 from .._lib.typing import Array, Namespace
 from ..backends import is_numpy_namespace
 from ..ops._validate import floating_param
@@ -145,7 +145,7 @@ def directions(n_slices: int, dim: int, *, method: str = "orthogonal", seed: See
     theta = g / np.linalg.norm(g, axis=1, keepdims=True)
     if like is None:
         return theta
-    device = compat.device(like)
+    device = array_device(like)
     if space.isdtype(like.dtype, "real floating"):
         dtype = like.dtype
     else:

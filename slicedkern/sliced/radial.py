@@ -9,7 +9,7 @@ import numbers
 import array_api_compat as compat
 import numpy as np
 
-from .._lib.namespace import has_float64
+from .._lib.namespace import array_device, has_float64
 from .._lib.typing import Array
 from ..backends import to_host
 from ..kernels import PiecewiseLinear
@@ -44,7 +44,7 @@ class RadialProfile:
             space = compat.array_namespace(r)
         except TypeError:
             raise TypeError(f"argument 'r' must be a number or an array, got {type(r).__name__}") from None
-        device = compat.device(r)
+        device = array_device(r)
         wide = space.float64 if has_float64(space, device) else space.float32
         if space.isdtype(r.dtype, "real floating"):
             dtype = r.dtype

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import array_api_compat as compat
-
+from ..._lib.namespace import array_device
 from ...kernels import Profile, is_fixed
 from ._scan import knot_sums, profile_sums, queries, sort_keys
 from ._wide import arithmetic
@@ -63,7 +62,7 @@ class ColumnSums:
                     block = part[..., a - start:b - start]
                     piece = block if piece is None else piece + block
             if piece is None:
-                piece = xp.zeros(like.shape[:-1] + (b - a,), dtype=like.dtype, device=compat.device(like))
+                piece = xp.zeros(like.shape[:-1] + (b - a,), dtype=like.dtype, device=array_device(like))
             pieces.append(piece)
         return pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-1)
 
@@ -132,7 +131,7 @@ def _no_pairs_vjp(x, y, w, profiles, *, xp, param_grads):
     The forward returns zeros there without sorting (``_compose``); the sort-scan itself needs at
     least one query and one key (its searches and gathers have nothing to index).
     """
-    dev = compat.device(x)
+    dev = array_device(x)
     return (xp.zeros(x.shape, dtype=x.dtype, device=dev), xp.zeros(y.shape, dtype=y.dtype, device=dev),
             xp.zeros(w.shape, dtype=w.dtype, device=dev), no_pairs_knot_grads(x, profiles, xp=xp,
                                                                             param_grads=param_grads))
@@ -140,7 +139,7 @@ def _no_pairs_vjp(x, y, w, profiles, *, xp, param_grads):
 
 def no_pairs_knot_grads(x, profiles, *, xp, param_grads):
     """:func:`knot_grads` where there are no queries or no keys: zeros of the batch shape."""
-    zero = xp.zeros(x.shape[:-1], dtype=x.dtype, device=compat.device(x))
+    zero = xp.zeros(x.shape[:-1], dtype=x.dtype, device=array_device(x))
     params = []
     for p in profiles:
         none = not param_grads or all(is_fixed(a) for a in p.knots + p.coeffs)

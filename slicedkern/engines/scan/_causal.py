@@ -21,9 +21,7 @@ traces under ``jax.jit``. The backward is the same decomposition over the levels
 
 from __future__ import annotations
 
-import array_api_compat as compat
-
-from ..._lib.namespace import clamp_min
+from ..._lib.namespace import array_device, clamp_min
 from ...kernels import Profile, is_fixed
 from .._causal_grid import CausalGrid, running_sum, screen_causal
 from ._backward import profiles_vjp
@@ -165,8 +163,8 @@ def _running_totals(xp, ar, w, take):
     if not ar.wide:
         return running_sum(xp, rows, axis=-2)
     # double-float: the scan's prefix table of a zero key gives the wide running sums of the weights
-    zero = xp.zeros(take.shape, dtype=work, device=compat.device(w))
-    perm = xp.broadcast_to(xp.arange(take.shape[-1], device=compat.device(w)), take.shape)
+    zero = xp.zeros(take.shape, dtype=work, device=array_device(w))
+    perm = xp.broadcast_to(xp.arange(take.shape[-1], device=array_device(w)), take.shape)
     table = ar.table(ar.lift(zero), rows, perm)
     return table[..., 1:, :rows.shape[-1]]
 
@@ -197,7 +195,7 @@ def compose(xp, ar, num_r, den_sum, totals, good, *, center, normalizer, eps, dv
         # "Attention"); mean is the running mean over the keys the query sees
         mean = ar.div(totals[..., :dv], clamp_min(xp, count, 1.0)[..., None])
         num = ar.sub(num, ar.mul(mean, relu_count))
-    nan = xp.asarray(float("nan"), dtype=count.dtype, device=compat.device(count))
+    nan = xp.asarray(float("nan"), dtype=count.dtype, device=array_device(count))
     divisor = xp.where(good, den, nan)
     return ar.value(ar.div(num, divisor[..., None])), ar.value(relu_count), raw_den
 
@@ -245,14 +243,14 @@ def causal_profile_sums(x, y, w, profiles, *, xp):
     spans = [range(c)[p.columns] for p in profiles]
     profiles = [p.with_(columns=slice(r.start, r.stop, r.step)) for p, r in zip(profiles, spans)]
     if lq == 0 or lk == 0:
-        return [xp.zeros(x.shape + (len(r),), dtype=x.dtype, device=compat.device(x)) for r in spans]
+        return [xp.zeros(x.shape + (len(r),), dtype=x.dtype, device=array_device(x)) for r in spans]
     ar = arithmetic(xp, x.dtype)
     w, unscale = _power_of_two_scaled(xp, ar, w)
     grid = CausalGrid(lq, lk)
     fill = y[..., -1:]
     xq, yk = grid.queries(xp, x, fill), grid.keys(xp, y, fill)
     wk = grid.keys(xp, xp.astype(w, x.dtype), 0.0, axis=-2)
-    take = grid.keys(xp, xp.ones(y.shape, dtype=xp.bool, device=compat.device(y)), False)
+    take = grid.keys(xp, xp.ones(y.shape, dtype=xp.bool, device=array_device(y)), False)
     sums = causal_sums(xp, ar, xq, yk, wk, take, profiles)
     return [_unscaled(grid.at_queries(xp, ar.value(s), axis=-2), unscale) for s in sums]
 

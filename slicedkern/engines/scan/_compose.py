@@ -11,9 +11,7 @@ per-query divisor of the final combination (NaN where bad), not as a pass over t
 
 from __future__ import annotations
 
-import array_api_compat as compat
-
-from ..._lib.namespace import clamp_min
+from ..._lib.namespace import array_device, clamp_min
 from ...backends import quiet_nonfinite
 from ...kernels import Profile
 from .._nanpolicy import screen
@@ -57,7 +55,7 @@ def _power_of_two_scaled(xp, ar, w):
     w = xp.astype(w, work)
     size = xp.where(xp.isfinite(w), xp.abs(w), xp.zeros_like(w))
     top = xp.max(size, axis=(-2, -1), keepdims=True)
-    tiny = xp.asarray(xp.finfo(work).smallest_normal, dtype=work, device=compat.device(w))
+    tiny = xp.asarray(xp.finfo(work).smallest_normal, dtype=work, device=array_device(w))
     e = xp.clip(xp.floor(xp.log2(xp.maximum(top, tiny))), min=-126.0, max=126.0)
     return w * _power_of_two(xp, -e), _power_of_two(xp, e)
 
@@ -73,7 +71,7 @@ def kernel_sum(x, y, w, profile: Profile, *, xp):
     """
     n, m, c = x.shape[-1], y.shape[-1], w.shape[-1]
     if m == 0 or n == 0:
-        return xp.zeros(x.shape + (c,), dtype=x.dtype, device=compat.device(x))
+        return xp.zeros(x.shape + (c,), dtype=x.dtype, device=array_device(x))
     ar = arithmetic(xp, x.dtype)
     w, unscale = _power_of_two_scaled(xp, ar, w)
     sc = screen(xp, x, y, w, None, defer=_can_defer(xp, ar, x, w))
@@ -119,7 +117,7 @@ def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, 
     divisor per query. Everything of size (Lq, Dv) is written once, in the work dtype.
     """
     lq, lk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
-    dt, dev = q.dtype, compat.device(q)
+    dt, dev = q.dtype, array_device(q)
     if lq == 0 or lk == 0:
         # a copy of the mask: torch's autograd refuses to save an input returned as it is
         take = xp.ones(k.shape, dtype=xp.bool, device=dev) if key_mask is None else xp.astype(key_mask, xp.bool,

@@ -16,8 +16,7 @@ one by one, so JAX compiles ``O(log n)`` shapes, not one per token (docs/mathema
 
 from __future__ import annotations
 
-import array_api_compat as compat
-
+from ..._lib.namespace import array_device
 from ...backends import ops_for
 from ...kernels import Profile
 from ._causal import compose
@@ -93,7 +92,7 @@ class Runs:
 
         def admit(k, v):
             ok = xp.isfinite(k) & xp.all(xp.isfinite(v), axis=-1)
-            zero = xp.asarray(0.0, dtype=k.dtype, device=compat.device(k))
+            zero = xp.asarray(0.0, dtype=k.dtype, device=array_device(k))
             k = xp.where(ok, k, zero)
             v = xp.where(ok[..., None], xp.astype(v, work), zero)
             rows = xp.concat([v, xp.astype(ok, work)[..., None]], axis=-1)
@@ -125,6 +124,6 @@ class Runs:
         """Attention of queries ``q`` (..., n) in the work dtype over every key appended so far."""
         xp = self.xp
         q_ok = xp.isfinite(q)
-        q = xp.where(q_ok, q, xp.asarray(0.0, dtype=q.dtype, device=compat.device(q)))
+        q = xp.where(q_ok, q, xp.asarray(0.0, dtype=q.dtype, device=array_device(q)))
         parts = [self._run_sums(q, *run.sorted_parts) for run in self.runs]
         return self._finish(parts, self.totals, q_ok, self.bad)

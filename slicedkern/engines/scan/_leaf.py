@@ -11,8 +11,7 @@ gradient.
 
 from __future__ import annotations
 
-import array_api_compat as compat
-
+from ..._lib.namespace import array_device
 from ...kernels import Profile, is_fixed
 
 __all__ = ["leaf_sums", "leaf_vjp"]
@@ -41,7 +40,7 @@ def _differences(xp, x, y, size):
     """``r[..., b, i, j] = x_i - y_j`` within block ``b``, and the lower triangle ``j <= i``."""
     xb, yb = _blocks(xp, x, size, 0), _blocks(xp, y, size, 0)
     r = xb[..., :, None] - yb[..., None, :]
-    idx = xp.arange(size, device=compat.device(x))
+    idx = xp.arange(size, device=array_device(x))
     return r, idx[:, None] >= idx[None, :]
 
 
@@ -68,7 +67,7 @@ def leaf_sums(xp, x, y, w, profiles, size: int):
     """
     r, tri = _differences(xp, x, y, size)
     wb = _blocks(xp, w, size, 1)
-    zero = xp.zeros((), dtype=r.dtype, device=compat.device(r))
+    zero = xp.zeros((), dtype=r.dtype, device=array_device(r))
     return [_unblock(xp, xp.where(tri, _value(p, r, xp), zero) @ wb[..., p.columns], 1) for p in profiles]
 
 
@@ -81,10 +80,10 @@ def leaf_vjp(xp, x, y, w, profiles, cotangents, size: int, *, param_grads: bool)
     """
     r, tri = _differences(xp, x, y, size)
     wb = _blocks(xp, w, size, 1)
-    zero = xp.zeros((), dtype=r.dtype, device=compat.device(r))
+    zero = xp.zeros((), dtype=r.dtype, device=array_device(r))
     c = w.shape[-1]
     dx = dy = None
-    dw = xp.zeros(wb.shape, dtype=r.dtype, device=compat.device(r))
+    dw = xp.zeros(wb.shape, dtype=r.dtype, device=array_device(r))
     params = []
     for p, g in zip(profiles, cotangents):
         cols = range(c)[p.columns]

@@ -28,8 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import array_api_compat as compat
-
+from ..._lib.namespace import array_device
 from ...backends import searchsorted_right
 from ...kernels import Profile
 from ._wide import is_one, two_sum
@@ -132,9 +131,9 @@ def _next_below(xp, a):
     there, and a strict count ``y < 0`` would count the keys equal to 0. Where that happens the
     subnormals themselves compare as zero too, so ``-smallest_normal`` is the next value below.
     """
-    down = xp.asarray(-float("inf"), dtype=a.dtype, device=compat.device(a))
+    down = xp.asarray(-float("inf"), dtype=a.dtype, device=array_device(a))
     below = xp.nextafter(a, down)
-    tiny = xp.asarray(-xp.finfo(a.dtype).smallest_normal, dtype=a.dtype, device=compat.device(a))
+    tiny = xp.asarray(-xp.finfo(a.dtype).smallest_normal, dtype=a.dtype, device=array_device(a))
     return xp.where(below == a, tiny, below)
 
 
@@ -193,7 +192,7 @@ def combine_sums(xs: Queries, sk: SortedKeys, terms, columns, *, xp, ar, divisor
     shape = tuple(xs.shape) + (width,)
     out = ar.combine(sk.prefix, terms, columns, divisor=divisor, cache=cache) if terms else None
     if out is None or tuple(out.shape) != shape:
-        zeros = ar.lift(xp.zeros(shape, dtype=xs.raw.dtype, device=compat.device(xs.raw)))
+        zeros = ar.lift(xp.zeros(shape, dtype=xs.raw.dtype, device=array_device(xs.raw)))
         if out is None and divisor is not None:
             out = ar.div(zeros, divisor[..., None])        # NaN where the divisor is
         out = zeros if out is None else ar.add(zeros, out)

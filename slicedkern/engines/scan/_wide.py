@@ -23,9 +23,7 @@ Slicing with ``value[..., i:j]`` and ``value[..., None]`` works on both represen
 
 from __future__ import annotations
 
-import array_api_compat as compat
-
-from ..._lib.namespace import exclusive_scan
+from ..._lib.namespace import array_device, exclusive_scan
 from ...backends import combine_rows, prefix_table, sorted_weights, take_rows
 
 __all__ = ["arithmetic", "two_sum", "Plain", "DoubleFloat", "Pair"]
@@ -196,7 +194,7 @@ class DoubleFloat:
 
     def scale(self, a, c):
         if isinstance(c, (int, float)):
-            c = self.xp.asarray(c, dtype=self.hi(a).dtype, device=compat.device(self.hi(a)))
+            c = self.xp.asarray(c, dtype=self.hi(a).dtype, device=array_device(self.hi(a)))
         return self.mul(a, c)
 
     def div(self, a, c):

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import importlib.util
 
-import array_api_compat as compat
 import numpy as np
 
-from ..._lib.namespace import as_work
+from ..._lib.namespace import array_device, as_work
 from ...backends import backend_of, compiled_threads, to_host
 from ...kernels import is_fixed
 from .._base import Engine
@@ -66,7 +65,7 @@ def _profile_args(profile, batch, xp):
         fixed = {"knots": tuple(profile.knots), "coeffs": tuple(profile.coeffs), **extra}
         return (), lambda host: fixed
     like = next(v for v in values if not is_fixed(v))
-    dev = compat.device(like)
+    dev = array_device(like)
 
     def stack(params):
         return xp.stack([xp.broadcast_to(xp.asarray(p, dtype=like.dtype, device=dev) if is_fixed(p) else p,

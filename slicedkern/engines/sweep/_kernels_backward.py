@@ -22,7 +22,6 @@ from ._kernels_common import (
     exact_sum,
     fetch_row,
     normaliser_scale,
-    pullback_scale,
     sort_row,
     value_totals,
 )
@@ -113,7 +112,6 @@ def _backward_prepare_row(b, scores, sorted_rows, profile, options, tensors, ter
             relu_sum[i] = r
             scale[b, i], unclamped[i] = normaliser_scale(normalizer, xs, count[zero_knot],
                                                           key_part[zero_knot], n_keys, key_sum, eps)
-            scale[b, i] = pullback_scale(normalizer, scale[b, i], count[zero_knot], knots[b], coeffs[b], bs, a)
     elif not from_forward:
         constant, _ = normaliser_scale(normalizer, 0.0, 0.0, 0.0, n_keys, 0.0, eps)
         for pos in range(nq):

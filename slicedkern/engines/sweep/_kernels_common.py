@@ -44,7 +44,7 @@ from numba.extending import intrinsic
 
 __all__ = ["NORMALIZER_CODES", "NO_NORMALIZER", "ABS_NORMALIZER", "RELU_NORMALIZER", "COUNT_NORMALIZER",
            "JIT", "INLINE", "PARALLEL", "PREFETCH_AHEAD", "allocate_sorted", "allocate_saved", "sort_row", "fetch_row",
-           "exact_sum", "below", "dot", "dot_pair", "claim", "normaliser_scale", "pullback_scale", "value_totals"]
+           "exact_sum", "below", "dot", "dot_pair", "claim", "normaliser_scale", "value_totals"]
 
 #: Normaliser codes as the compiled code receives them (``normalizer`` of the attention options).
 NO_NORMALIZER, ABS_NORMALIZER, RELU_NORMALIZER, COUNT_NORMALIZER = 0, 1, 2, 3
@@ -191,21 +191,6 @@ def normaliser_scale(normalizer, x, zero_count, zero_sum, n_keys, key_sum, eps):
     if normalizer == COUNT_NORMALIZER:
         return 1.0 / (n_keys if n_keys > 1.0 else 1.0), True
     return 1.0, True
-
-
-@njit(**JIT)
-def pullback_scale(normalizer, scale, zero_count, knots, coeffs, slope, intercept):
-    """The factor of the value cotangent, ``1 / D_i``, but 0 where every term of the row is 0: a ReLU
-    normaliser with no key strictly below the query and a profile that is 0 for ``r <= 0`` (ReLU
-    attention). There ``D_i = 0`` is clamped to ``eps``, and ``g / eps`` would multiply the rounding
-    of the sums over the queries; the row's output is 0 and pulls nothing back (engines/_vjp.py does
-    the same for the other engines)."""
-    if normalizer != RELU_NORMALIZER or zero_count != 0.0 or slope != 0.0 or intercept != 0.0:
-        return scale
-    for m in range(knots.shape[0]):
-        if knots[m] < 0.0 and coeffs[m] != 0.0:
-            return scale
-    return 0.0
 
 
 @njit(**JIT)

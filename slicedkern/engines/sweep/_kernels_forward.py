@@ -18,7 +18,6 @@ from ._kernels_common import (
     exact_sum,
     fetch_row,
     normaliser_scale,
-    pullback_scale,
     sort_row,
     value_totals,
 )
@@ -139,8 +138,7 @@ def _forward_task(b, c0, c1, scores, sorted_rows, profile, options, values, out,
         scale, unclamped = normaliser_scale(normalizer, x, count[zero_knot], key_part[zero_knot], n_keys,
                                             key_sum, eps)
         if keep_queries:
-            saved_scale[b, i] = pullback_scale(normalizer, scale, count[zero_knot], knots[b], coeffs[b], slope[b],
-                                               intercept[b])
+            saved_scale[b, i] = scale
             saved_relu[b, i] = relu_count
             saved_unclamped[b, i] = unclamped
         orow = out[b, i, c0:c1]

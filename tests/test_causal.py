@@ -417,6 +417,7 @@ def test_torch_autograd(rng):
         np.testing.assert_allclose(got.grad.numpy(), want, rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.exhaustive      # 50 s of compiles; the default run has JAX's causal forward and grad elsewhere
 def test_jax_grad_jit_vmap(rng):
     jax = pytest.importorskip("jax")
     jnp = jax.numpy

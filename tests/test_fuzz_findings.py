@@ -191,7 +191,7 @@ def test_fully_masked_row_with_tiny_eps_and_bandwidth_is_zero(engine):
 
 
 # -------------------------------------------------------------------- 8. torch.compile
-@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("dynamic", [False, pytest.param(True, marks=pytest.mark.exhaustive)])
 @pytest.mark.parametrize("op", ["relu", "hat", "hat_array"])
 def test_torch_compile_fullgraph_with_gradients(op, dynamic):
     torch = pytest.importorskip("torch")

@@ -8,6 +8,7 @@ the pullback replays it backwards. Composite ops (the sliced ones) are marked wi
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import array_api_compat as compat
@@ -25,8 +26,17 @@ def composite(planner):
     output) and ``pullback(g) -> {argument name: gradient}``.
     """
     def mark(fn):
-        fn.__slicedkern_planner__ = planner
-        return fn
+        @functools.wraps(fn)
+        def op(*args, **kwargs):
+            if recording.get() is not None:
+                # inside vjp(wrapper): the plan's sort-scan calls run on projections of the points,
+                # which no argument of the wrapper is; say so rather than fail on the records
+                raise TypeError(f"vjp differentiates {fn.__name__} only when it is passed to vjp itself "
+                                f"(slicedkern.vjp({fn.__name__}, ...)), not called inside a wrapper")
+            return fn(*args, **kwargs)
+
+        op.__slicedkern_planner__ = planner
+        return op
     return mark
 
 
@@ -105,7 +115,8 @@ def vjp(fn, *args, **kwargs):
         One of slicedkern's ops: ``kernel_sum``, ``relu_attention``, ``hat_attention``,
         ``hat_mixture_attention``, ``kernel_attention``, or the sliced ``sliced_kernel_sum``,
         ``sliced_attention``, ``energy_distance``, ``mmd`` (pulled back slice chunk by slice chunk,
-        with bounded memory), or a function that makes exactly one call of the former.
+        with bounded memory), or a function that makes exactly one call of one of the five 1-D ops
+        (the sliced ops are taken only themselves, not inside a wrapper).
     *args, **kwargs
         Its arguments.
 

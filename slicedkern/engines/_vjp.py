@@ -212,7 +212,9 @@ def _vanishes_where_normalizer_does(profile: Profile, normalizer: Profile) -> bo
     if not _zero_below(normalizer):             # |r|: zero only at r = 0
         return _value(profile, 0.0) == 0.0
     points = [0.0] + [t for t in profile.knots if t <= 0.0]
-    return all(_value(profile, r) == 0.0 for r in points + [min(points) - 1.0])
+    # one step left of the leftmost knot, scaled with it: min - 1 rounds back to min past 2^53
+    left = min(points) - (1.0 + abs(min(points)))
+    return all(_value(profile, r) == 0.0 for r in points + [left])
 
 
 def _add_params(a, b):

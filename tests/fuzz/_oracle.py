@@ -57,7 +57,7 @@ from slicedkern.kernels import Hat
 from ._cases import Arr, Case, np_dtype
 
 __all__ = ["UNIT", "TINY", "expected_output", "magnitudes", "forward_bound", "assert_within", "finite_difference",
-           "loss_of", "loss_noise", "evaluate"]
+           "loss_of", "loss_noise", "evaluate", "power_of_two_scale"]
 
 #: Unit roundoff of float64, the dtype the library computes in.
 UNIT = 2.0 ** -53
@@ -293,3 +293,11 @@ def loss_noise(case: Case, cotangent: np.ndarray, expected: np.ndarray) -> float
     with np.errstate(over="ignore", invalid="ignore"):
         per_element = (m.factor * (m.terms + size * 3.0 * m.scores * m.count) + m.floor) / m.clamp
         return float(np.sum(g * per_element))
+
+
+def power_of_two_scale(cotangent: np.ndarray) -> float:
+    """A power of two near ``max |g|`` (1 for a zero cotangent). Finite differences of
+    ``sum((g / s) * out)``, times ``s``, are exactly those of ``sum(g * out)`` but for the underflow
+    of tiny products ``g * out`` (a cotangent and values near 1e-257 make the loss 0)."""
+    top = float(np.max(np.abs(cotangent), initial=0.0))
+    return 2.0 ** math.floor(math.log2(top)) if top > 0 else 1.0

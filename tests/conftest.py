@@ -17,7 +17,8 @@
   minutes on two cores with torch and JAX installed: every test function runs on every backend and
   engine, but JAX (60 % of the full suite's time, nearly all of it compiling) runs **one** case of
   each parametrised test function, a different one per function (a stable choice by the test's
-  name), and the tests marked ``exhaustive`` (slow compiles, oversized cases) are left out.
+  name), and the tests marked ``exhaustive`` (slow compiles, oversized cases) are left out, as are
+  the JAX cases of the few functions in ``JAX_ONLY_EXHAUSTIVE`` (13-31 s of compiles each).
   ``--exhaustive`` or ``SLICEDKERN_EXHAUSTIVE=1`` runs the whole matrix, and the fuzz suite's long
   profile (tests/fuzz/conftest.py) unless ``$SLICEDKERN_FUZZ`` names another. CI runs the default
   profile, then ``--exhaustive --rest``: only what the default left out, and the fuzz suite again
@@ -107,9 +108,25 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if id(item) not in left_out]
 
 
+#: Test functions whose JAX case alone takes 13-31 s of compiles on the CI machine (measured in the
+#: default profile's durations): on JAX they run only with --exhaustive; their other backends, and
+#: JAX in the other functions that cover the same code, run by default.
+JAX_ONLY_EXHAUSTIVE = frozenset({
+    "tests/test_sliced_vjp.py::test_sliced_kernel_sum_vjp",
+    "tests/test_sliced_vjp.py::test_sliced_attention_vjp",
+    "tests/test_sliced_vjp.py::test_mmd_vjp",
+    "tests/engines/test_sweep_jax.py::test_vmap_over_bandwidths",
+    "tests/engines/test_sweep_jax.py::test_vmap_over_a_batch_of_qkv",
+    "tests/test_causal.py::test_causal_edges_of_the_grid",
+    "tests/test_causal.py::test_causal_matches_dense_reference",
+    "tests/test_gradients.py::test_vjp_bandwidth_gradients",
+})
+
+
 def _left_out_by_default(items) -> set:
     """``id()`` of the items the default profile leaves out."""
-    left_out = {id(item) for item in items if item.get_closest_marker("exhaustive") is not None}
+    left_out = {id(item) for item in items if item.get_closest_marker("exhaustive") is not None
+                or (_jax_case(item) and item.nodeid.split("[")[0] in JAX_ONLY_EXHAUSTIVE)}
     jax_cases: dict[str, list] = {}
     for item in items:
         if id(item) not in left_out and _jax_case(item):

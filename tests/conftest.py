@@ -18,7 +18,7 @@
   engine, but JAX (60 % of the full suite's time, nearly all of it compiling) runs **one** case of
   each parametrised test function, a different one per function (a stable choice by the test's
   name), and the tests marked ``exhaustive`` (slow compiles, oversized cases) are left out, as are
-  the JAX cases of the few functions in ``JAX_ONLY_EXHAUSTIVE`` (13-31 s of compiles each).
+  the JAX cases of the few functions in ``JAX_ONLY_EXHAUSTIVE`` (10-31 s of compiles each).
   ``--exhaustive`` or ``SLICEDKERN_EXHAUSTIVE=1`` runs the whole matrix, and the fuzz suite's long
   profile (tests/fuzz/conftest.py) unless ``$SLICEDKERN_FUZZ`` names another. CI runs the default
   profile, then ``--exhaustive --rest``: only what the default left out, and the fuzz suite again
@@ -108,7 +108,7 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if id(item) not in left_out]
 
 
-#: Test functions whose JAX case alone takes 13-31 s of compiles on the CI machine (measured in the
+#: Test functions whose JAX case alone takes 10-31 s of compiles on the CI machine (measured in the
 #: default profile's durations): on JAX they run only with --exhaustive; their other backends, and
 #: JAX in the other functions that cover the same code, run by default.
 JAX_ONLY_EXHAUSTIVE = frozenset({
@@ -120,6 +120,8 @@ JAX_ONLY_EXHAUSTIVE = frozenset({
     "tests/test_causal.py::test_causal_edges_of_the_grid",
     "tests/test_causal.py::test_causal_matches_dense_reference",
     "tests/test_gradients.py::test_vjp_bandwidth_gradients",
+    "tests/engines/test_sweep_jax.py::test_jit_grad_of_hat_bandwidth_matches_scan_and_reference",
+    "tests/engines/test_sweep_jax.py::test_causal_goes_to_an_engine_with_a_causal_mode",
 })
 
 

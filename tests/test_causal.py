@@ -447,6 +447,7 @@ def test_jax_grad_jit_vmap(rng):
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.exhaustive      # 20-30 s of eager JAX compiles; tests/fuzz test_jax_without_x64 runs the double-float path
 @pytest.mark.new_shapes
 def test_double_float_gradients(rng):
     """JAX without float64: the causal backward in double-float work, against the float64 pull-back."""

@@ -27,7 +27,7 @@ if not dist.is_available():
 import slicedkern.distributed as skd  # noqa: E402
 
 
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.exhaustive)])   # 4 ranks: 13-20 s
 def test_matches_single_process_float64(size):
     workers.spawn(workers.check_matches, size, "scan", "float64")
 
@@ -46,7 +46,7 @@ def test_communication_volume_matches_the_formula():
     workers.spawn(workers.check_volume, 2)
 
 
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("size", [2, pytest.param(3, marks=pytest.mark.exhaustive)])
 def test_bad_input_fails_on_every_rank(size, tmp_path):
     workers.spawn(workers.check_bad_input, size, str(tmp_path))
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(size)]

@@ -21,8 +21,9 @@
   the JAX cases of the few functions in ``JAX_ONLY_EXHAUSTIVE`` (10-31 s of compiles each).
   ``--exhaustive`` or ``SLICEDKERN_EXHAUSTIVE=1`` runs the whole matrix, and the fuzz suite's long
   profile (tests/fuzz/conftest.py) unless ``$SLICEDKERN_FUZZ`` names another. CI runs the default
-  profile, then ``--exhaustive --rest``: only what the default left out, and the fuzz suite again
-  with the long profile (time-boxed there with ``$SLICEDKERN_FUZZ``).
+  profile, then ``--exhaustive --rest`` (only what the default left out), then the fuzz suite with
+  the long profile, time-boxed (``$SLICEDKERN_FUZZ``) and with a fixed seed so that a red run
+  reproduces (``--hypothesis-seed``).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def pytest_addoption(parser):
                      help=f"the whole matrix: every JAX case, the tests marked exhaustive, and the fuzz "
                           f"suite's long profile (default: ${EXHAUSTIVE_ENV} or off)")
     parser.addoption("--rest", action="store_true", default=False,
-                     help="with --exhaustive: only what the default profile leaves out, and the fuzz suite "
-                          "(CI runs the default profile first, then this)")
+                     help="with --exhaustive: only what the default profile leaves out (CI runs the default "
+                          "profile first, then this, then the fuzz suite's long profile)")
 
 
 def pytest_configure(config):
@@ -96,13 +97,12 @@ def _jax_case(item) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     """The default profile (module docstring): one JAX case per test function, no ``exhaustive``;
-    with ``--exhaustive --rest``, only what the default profile leaves out and the fuzz suite."""
+    with ``--exhaustive --rest``, only what the default profile leaves out."""
     left_out = _left_out_by_default(items)
     if exhaustive(config):
         if not config.getoption("--rest"):
             return
-        left_out = {id(item) for item in items
-                    if id(item) not in left_out and not item.nodeid.startswith("tests/fuzz/")}
+        left_out = {id(item) for item in items if id(item) not in left_out}
     if left_out:
         config.hook.pytest_deselected(items=[item for item in items if id(item) in left_out])
         items[:] = [item for item in items if id(item) not in left_out]

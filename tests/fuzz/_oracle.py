@@ -301,3 +301,17 @@ def power_of_two_scale(cotangent: np.ndarray) -> float:
     of tiny products ``g * out`` (a cotangent and values near 1e-257 make the loss 0)."""
     top = float(np.max(np.abs(cotangent), initial=0.0))
     return 2.0 ** math.floor(math.log2(top)) if top > 0 else 1.0
+
+
+def fourth_order_gradient(loss_of, base: np.ndarray, step: float) -> np.ndarray:
+    """Fourth-order central differences of the scalar ``loss_of(moved)`` in every entry of ``base``,
+    ``moved`` being ``base`` with that entry moved by ``-2, -1, 1, 2`` steps."""
+    grad = np.zeros(base.shape)
+    for index in np.ndindex(base.shape):
+        total = 0.0
+        for offset, weight in zip((-2, -1, 1, 2), (1 / 12, -8 / 12, 8 / 12, -1 / 12)):
+            moved = base.copy()
+            moved[index] += offset * step
+            total += weight * loss_of(moved)
+        grad[index] = total / step
+    return grad

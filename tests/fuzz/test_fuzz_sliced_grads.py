@@ -48,7 +48,7 @@ from slicedkern import reference
 
 from ._cases import Arr, Case, kernels, log_uniform, promote
 from ._causal import causal_loss_noise, has_causal_mode
-from ._oracle import UNIT, assert_within, evaluate, loss_noise, power_of_two_scale
+from ._oracle import UNIT, assert_within, evaluate, fourth_order_gradient, loss_noise, power_of_two_scale
 
 RTOL = 1e-6
 STATS = ("sliced_attention", "energy_distance", "mmd")
@@ -220,16 +220,7 @@ def finite_difference(ex, arrays, g, name, step):
     of two against the underflow of tiny products ``g * out``)."""
     scale = power_of_two_scale(g)
     g = g / scale
-    base = arrays[name]
-    grad = np.zeros(base.shape)
-    for index in np.ndindex(base.shape):
-        total = 0.0
-        for offset, weight in zip((-2, -1, 1, 2), (1 / 12, -8 / 12, 8 / 12, -1 / 12)):
-            moved = base.copy()
-            moved[index] += offset * step
-            total += weight * loss(ex, {**arrays, name: moved}, g)
-        grad[index] = total / step
-    return scale * grad
+    return scale * fourth_order_gradient(lambda moved: loss(ex, {**arrays, name: moved}, g), arrays[name], step)
 
 
 # --------------------------------------------------------------------------------------- gradients

@@ -10,14 +10,66 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._lib.namespace import clamp_min
 from .kernels import Abs, PiecewiseLinear, Profile, ReLU, hat_profile, hat_pullback, is_fixed
 
-__all__ = ["KernelSumSpec", "AttentionSpec", "NORMALIZERS", "normalizer_profile", "unpack", "hats",
+__all__ = ["KernelSumSpec", "AttentionSpec", "Normalizer", "NORMALIZERS", "unpack", "hats",
            "profile_of", "param_grads", "sum_to", "bandwidth_ok"]
 
-#: The attention normalisers: a profile summed over the valid keys (clamped below by ``eps``), the
-#: number of valid keys (``"count"``, at least 1), or none. The one table every layer reads.
+#: The attention normalisers by the name users pass as ``normalize``: a profile summed over the
+#: valid keys (clamped below by ``eps``), the number of valid keys (``"count"``, at least 1), or none.
+#: The one table every layer, op and engine reads (through :class:`Normalizer`).
 NORMALIZERS = {"abs": Abs(), "relu": ReLU(), "count": None, None: None}
+#: Their profiles, built once (a property that builds them would cost every call, and torch.compile
+#: does not trace ``functools.cached_property``).
+_PROFILES = {name: Profile.of(kernel) if kernel is not None else None for name, kernel in NORMALIZERS.items()}
+
+
+@dataclass(frozen=True)
+class Normalizer:
+    """The divisor of attention: what is summed, and the clamp rule (docs/mathematics.rst, "Attention").
+
+    Parameters
+    ----------
+    name : {"abs", "relu", "count", None}
+        The ``normalize`` option: the sum of ``|q_i - k_j|`` / ``ReLU(q_i - k_j)`` over the valid keys
+        a query sees, their number, or no normaliser.
+    eps : float
+        The floor of a profile normaliser's sum.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> Normalizer("abs", 0.5).divisor(np, np.array([2.0, 0.0]), np.array([0.1, 0.0]))
+    array([0.5, 1. ])
+    """
+
+    name: str | None = "count"
+    eps: float = 1e-6
+
+    @property
+    def profile(self) -> Profile | None:
+        """The profile summed over the valid-key indicator ("abs", "relu"), or None."""
+        return _PROFILES[self.name]
+
+    @property
+    def summed(self) -> bool:
+        """Whether the divisor is a profile sum: an extra sum forward, and a backward that reads the
+        output (the quotient rule's ``-g . out / den`` term)."""
+        return self.profile is not None
+
+    def divisor(self, xp, count, den):
+        """What a query's numerator is divided by, given the number of valid keys it sees (``count``)
+        and its unclamped profile sum (``den``, ignored unless :attr:`summed`); they broadcast.
+
+        A query that sees no key has an empty numerator and is divided by 1: a huge folded
+        coefficient times ``1 / eps`` would overflow to inf, and inf times an empty sum is NaN.
+        """
+        if self.summed:
+            return xp.where(count > 0, clamp_min(xp, den, self.eps), xp.ones_like(den))
+        if self.name == "count":
+            return clamp_min(xp, count, 1.0)
+        return xp.ones_like(count)
 
 
 @dataclass(frozen=True)
@@ -43,16 +95,9 @@ class AttentionSpec:
     betas: tuple = ()
     param_layout: tuple = ()
     center: bool = False
-    normalize: str | None = "count"
-    eps: float = 1e-6
+    normalizer: Normalizer = Normalizer()
     has_mask: bool = False
     causal: bool = False
-
-
-def normalizer_profile(normalize):
-    """The normaliser called ``normalize`` as a :class:`Profile`, or ``"count"`` / ``None``."""
-    kernel = NORMALIZERS[normalize]
-    return Profile.of(kernel) if kernel is not None else normalize
 
 
 def unpack(spec: AttentionSpec, arrays):

@@ -120,20 +120,21 @@ def _hats(alphas, betas):
     return weights_of
 
 
-def hat_attention(q, k, v, bandwidth=1.0, *, key_mask=None, normalize="count", eps=1e-6, causal=False):
+def hat_attention(q, k, v, bandwidth=1.0, *, key_mask=None, center=False, normalize="count", eps=1e-6,
+                  causal=False):
     """Dense hat attention (paper eq. 5); ``bandwidth`` a float or a batch-shaped array."""
-    return _attention(q, k, v, _hats([bandwidth], [1.0]), key_mask, False, normalize, eps, causal)
+    return _attention(q, k, v, _hats([bandwidth], [1.0]), key_mask, center, normalize, eps, causal)
 
 
-def hat_mixture_attention(q, k, v, bandwidths, weights, *, key_mask=None, normalize="count", eps=1e-6,
-                          causal=False):
+def hat_mixture_attention(q, k, v, bandwidths, weights, *, key_mask=None, center=False, normalize="count",
+                          eps=1e-6, causal=False):
     """Dense hat-mixture attention; ``bandwidths`` / ``weights`` sequences or arrays (..., K)."""
     def split(p):
         return [float(e) for e in p] if isinstance(p, (list, tuple)) else [p[..., i] for i in range(p.shape[-1])]
     if isinstance(bandwidths, (list, tuple)) and isinstance(weights, (list, tuple)):
         kernel = HatMixture(bandwidths, weights)
-        return _attention(q, k, v, kernel, key_mask, False, normalize, eps, causal)
-    return _attention(q, k, v, _hats(split(bandwidths), split(weights)), key_mask, False, normalize, eps,
+        return _attention(q, k, v, kernel, key_mask, center, normalize, eps, causal)
+    return _attention(q, k, v, _hats(split(bandwidths), split(weights)), key_mask, center, normalize, eps,
                       causal)
 
 

@@ -180,3 +180,49 @@ def test_modules_needing_a_framework_are_skipped_where_it_is_missing():
         if needs and not needs <= set(table.get(rel, ())):
             missing[rel] = sorted(needs)
     assert not missing, f"add to OPTIONAL_MODULES in conftest.py: {missing}"
+
+
+def test_the_divisor_rule_is_written_once():
+    """The normaliser's clamp (``max(den, eps)``, 1 where no key is seen) lives in
+    :meth:`slicedkern._spec.Normalizer.divisor`; engines, decoding and the sharded engine call it
+    (issue 24: it was in six modules)."""
+    writers = sorted(name for name, path in MODULES.items()
+                     if re.search(r"clamp_min\([^()]*eps\)|maximum\([^()]*eps\b", path.read_text())
+                     and name != "slicedkern.reference")
+    assert writers == ["slicedkern._spec"], writers
+
+
+def test_the_quotient_rule_is_written_once():
+    """The attention backward's quotient rule (``-g . out / den`` where the normaliser is not clamped)
+    lives in :func:`slicedkern.engines._combine.pullback` (issue 24: it was in three modules). The
+    sweep's numba kernels fuse their own, per query inside the sweep; the tests hold it equal."""
+    writers = sorted(name for name, path in MODULES.items()
+                     if re.search(r">= *(normalizer\.|spec\.)?eps", path.read_text())
+                     and not name.startswith("slicedkern.engines.sweep._kernels"))
+    assert writers == ["slicedkern.engines._combine"], writers
+
+
+def test_distributed_imports_no_engine_internals():
+    """Sequence parallelism is an engine wrapper (:class:`slicedkern.engines.ShardedEngine`) run by
+    the adapters; ``distributed/`` reaches the engines through their package only."""
+    private = sorted({(name, target) for name in MODULES if _group(name) == "distributed"
+                      for target, _, _ in _imports(name, MODULES[name])
+                      if target.startswith("slicedkern.engines.") or target.startswith("slicedkern.adapters.")})
+    assert private == [], private
+
+
+def test_every_engine_provides_the_primitives_it_declares():
+    """The Engine base declares the primitives (raising ``NotImplementedError``); each registered
+    engine overrides those of its kind, and the registry's names are the classes' own."""
+    from slicedkern.engines import ENGINE_NAMES, Engine, get
+
+    assert ENGINE_NAMES == ("scan", "sweep", "triton")
+    for name in ENGINE_NAMES:
+        engine = get(name)
+        needed = Engine.PRIMITIVES + (Engine.CAUSAL_PRIMITIVES if engine.supports_causal else ())
+        needed += ("causal_profile_sums",) if engine.gives_causal_sums else ()
+        missing = [p for p in needed if getattr(type(engine), p) is getattr(Engine, p)]
+        assert engine.name == name and missing == [], (name, missing)
+    with pytest.raises(NotImplementedError, match="'triton' engine does not provide 'causal_attention'"):
+        get("triton").causal_attention(None, None, None, None, key_mask=None, center=False, normalizer=None,
+                                       xp=None)

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _helpers import C, M, N, assert_close, assert_meta, assert_values_close, attention_atol, scaled_kernel, tie_scores
+from _helpers import (
+    C,
+    M,
+    N,
+    assert_close,
+    assert_meta,
+    assert_values_close,
+    attention_atol,
+    rel_err,
+    scaled_kernel,
+    tie_scores,
+)
 
 import slicedkern
 from slicedkern import reference
@@ -76,6 +87,7 @@ def run(xp, fn, ref, q, k, v, *args, key_mask=None, rtol=RTOL64, atol=None, **kw
     assert_meta(out, like=Q, shape=batch + (q.shape[-1], v.shape[-1]))
     if atol is None:
         opts = {**DEFAULTS[fn], **kw}
+        opts.pop("causal", None)            # a query's keys are a subset of them: the same bound holds
         atol = rtol * float(np.max(np.abs(xp.to_numpy(expected)), initial=0.0)) + attention_atol(
             q, k, v, bound_kernel(fn, args), key_mask=key_mask, expected=expected, **opts)
     assert_close(out, expected, rtol=rtol, atol=atol)
@@ -229,6 +241,21 @@ def test_hat_attention(xp, rng, normalize, masked, bandwidth):
                  *xp_args(xp, [bandwidth]), key_mask=mask, normalize=normalize)
     if masked:
         np.testing.assert_array_equal(xp.to_numpy(out)[-1, -1], 0.0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("op", ["hat", "hat_mixture"])
+def test_hat_ops_center(xp, rng, op, causal):
+    """``center=True`` on the hat ops: the values centred on the mean of the valid keys each query
+    sees (a running mean when causal), as relu_attention does; what the layers' ``center`` uses."""
+    q, k, v = data(rng)
+    args = [np.array([0.3, 1.0, 2.5])] if op == "hat" else [MIX_BW, MIX_W]
+    fn = slicedkern.hat_attention if op == "hat" else slicedkern.hat_mixture_attention
+    ref = reference.hat_attention if op == "hat" else reference.hat_mixture_attention
+    out, _ = run(xp, fn, ref, q, k, v, *xp_args(xp, args), key_mask=random_mask(rng), center=True,
+                 causal=causal)
+    plain = fn(*(xp.asarray(a) for a in (q, k, v)), *xp_args(xp, args), causal=causal)
+    assert rel_err(out, plain) > 1e-3              # the option is not ignored
 
 
 def test_hat_attention_defaults(xp, rng):

@@ -19,6 +19,8 @@ CASES = {
                             lambda q, k, v, c: reference.relu_attention(q, k, v, normalize="relu", center=False,
                                                                         causal=c)),
     "hat": ("hat", {"bandwidth": 0.7}, lambda q, k, v, c: reference.hat_attention(q, k, v, 0.7, causal=c)),
+    "hat-centred": ("hat", {"bandwidth": 0.7, "center": True},
+                    lambda q, k, v, c: reference.hat_attention(q, k, v, 0.7, center=True, causal=c)),
     "mixture-abs": ("hat_mixture", {"bandwidths": [0.5, 1.5], "weights": [1.0, -0.3], "normalize": "abs"},
                     lambda q, k, v, c: reference.hat_mixture_attention(q, k, v, [0.5, 1.5], [1.0, -0.3],
                                                                        normalize="abs", causal=c)),

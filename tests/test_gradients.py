@@ -26,6 +26,8 @@ OPS = {
                             {"center": False, "normalize": None, "mask": True}),
     "hat": (slicedkern.hat_attention, reference.hat_attention, {"bandwidth": 0.7, "mask": True}),
     "hat-abs": (slicedkern.hat_attention, reference.hat_attention, {"bandwidth": 1.3, "normalize": "abs"}),
+    "hat-centred": (slicedkern.hat_attention, reference.hat_attention,
+                    {"bandwidth": 0.9, "center": True, "mask": True}),
     "kernel-mixture-centred": (slicedkern.kernel_attention, reference.kernel_attention,
                                {"kernel": HatMixture([0.4, 1.5], [1.0, -0.5]), "center": True,
                                 "mask": True}),

@@ -36,7 +36,8 @@ class SortScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, *_):
-        if not any(ctx.needs_input_grad[3:]):
+        # a collective engine's backward runs collectives: every rank runs it, whatever it needs
+        if not any(ctx.needs_input_grad[3:]) and not ctx.engine.collective:
             return (None, None, None) + (None,) * ctx.n_arrays
         saved = ctx.saved_tensors
         arrays, out, residuals = saved[:ctx.n_arrays], saved[ctx.n_arrays], saved[ctx.n_arrays + 1:]

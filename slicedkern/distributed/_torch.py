@@ -1,5 +1,5 @@
-"""The torch side of sequence-parallel attention: a communicator over a process group, the agreement
-check every rank runs before the first collective, and the ``autograd.Function``.
+"""The torch side of sequence-parallel attention: a communicator over a process group, and the
+agreement check every rank runs before the first collective (the autograd node is the adapters').
 
 Imported only once a torch tensor reaches :mod:`slicedkern.distributed`.
 """
@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import zlib
 
-import array_api_compat.torch as xp
 import torch
 import torch.distributed as dist
 
-from . import _causal, _core
-
-__all__ = ["TorchComm", "apply", "check_group", "agree"]
+__all__ = ["TorchComm", "check_group", "agree"]
 
 #: The dtypes a rank may hold, coded for the agreement check.
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -72,7 +69,7 @@ def _describe(prepared, error) -> list[int]:
     """The facts every rank must agree on, as integers (-1: this rank's own checks failed)."""
     if error is not None:
         return [-1] + [0] * (_META - 1)
-    _, spec, _, inputs, _, _ = prepared
+    spec, inputs = prepared.spec, prepared.inputs
     q, k, v = inputs[:3]
     batch = list(q.shape[:-1])
     code = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else 9
@@ -130,41 +127,3 @@ def agree(prepared, error, group, log=None):
     batches = {tuple(row[9:9 + row[8]]) for row in table}
     if len(batches) > 1:
         raise ValueError(f"arguments 'q', 'k', 'v': the ranks disagree on the batch shape: {sorted(batches)}")
-
-
-def _algorithm(spec):
-    """The module that runs ``spec``: :mod:`._causal` for causal attention, else :mod:`._core`."""
-    return _causal if spec.causal else _core
-
-
-class _Sharded(torch.autograd.Function):
-    """The sequence-parallel op of a static ``spec`` on an ``engine`` over a communicator."""
-
-    @staticmethod
-    def forward(ctx, spec, engine, comm, out_dtype, *arrays):
-        out, saved = _algorithm(spec).forward(spec, engine, comm, arrays, xp=xp)
-        ctx.spec, ctx.engine, ctx.comm, ctx.saved, ctx.n_arrays = spec, engine, comm, saved, len(arrays)
-        ctx.save_for_backward(*arrays)
-        return out.to(out_dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        if torch.is_grad_enabled():
-            raise RuntimeError("slicedkern.distributed attention is differentiable once (no double backward)")
-        arrays = ctx.saved_tensors
-        # every rank runs the collectives of the backward, whatever its own inputs need
-        grads = _algorithm(ctx.spec).backward(ctx.spec, ctx.engine, ctx.comm, arrays, ctx.saved,
-                                              grad_out.to(arrays[0].dtype), xp=xp)
-        grads = [g if need else None for g, need in zip(grads, ctx.needs_input_grad[4:])]
-        return (None, None, None, None, *grads)
-
-
-def apply(prepared, group, log=None):
-    """Run a prepared call (see :func:`slicedkern.ops.attention.prepare`) sequence-parallel on ``group``."""
-    _, spec, engine, inputs, _, out_dtype = prepared
-    comm = TorchComm(group, log)
-    if torch.is_grad_enabled() and any(a.requires_grad for a in inputs if a.is_floating_point()):
-        return _Sharded.apply(spec, engine, comm, out_dtype, *inputs)
-    with torch.no_grad():
-        out, _ = _algorithm(spec).forward(spec, engine, comm, inputs, xp=xp)
-    return out.to(out_dtype)

@@ -15,8 +15,9 @@ import contextlib
 import contextvars
 
 from .._lib.typing import Array, ArrayOrFloat
-from ..backends import backend_of, ops_for
-from ..engines import get as get_engine
+from ..adapters import run
+from ..backends import backend_of
+from ..engines import ShardedEngine
 from ..kernels import PiecewiseLinear, ReLU
 from ..ops._validate import check_kernel
 from ..ops.attention import hat_spec, prepare
@@ -61,56 +62,47 @@ def _jax():
     return module
 
 
-def _causal_ready(prepared, requested):
-    """``prepared`` with an engine that gives causal partial sums, or the causal layout's ``ValueError``.
+def _call(q, k, v, hats, comm, options):
+    """Validate, and choose the engine to shard over ``comm``: a :class:`~slicedkern.ops.attention.Call`.
 
-    Raised after the agreement step: the ranks agree on the shapes, the options and (by the same
-    code on equal arguments) the engine, so every rank raises the same error.
+    Raised on every rank alike (the ranks agree on shapes and options): a causal call needs as many
+    queries as keys per rank; the engine must serve the sharded layout (its ``decline``).
     """
-    xp, spec, engine, inputs, names, out_dtype = prepared
-    if not spec.causal:
-        return prepared
-    q, k = inputs[:2]
-    if q.shape[-1] != k.shape[-1]:
+    if options.get("kernel") is not None:
+        check_kernel(options["kernel"])
+    call = prepare(q, k, v, hats, wrap=lambda engine: ShardedEngine(engine, comm), **options)
+    q, k = call.inputs[:2]
+    if call.spec.causal and q.shape[-1] != k.shape[-1]:
         raise ValueError(f"argument 'causal': sequence-parallel causal attention needs as many queries as keys "
                          f"on every rank (q.shape[-1] == k.shape[-1]), got {q.shape[-1]} and {k.shape[-1]}")
-    if not hasattr(engine, "causal_profile_sums"):
-        if requested not in (None, "auto"):
-            raise ValueError(f"argument 'engine': the {engine.name!r} engine gives no causal partial sums, "
-                             "which sequence-parallel causal attention adds across ranks; use engine='scan'")
-        engine = get_engine("scan")
-    return xp, spec, engine, inputs, names, out_dtype
+    return call
 
 
 def _sharded(q, k, v, hats, *, group, axis_name, **options):  # options: those of ops.attention.prepare
-    """Validate on every rank, check that the ranks agree (torch), then run the sharded op."""
+    """Validate on every rank, check that the ranks agree (torch), then run the sharded engine through
+    the adapters, as every op runs."""
     if axis_name is not None:
-        if options.get("kernel") is not None:
-            check_kernel(options["kernel"])
         if group is not None:
             raise ValueError("arguments 'group' (torch) and 'axis_name' (JAX) exclude each other")
-        prepared = prepare(q, k, v, hats, **options)
-        if ops_for(prepared[0]).library != "jax":
+        if backend_of(q).library != "jax":
             raise TypeError("argument 'axis_name' names a JAX mesh axis: q, k and v must be JAX arrays "
                             "(inside jax.shard_map); torch tensors take group= instead")
-        return _jax().apply(_causal_ready(prepared, options.get("engine")), axis_name)
+        return run(*_call(q, k, v, hats, _jax().JaxComm(axis_name), options))
     if backend_of(q).library != "torch":
         raise TypeError(f"argument 'q': slicedkern.distributed runs on torch tensors over a process group "
                         f"(group=) or on JAX arrays inside shard_map (axis_name=), got {type(q).__name__}")
     module = _torch()
     group = module.check_group(group)
-    prepared, error = None, None
+    call, error = None, None
     try:
-        if options.get("kernel") is not None:
-            check_kernel(options["kernel"])
-        prepared = prepare(q, k, v, hats, **options)
+        call = _call(q, k, v, hats, module.TorchComm(group, _log.get()), options)
     except (TypeError, ValueError) as exc:
         error = exc                      # raised after the agreement step, so that no rank waits
-    module.agree(prepared, error, group, _log.get())
-    return module.apply(_causal_ready(prepared, options.get("engine")), group, _log.get())
+    module.agree(call, error, group, _log.get())
+    return run(*call)
 
 
-def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = None, center: bool = True,
+def relu_attention(q: Array, k: Array, v: Array, /, *, key_mask: Array | None = None, center: bool = True,
                    normalize: str | None = "abs", eps: float = 1e-6, causal: bool = False,
                    engine: str | None = None, group=None, axis_name: str | None = None, xp=None) -> Array:
     """Sequence-parallel :func:`slicedkern.relu_attention`: this rank's shard of the output.
@@ -167,8 +159,8 @@ def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = Non
                     eps=eps, causal=causal, engine=engine, xp=xp, group=group, axis_name=axis_name)
 
 
-def hat_attention(q: Array, k: Array, v: Array, bandwidth: ArrayOrFloat = 1.0, *, key_mask: Array | None = None,
-                  normalize: str | None = "count", eps: float = 1e-6, causal: bool = False,
+def hat_attention(q: Array, k: Array, v: Array, /, bandwidth: ArrayOrFloat = 1.0, *, key_mask: Array | None = None,
+                  center: bool = False, normalize: str | None = "count", eps: float = 1e-6, causal: bool = False,
                   engine: str | None = None, group=None, axis_name: str | None = None, xp=None) -> Array:
     """Sequence-parallel :func:`slicedkern.hat_attention`; shards, ``group`` and ``axis_name`` as in
     :func:`relu_attention`.
@@ -177,7 +169,7 @@ def hat_attention(q: Array, k: Array, v: Array, bandwidth: ArrayOrFloat = 1.0, *
     ----------
     q, k, v, key_mask, causal, group, axis_name
         As in :func:`relu_attention`.
-    bandwidth, normalize, eps, engine, xp
+    bandwidth, center, normalize, eps, engine, xp
         As in :func:`slicedkern.hat_attention` (an array bandwidth: equal on every rank).
 
     Returns
@@ -190,21 +182,21 @@ def hat_attention(q: Array, k: Array, v: Array, bandwidth: ArrayOrFloat = 1.0, *
     >>> out = skd.hat_attention(q_shard, k_shard, v_shard, bandwidth=0.5)   # doctest: +SKIP
     """
     return _sharded(q, k, v, hat_spec(bandwidth, None, ("bandwidth", "weights")), key_mask=key_mask,
-                    center=False, normalize=normalize, eps=eps, causal=causal, engine=engine, xp=xp,
+                    center=center, normalize=normalize, eps=eps, causal=causal, engine=engine, xp=xp,
                     group=group, axis_name=axis_name)
 
 
-def hat_mixture_attention(q: Array, k: Array, v: Array, bandwidths: ArrayOrFloat, weights: ArrayOrFloat, *,
-                          key_mask: Array | None = None, normalize: str | None = "count", eps: float = 1e-6,
-                          causal: bool = False, engine: str | None = None, group=None, axis_name: str | None = None,
-                          xp=None) -> Array:
+def hat_mixture_attention(q: Array, k: Array, v: Array, /, bandwidths: ArrayOrFloat, weights: ArrayOrFloat, *,
+                          key_mask: Array | None = None, center: bool = False, normalize: str | None = "count",
+                          eps: float = 1e-6, causal: bool = False, engine: str | None = None, group=None,
+                          axis_name: str | None = None, xp=None) -> Array:
     """Sequence-parallel :func:`slicedkern.hat_mixture_attention`.
 
     Parameters
     ----------
     q, k, v, key_mask, causal, group, axis_name
         As in :func:`relu_attention`.
-    bandwidths, weights, normalize, eps, engine, xp
+    bandwidths, weights, center, normalize, eps, engine, xp
         As in :func:`slicedkern.hat_mixture_attention` (arrays: equal on every rank).
 
     Returns
@@ -217,11 +209,11 @@ def hat_mixture_attention(q: Array, k: Array, v: Array, bandwidths: ArrayOrFloat
     >>> out = skd.hat_mixture_attention(q_shard, k_shard, v_shard, [0.5, 2.0], [1.0, -0.5])  # doctest: +SKIP
     """
     return _sharded(q, k, v, hat_spec(bandwidths, weights, ("bandwidths", "weights")), key_mask=key_mask,
-                    center=False, normalize=normalize, eps=eps, causal=causal, engine=engine, xp=xp,
+                    center=center, normalize=normalize, eps=eps, causal=causal, engine=engine, xp=xp,
                     group=group, axis_name=axis_name)
 
 
-def kernel_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, key_mask: Array | None = None,
+def kernel_attention(q: Array, k: Array, v: Array, /, kernel: PiecewiseLinear, *, key_mask: Array | None = None,
                      center: bool = False, normalize: str | None = "count", eps: float = 1e-6,
                      causal: bool = False, engine: str | None = None, group=None, axis_name: str | None = None,
                      xp=None) -> Array:

@@ -19,14 +19,15 @@ import contextvars
 from ..backends import backend_of
 from ._base import Engine
 from .scan import ScanEngine
+from .sharded import ShardedEngine
 from .sweep import SweepEngine
 from .triton import TritonEngine
 
-__all__ = ["Engine", "ENGINE_NAMES", "use_engine", "engine_for", "select", "get", "available"]
+__all__ = ["Engine", "ShardedEngine", "ENGINE_NAMES", "use_engine", "engine_for", "select", "get", "available"]
 
-#: Engines in order of preference for the automatic rule.
-_REGISTRY: dict[str, Engine] = {"triton": TritonEngine(), "sweep": SweepEngine(), "scan": ScanEngine()}
-ENGINE_NAMES = ("scan", "sweep", "triton")
+#: Engines in order of preference for the automatic rule, by the names their classes give.
+_REGISTRY: dict[str, Engine] = {cls.name: cls() for cls in (TritonEngine, SweepEngine, ScanEngine)}
+ENGINE_NAMES = tuple(sorted(_REGISTRY))
 _CHOICES = ("auto",) + ENGINE_NAMES
 
 #: The calling context's default: each thread and each asyncio task sees its own.
@@ -72,8 +73,11 @@ def use_engine(name: str):
         _default.reset(token)
 
 
-def select(spec, arrays, requested: str | None = None) -> Engine:
+def select(spec, arrays, requested: str | None = None, *, wrap=None) -> Engine:
     """The engine for one call: ``requested``, else the context's default, else the automatic rule.
+
+    ``wrap`` (optional) maps each registered engine to the engine that would run the call (the
+    sharded engine of :mod:`slicedkern.distributed`); its ``decline`` is the one consulted.
 
     Raises ``ValueError`` naming the ``engine`` argument when the requested engine cannot serve the
     arrays or the spec, with its reason (a CUDA tensor for the sweep, say, or ``causal=True`` for an
@@ -86,13 +90,14 @@ def select(spec, arrays, requested: str | None = None) -> Engine:
         # picks the scan there, the one engine that traces); JAX reads the default at trace time
         requested = _default.get() if backend.reads_context(arrays[0]) else "auto"
     _check_name(requested, "engine")
+    candidates = {name: (e if wrap is None else wrap(e)) for name, e in _REGISTRY.items()}
     if requested != "auto":
-        engine = _REGISTRY[requested]
+        engine = candidates[requested]
         reason = engine.decline(spec, arrays, backend)
         if reason is not None:
             raise ValueError(f"argument 'engine': {reason}")
         return engine
-    for engine in _REGISTRY.values():
+    for engine in candidates.values():
         if engine.automatic(arrays) and engine.decline(spec, arrays, backend) is None:
             return engine
     raise ValueError("no engine serves these arrays")    # the scan serves every namespace
@@ -105,7 +110,4 @@ def engine_for(array) -> str:
 
 def available(library: str) -> list[str]:
     """Engines that serve CPU arrays of ``library`` ("numpy", "torch", "jax", ...) here."""
-    names = ["scan"]
-    if library in ("numpy", "torch", "jax") and SweepEngine.installed():
-        names.append("sweep")
-    return names
+    return [name for name in ENGINE_NAMES if _REGISTRY[name].serves(library)]

@@ -5,7 +5,7 @@ did, once per call). It provides four primitives over arrays already broadcast t
 scores in the work dtype:
 
 * ``kernel_sum(x, y, w, profile, *, xp)`` -> (..., n, c) in the work dtype;
-* ``attention(q, k, v, profile, *, key_mask, center, normalize, eps, xp, for_backward)`` -> ``(out,
+* ``attention(q, k, v, profile, *, key_mask, center, normalizer, xp, for_backward)`` -> ``(out,
   residuals)``, residuals a flat tuple of arrays (possibly empty) that only this engine reads back;
   ``for_backward`` says whether a backward will follow (an autograd node, a :func:`slicedkern.vjp`
   record), so that an engine may keep work for it only then (the sweep keeps its sort);
@@ -14,14 +14,17 @@ scores in the work dtype:
 
 an engine with a causal mode (``supports_causal = True``) also provides
 
-* ``causal_attention(q, k, v, profile, *, key_mask, center, normalize, eps, xp)`` -> ``(out,
+* ``causal_attention(q, k, v, profile, *, key_mask, center, normalizer, xp)`` -> ``(out,
   residuals)`` with the residuals ``(take, relu_count[, den])`` per query over the keys it sees;
 * ``causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True)``: ``profiles_vjp``
   over the keys ``j <= i + m - n`` of each query ``i`` (docs/mathematics.rst, "Causal attention");
-* optionally ``causal_profile_sums(x, y, w, profiles, *, xp)``: its forward, the per-query profile
-  sums over those keys, uncombined (one (..., n, c_p) array per profile), which
-  :mod:`slicedkern.distributed` adds across ranks; an engine without it is not used there for
-  causal calls;
+* optionally (``gives_causal_sums = True``) ``causal_profile_sums(x, y, w, profiles, *, xp)``: its
+  forward, the per-query profile sums over those keys, uncombined (one (..., n, c_p) array per
+  profile), which the sharded engine (:mod:`.sharded`) adds across ranks; an engine without it
+  is not sharded for causal calls;
+
+``normalizer`` is the spec's :class:`~slicedkern._spec.Normalizer`; the output rule the sums go
+through is :mod:`._combine`, written once;
 
 and :class:`Engine` turns them into ``forward(spec, arrays)`` / ``backward(spec, arrays, out,
 residuals, g)``, the two calls the adapters make.
@@ -34,7 +37,7 @@ fused backward of its own (the sweep) overrides them and returns the same gradie
 from __future__ import annotations
 
 from .._lib.namespace import array_device, as_work
-from .._spec import KernelSumSpec, bandwidth_ok, normalizer_profile, param_grads, profile_of, unpack
+from .._spec import KernelSumSpec, bandwidth_ok, param_grads, profile_of, unpack
 from ..kernels import Profile
 from . import _vjp
 
@@ -55,6 +58,10 @@ class Engine:
     #: whether the engine computes causal attention (``AttentionSpec.causal``); the others decline
     #: causal specs in :meth:`decline`, with :func:`no_causal_mode` as the reason
     supports_causal = False
+    #: whether the engine gives causal profile sums uncombined (``causal_profile_sums``)
+    gives_causal_sums = False
+    #: whether the engine's forward and backward run collectives: every rank must run the backward
+    collective = False
 
     def decline(self, spec, arrays, backend) -> str | None:
         """Why this engine cannot run ``spec`` on ``arrays`` (of registry row ``backend``), or None.
@@ -69,6 +76,47 @@ class Engine:
         """Whether the automatic rule may pick this engine for ``arrays`` (``decline`` permitting)."""
         return True
 
+    def serves(self, library: str) -> bool:
+        """Whether the engine runs on CPU arrays of ``library`` ("numpy", "torch", "jax", ...) here, as
+        :func:`slicedkern.engines.available` lists it (the scan: every library)."""
+        return False
+
+    # -- the primitives (docstring of this module); tests/test_engines.py checks each engine has them --
+    #: the primitives of every engine, and of an engine with ``supports_causal``
+    PRIMITIVES = ("kernel_sum", "attention", "profiles_vjp", "indicator_sums")
+    CAUSAL_PRIMITIVES = ("causal_attention", "causal_profiles_vjp")
+
+    def _missing(self, primitive: str):
+        return NotImplementedError(f"the {self.name!r} engine does not provide {primitive!r}")
+
+    def kernel_sum(self, x, y, w, profile, *, xp):
+        """``S[..., i, :] = sum_j f(x_i - y_j) w[..., j, :]``: (..., n, c) in the work dtype."""
+        raise self._missing("kernel_sum")
+
+    def attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp, for_backward=False):
+        """``(out, residuals)`` of normalised attention (docs/mathematics.rst, "Attention")."""
+        raise self._missing("attention")
+
+    def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
+        """``(dx, dy, dw, [(dknots, dcoeffs)] per profile)``: the pull-back of several profile sums."""
+        raise self._missing("profiles_vjp")
+
+    def indicator_sums(self, q, k, ones, profiles, *, xp):
+        """One (..., n, 1) sum of each profile over the indicator ``ones`` (..., m, 1)."""
+        raise self._missing("indicator_sums")
+
+    def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
+        """:meth:`attention` over the keys ``j <= i + lk - lq`` of each query ``i``."""
+        raise self._missing("causal_attention")
+
+    def causal_profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
+        """:meth:`profiles_vjp` over the keys each query sees."""
+        raise self._missing("causal_profiles_vjp")
+
+    def causal_profile_sums(self, x, y, w, profiles, *, xp):
+        """The forward of :meth:`causal_profiles_vjp`, uncombined (``gives_causal_sums``)."""
+        raise self._missing("causal_profile_sums")
+
     # -- what the adapters call ---------------------------------------------------------------
     def forward(self, spec, arrays, *, xp, for_backward=False):
         """``(out, residuals)``: the output in the work dtype and a flat tuple of arrays.
@@ -81,7 +129,7 @@ class Engine:
             x, y, w = arrays
             return self.kernel_sum(x, y, w, Profile.of(spec.kernel), xp=xp), ()
         q, k, v, mask, params = unpack(spec, arrays)
-        options = dict(key_mask=mask, center=spec.center, normalize=spec.normalize, eps=spec.eps, xp=xp)
+        options = dict(key_mask=mask, center=spec.center, normalizer=spec.normalizer, xp=xp)
         if spec.causal:
             out, residuals = self.causal_attention(q, k, v, profile_of(spec, params), **options)
         else:
@@ -104,7 +152,7 @@ class Engine:
         vjp = self.causal_attention_vjp if spec.causal else self.attention_vjp
         dq, dk, dv, (dknots, dcoeffs) = vjp(
             q, k, v, profile_of(spec, params), g, out, residuals, key_mask=mask, center=spec.center,
-            normalize=spec.normalize, eps=spec.eps, xp=xp)
+            normalizer=spec.normalizer, xp=xp)
         grads = [as_work(xp, dq, q.dtype), as_work(xp, dk, k.dtype), as_work(xp, dv, v.dtype)]
         if spec.has_mask:
             grads.append(None)
@@ -117,20 +165,23 @@ class Engine:
         """``(dx, dy, dw, (dknots, dcoeffs))`` of a kernel sum with cotangent ``g`` (any float dtype)."""
         return _vjp.kernel_sum_vjp(self, x, y, w, profile, as_work(xp, g, x.dtype), xp=xp)
 
-    def attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalize, eps, xp):
+    def attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
         """``(dq, dk, dv, (dknots, dcoeffs))`` of attention with cotangent ``g`` (any float dtype), given
         the forward's ``out`` and ``residuals``; knot / coefficient gradients are aligned with
         ``profile.knots`` / ``profile.coeffs`` (``None`` for float parameters)."""
         return _vjp.attention_vjp(self, q, k, v, profile, as_work(xp, g, q.dtype), out, self.aux_of(residuals),
-                                  key_mask=key_mask, center=center, normalizer=normalizer_profile(normalize),
-                                  eps=eps, causal=False, xp=xp)
+                                  key_mask=key_mask, center=center, normalizer=normalizer, causal=False, xp=xp)
 
-    def causal_attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalize, eps,
-                             xp):
+    def causal_attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
         """:meth:`attention_vjp` of :meth:`causal_attention` (engines with ``supports_causal``)."""
         return _vjp.attention_vjp(self, q, k, v, profile, as_work(xp, g, q.dtype), out, self.aux_of(residuals),
-                                  key_mask=key_mask, center=center, normalizer=normalizer_profile(normalize),
-                                  eps=eps, causal=True, xp=xp)
+                                  key_mask=key_mask, center=center, normalizer=normalizer, causal=True, xp=xp)
+
+    def key_view(self, q, k, v, key_mask, aux, *, causal: bool, xp):
+        """The keys each query sees, as the backward reads them (:class:`._vjp.AllKeys`, or
+        :class:`._vjp.SeenKeys` when ``causal``): the NaN rule's screening, the sums over those keys,
+        their adjoint and the profile-sum VJP over them. ``aux``: the forward's residuals."""
+        return (_vjp.SeenKeys if causal else _vjp.AllKeys)(self, q, k, v, key_mask, xp)
 
     def aux_of(self, residuals):
         """The per-query residuals of :meth:`attention` as the backward reads them (``None``: recompute)."""

@@ -11,12 +11,14 @@ backward pass" and "Causal attention").
 from __future__ import annotations
 
 from .._lib.namespace import array_device, clamp_min
+from .._spec import Normalizer
 from ..backends import holds_everywhere
 from ..kernels import Profile
 from ._causal_grid import CausalGrid, running_sum, screen_causal
+from ._combine import pullback
 from ._nanpolicy import sanitize_keys
 
-__all__ = ["kernel_sum_vjp", "attention_vjp", "attention_aux"]
+__all__ = ["kernel_sum_vjp", "attention_vjp", "attention_aux", "AllKeys", "SeenKeys", "add_params"]
 
 
 def kernel_sum_vjp(engine, x, y, w, profile: Profile, g, *, xp):
@@ -36,13 +38,17 @@ def _nan_rows(xp, dx, dy, dw, q_ok, row_ok):
             xp.where(row_ok[..., None, None], dw, nan))
 
 
-class _AllKeys:
+class AllKeys:
     """Every query sees every valid key of its batch row (the non-causal ops).
 
     The NaN policy's screening (:func:`sanitize_keys`), the sums over the keys a query sees (one per
-    batch row, (..., 1, c)), their adjoint, and the engine's profile-sum VJP. :class:`_SeenKeys` is
-    the same interface for causal attention.
+    batch row, (..., 1, c)), their adjoint, and the engine's profile-sum VJP. :class:`SeenKeys` is
+    the same interface for causal attention, and :mod:`slicedkern.engines.sharded` has both over a
+    shard of the keys.
     """
+
+    #: whether the view's collectives need every rank to take the same branches (sharded views)
+    collective = False
 
     def __init__(self, engine, q, k, v, key_mask, xp):
         self.q, self.k, self.v, q_ok, row_ok = sanitize_keys(xp, q, k, v, key_mask)
@@ -50,21 +56,31 @@ class _AllKeys:
         self.take = take if key_mask is None else take & key_mask
         self.good = q_ok & row_ok[..., None]          # (..., lq): the forward's row is not NaN
         self.row_bad = ~row_ok                        # (...): every key's gradient is NaN
-        self.profiles_vjp = engine.profiles_vjp
+        self.engine = engine
 
     def seen(self, xp, a):
         """``a`` (..., lk, c) summed over the keys each query sees: (..., 1, c) in the work dtype."""
         return xp.sum(a, axis=-2, keepdims=True, dtype=self.q.dtype)
+
+    def totals(self, xp, *, values: bool):
+        """``(count, value_sums)``: the valid keys each query sees and their values' sum (``None``
+        unless ``values``), (..., lq or 1, 1) and (..., lq or 1, Dv) in the work dtype."""
+        count = self.seen(xp, xp.astype(self.take, self.q.dtype)[..., None])
+        return count, self.seen(xp, self.v) if values else None
 
     def to_keys(self, xp, weights, g):
         """The adjoint of :meth:`seen` applied to ``weights * g`` ((..., lq, 1) and (..., lq, c)), with
         no (lq, c) temporary: (..., 1, c)."""
         return xp.matrix_transpose(weights) @ g
 
+    def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
+        """The engine's pull-back of the profile sums over the keys each query sees."""
+        return self.engine.profiles_vjp(x, y, w, profiles, cotangents, xp=xp, param_grads=param_grads)
 
-class _SeenKeys:
+
+class SeenKeys(AllKeys):
     """Query ``i`` sees the valid keys ``j <= i + lk - lq`` (causal attention; docs/mathematics.rst,
-    "Causal attention"): the interface of :class:`_AllKeys` with running sums over the positions, the
+    "Causal attention"): the interface of :class:`AllKeys` with running sums over the positions, the
     causal NaN rule, and the engine's causal profile-sum VJP."""
 
     def __init__(self, engine, q, k, v, key_mask, xp):
@@ -72,7 +88,7 @@ class _SeenKeys:
         sc = screen_causal(xp, self.grid, q, k, v, key_mask)
         self.q, self.k, self.v, self.take, self.good = sc.q, sc.k, sc.v, sc.take, sc.good
         self.row_bad = sc.row_bad
-        self.profiles_vjp = engine.causal_profiles_vjp
+        self.engine = engine
 
     def seen(self, xp, a):
         """Running sums of ``a`` (..., lk, c) read at each query's position: (..., lq, c), work dtype."""
@@ -83,9 +99,12 @@ class _SeenKeys:
         query at or after its position (a reverse running sum), (..., lk, c)."""
         return running_sum(xp, self.grid.queries_to_keys(xp, weights * g), axis=-2, reverse=True)
 
+    def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
+        return self.engine.causal_profiles_vjp(x, y, w, profiles, cotangents, xp=xp, param_grads=param_grads)
 
-def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask, center, normalizer,
-                  eps, causal=False, xp):
+
+def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask, center, normalizer: Normalizer,
+                  causal=False, xp):
     """VJP of attention on ``engine``; with ``causal``, of causal attention (docs/mathematics.rst,
     "Causal attention"), on an engine that has ``causal_profiles_vjp``.
 
@@ -94,56 +113,47 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
     ``None`` (the sweep keeps none): then they are recomputed here, one sort-scan of one column each.
     Returns ``(dq, dk, dv, (dknots, dcoeffs))``.
 
+    The keys each query sees are the engine's :meth:`~slicedkern.engines._base.Engine.key_view`
+    (every key, the causal prefix, or a shard of either); the quotient rule is :func:`._combine.pullback`.
     The values and the valid-key indicator are pulled back together, in one profile-sum VJP of
     ``[v | indicator]``: the value columns with the cotangent ``g / den`` (per-query factors), the
     indicator column with the centring and normaliser terms; one sort of the keys and one of the
-    queries serve both. The count and the
-    centring mean are sums over the keys each query sees (per batch row, or running sums when
-    causal), and the mean's cotangent goes back to the keys through their adjoint. NaN where the
-    forward's output was: on bad queries, and on every key of a batch row with a bad key (causal:
-    of a batch row in which some query saw a bad key).
+    queries serve both. The centring mean's cotangent goes back to the keys through the view's
+    adjoint of its sums. NaN where the forward's output was: on bad queries, and on every key of a
+    batch row with a bad key (causal: of a batch row in which some query saw a bad key).
     """
     work = q.dtype
     if q.shape[-1] == 0 or k.shape[-1] == 0:
         # no query or no key: causal and non-causal attention are the same (zero) map, as the causal
         # forwards' own early returns have it
         causal = False
-    keys = (_SeenKeys if causal else _AllKeys)(engine, q, k, v, key_mask, xp)
+    keys = engine.key_view(q, k, v, key_mask, aux, causal=causal, xp=xp)
     if aux is None:
         if causal:
             raise ValueError("causal attention's backward needs the forward's residuals")
         aux = attention_aux(engine, keys.q, keys.k, profile, keys.take, normalizer, xp=xp)
     takef = xp.astype(keys.take, work)
-    count = keys.seen(xp, takef[..., None])                             # (..., lq or 1, 1)
-    count_c = clamp_min(xp, count, 1.0)
+    count, value_sums = keys.totals(xp, values=center)                  # (..., lq or 1, 1 | Dv)
     good = keys.good[..., None]                                         # (..., lq, 1)
     zero = xp.zeros((), dtype=work, device=array_device(q))
-    scale = xp.astype(good, work)
-    if normalizer is not None:
-        if isinstance(normalizer, Profile):
-            # no key seen: the forward divided by 1 (its numerator is an empty sum)
-            den_c = xp.where(count > 0, clamp_min(xp, aux["den"], eps), xp.ones_like(aux["den"]))
-        else:
-            den_c = count_c
-        scale = scale / den_c
-    gnum = gout * scale                                                 # (..., lq, Dv), work dtype
+    mean = value_sums / clamp_min(xp, count, 1.0) if center else None   # v is zero on keys not taken
+    cot = pullback(xp, gout, out, relu_count=aux["relu_count"], den=aux.get("den"), count=count, mean=mean,
+                   good=good, center=center, normalizer=normalizer)
+    gnum = cot.numerator                                                # (..., lq, Dv), work dtype
 
     indicator_profiles, indicator_cots = [], []
     if center:
-        mean = keys.seen(xp, keys.v) / count_c                          # v is zero on keys not taken
         indicator_profiles.append(profile)
-        indicator_cots.append(-xp.vecdot(gnum, mean)[..., None])        # (..., lq, 1)
-    if isinstance(normalizer, Profile):
-        dot = xp.astype(xp.vecdot(gout, xp.astype(out, gout.dtype))[..., None], work)
-        gden = xp.where(good & (aux["den"] >= eps), -dot / den_c, zero)
-        indicator_profiles.append(normalizer)
-        indicator_cots.append(gden)
+        indicator_cots.append(cot.relu_count)
+    if normalizer.summed:
+        indicator_profiles.append(normalizer.profile)
+        indicator_cots.append(cot.den)
     if indicator_profiles:
         # one pull-back for the values and the indicator column (the last column of ``w``): one sort
         # of the keys, one of the queries, and the rank searches of shared knots, for both
         dv_cols = keys.v.shape[-1]
         columns = [keys.v, xp.astype(takef, keys.v.dtype)[..., None]]
-        silent = _silent_rows(xp, profile, normalizer, aux.get("den"), good)
+        silent = _silent_rows(xp, profile, normalizer, aux.get("den"), good, uniform=keys.collective)
         value_cots = [gnum]
         if silent is not None:
             # Rows whose normaliser sum is exactly 0 while the profile vanishes wherever it does (ReLU
@@ -163,13 +173,13 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
                                                value_cots[:1] + indicator_cots + value_cots[1:], xp=xp)
         dv = dw[..., :dv_cols]
         if silent is not None:
-            params = _add_params(params[:1], params[-1:]) + params[1:-1]
-        params = _add_params(params[:1], params[1:2]) if center else params[:1]
+            params = add_params(params[:1], params[-1:]) + params[1:-1]
+        params = add_params(params[:1], params[1:2]) if center else params[:1]
     else:
         dq, dk, dv, params = keys.profiles_vjp(keys.q, keys.k, keys.v, [profile], [gnum], xp=xp)
     if center:
         # mean_i = (sum of the values query i sees) / count_i, and R_i = relu_count_i multiplies it
-        dv = dv - keys.to_keys(xp, aux["relu_count"] / count_c, gnum)
+        dv = dv - keys.to_keys(xp, cot.mean_weights, gnum)
 
     # keys not taken get no gradient; bad rows get NaN (the forward's NaN policy)
     nan = xp.asarray(float("nan"), dtype=work, device=array_device(q))
@@ -180,14 +190,17 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
     return dq, dk, dv, params[0]
 
 
-def _silent_rows(xp, profile: Profile, normalizer, den, good):
+def _silent_rows(xp, profile: Profile, normalizer: Normalizer, den, good, *, uniform: bool = False):
     """``(..., lq, 1)`` True on the rows whose normaliser sum is exactly 0 and whose every term is
     then 0 (:func:`_vanishes_where_normalizer_does`), or None when no row can be (or, traced, for
-    the ``|r|`` normaliser, whose sum is 0 only when every key seen ties with the query)."""
-    if not isinstance(normalizer, Profile) or not _vanishes_where_normalizer_does(profile, normalizer):
+    the ``|r|`` normaliser, whose sum is 0 only when every key seen ties with the query).
+
+    ``uniform``: the answer must not depend on the data (a collective engine: every rank must send
+    the same columns), so it is the traced one."""
+    if not normalizer.summed or not _vanishes_where_normalizer_does(profile, normalizer.profile):
         return None
-    none_zero = holds_everywhere(xp, den, lambda ns, a: a != 0)
-    if none_zero or (none_zero is None and not _zero_below(normalizer)):
+    none_zero = None if uniform else holds_everywhere(xp, den, lambda ns, a: a != 0)
+    if none_zero or (none_zero is None and not _zero_below(normalizer.profile)):
         return None
     return good & (den == 0)
 
@@ -217,7 +230,7 @@ def _vanishes_where_normalizer_does(profile: Profile, normalizer: Profile) -> bo
     return all(_value(profile, r) == 0.0 for r in points + [left])
 
 
-def _add_params(a, b):
+def add_params(a, b):
     """Sum two ``profiles_vjp`` parameter-gradient lists (None where a parameter is a float)."""
     out = []
     for (ka, ca), (kb, cb) in zip(a, b):
@@ -226,11 +239,11 @@ def _add_params(a, b):
     return out
 
 
-def attention_aux(engine, q, k, profile, take, normalizer, *, xp):
+def attention_aux(engine, q, k, profile, take, normalizer: Normalizer, *, xp):
     """The per-query residuals of attention (``take``, ``relu_count``, ``den``), recomputed from the
     screened inputs and the keys that take part, for engines that keep none."""
     ones = xp.astype(take, q.dtype)[..., None]
-    profiles = [profile] + ([normalizer] if isinstance(normalizer, Profile) else [])
+    profiles = [profile] + ([normalizer.profile] if normalizer.summed else [])
     sums = engine.indicator_sums(q, k, ones, profiles, xp=xp)
     aux = {"take": take, "relu_count": sums[0]}
     if len(sums) > 1:

@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .. import hat_attention, hat_mixture_attention, kernel_attention, relu_attention
+from .._spec import NORMALIZERS
 from ..kernels import PiecewiseLinear
 from ..ops._validate import check_bool
 
@@ -45,7 +46,7 @@ __all__: list[str] = []
 
 _KERNEL_NAMES = ("relu", "hat", "hat_mixture")
 _SCORES = ("mlp", "linear")
-_NORMALIZERS = ("abs", "relu", "count", None)
+_NORMALIZERS = tuple(NORMALIZERS)
 #: Default number of hats per head of ``kernel="hat_mixture"``.
 _DEFAULT_MIXTURE_SIZE = 3
 #: Base of the rotary embedding's frequencies (RoFormer's value).
@@ -89,11 +90,6 @@ class LayerConfig:
     @property
     def has_bandwidth(self) -> bool:
         return self.kernel_name in ("hat", "hat_mixture")
-
-    @property
-    def layer_centers(self) -> bool:
-        """Whether the layer centres the values itself (the hat ops have no ``center`` option)."""
-        return self.center and self.has_bandwidth
 
 
 def _positive_int(value, name: str) -> int:
@@ -206,11 +202,11 @@ def op_arguments(config: LayerConfig, bandwidth, mixture_weight) -> tuple[tuple,
     "hat_mixture" (``mixture_weight`` then holds the ``(H, K)`` weights); both are ignored otherwise.
     The op broadcasts them over the batch dims ``(..., H)`` of the scores.
     """
-    options = {"normalize": config.normalize}
+    options = {"normalize": config.normalize, "center": config.center}
     if config.kernel_name == "relu":
-        return (), {**options, "center": config.center}
+        return (), options
     if config.kernel_name == "custom":
-        return (config.kernel,), {**options, "center": config.center}
+        return (config.kernel,), options
     if config.kernel_name == "hat":
         return (bandwidth,), options
     return (bandwidth, mixture_weight), options

@@ -263,12 +263,6 @@ class SlicedAttention(nnx.Module):
         k_scores = jnp.swapaxes(self.scores(k), 1, 2)                          # (N, H, Lk)
         v = jnp.swapaxes(v.reshape(batch, k_len, heads, head_dim), 1, 2)       # (N, H, Lk, Dh)
         key_mask = None if key_padding_mask is None else ~key_padding_mask[:, None, :]   # (N, 1, Lk)
-        valid = None if key_mask is None else key_mask[..., None].astype(v.dtype)
-        if cfg.layer_centers:
-            # The hat ops have no centring: attend to [v, 1] and subtract mean * (attention of 1),
-            # exact for any normaliser since both columns share it.
-            mean = _key_means(v, valid, q_len, causal)
-            v = jnp.concatenate((v, jnp.ones_like(v[..., :1])), axis=-1)
         bandwidth = None if self.log_bandwidth is None else jnp.exp(self.log_bandwidth[...])
         if isinstance(self.log_bandwidth, FixedBandwidth):
             bandwidth = jax.lax.stop_gradient(bandwidth)
@@ -277,8 +271,6 @@ class SlicedAttention(nnx.Module):
         if causal:
             options["causal"] = True
         ctx = self._op(q_scores, k_scores, v, *params, key_mask=key_mask, **options)
-        if cfg.layer_centers:
-            ctx = ctx[..., :head_dim] - mean * ctx[..., head_dim:]
         ctx = jnp.swapaxes(ctx, 1, 2).reshape(batch, q_len, cfg.embed_dim)
         out = self.out_proj(self.attention_dropout(ctx, deterministic=deterministic, rngs=rngs))
         if key_mask is not None or (causal and q_len > k_len):
@@ -305,16 +297,3 @@ def _has_keys(key_mask, batch, q_len, k_len, causal):
         return jnp.broadcast_to(jnp.asarray(sees), (batch, q_len))[..., None]
     counts = jnp.cumsum(key_mask, axis=-1)[..., rows][:, 0]                      # (N, Lq)
     return ((counts > 0) & sees)[..., None]
-
-
-def _key_means(v, valid, q_len, causal):
-    """Mean of the values over the valid keys: (N, H, 1, Dh), or per query (N, H, Lq, Dh) if causal."""
-    weighted = v if valid is None else v * valid
-    counts = jnp.ones_like(v[..., :1]) if valid is None else valid
-    if not causal:
-        return weighted.sum(axis=-2, keepdims=True) / jnp.maximum(counts.sum(axis=-2, keepdims=True), 1.0)
-    rows, sees = _visible_rows(q_len, v.shape[-2])
-    sees = jnp.asarray(sees[:, None], dtype=v.dtype)
-    sums = jnp.cumsum(weighted, axis=-2)[..., rows, :] * sees
-    totals = jnp.cumsum(jnp.broadcast_to(counts, (*v.shape[:-1], 1)), axis=-2)[..., rows, :] * sees
-    return sums / jnp.maximum(totals, 1.0)

@@ -263,19 +263,11 @@ class SlicedAttention(nn.Module):
         k_scores = self.scores(k).transpose(1, 2)                         # (N, H, Lk)
         v = v.reshape(batch, k_len, heads, head_dim).transpose(1, 2)      # (N, H, Lk, Dh)
         key_mask = None if key_padding_mask is None else ~key_padding_mask[:, None, :]   # (N, 1, Lk)
-        valid = None if key_mask is None else key_mask[..., None].to(v.dtype)
-        if cfg.layer_centers:
-            # The hat ops have no centring: attend to [v, 1] and subtract mean * (attention of 1),
-            # exact for any normaliser since both columns share it.
-            mean = _key_means(v, valid, q_len, causal)                    # (N, H, Lq or 1, Dh)
-            v = torch.cat((v, torch.ones_like(v[..., :1])), dim=-1)
         bandwidth = None if self.log_bandwidth is None else torch.exp(self.log_bandwidth)
         params, options = op_arguments(cfg, bandwidth, self.mixture_weight)
         if causal:
             options["causal"] = True
-        ctx = self._op(q_scores, k_scores, v, *params, key_mask=key_mask, **options)   # (N, H, Lq, Dh[+1])
-        if cfg.layer_centers:
-            ctx = ctx[..., :head_dim] - mean * ctx[..., head_dim:]
+        ctx = self._op(q_scores, k_scores, v, *params, key_mask=key_mask, **options)   # (N, H, Lq, Dh)
         ctx = ctx.transpose(1, 2).reshape(batch, q_len, cfg.embed_dim)
         out = self.out_proj(self.attention_dropout(ctx))
         if key_mask is not None or (causal and q_len > k_len):
@@ -303,22 +295,6 @@ def _has_keys(key_mask: Tensor | None, batch: int, q_len: int, k_len: int, causa
         return sees.expand(batch, q_len)[..., None]
     counts = key_mask.cumsum(dim=-1).index_select(-1, rows)[:, 0]             # (N, Lq)
     return ((counts > 0) & sees)[..., None]
-
-
-def _key_means(v: Tensor, valid: Tensor | None, q_len: int, causal: bool) -> Tensor:
-    """Mean of the values over the valid keys: (N, H, 1, Dh), or per query (N, H, Lq, Dh) if causal.
-
-    Causal query ``i`` averages the valid keys it sees (``j <= i + Lk - Lq``); no valid key gives 0.
-    """
-    weighted = v if valid is None else v * valid
-    counts = torch.ones_like(v[..., :1]) if valid is None else valid
-    if not causal:
-        return weighted.sum(dim=-2, keepdim=True) / counts.sum(dim=-2, keepdim=True).clamp(min=1.0)
-    rows, sees = _visible_rows(q_len, v.shape[-2], v.device)
-    sees = sees[:, None].to(v.dtype)
-    sums = weighted.cumsum(dim=-2).index_select(-2, rows) * sees
-    totals = counts.expand(*v.shape[:-1], 1).cumsum(dim=-2).index_select(-2, rows) * sees
-    return sums / totals.clamp(min=1.0)
 
 
 class SlicedTransformerEncoderLayer(nn.Module):

@@ -9,10 +9,11 @@ Bandwidth gradients at a tie ``|q - k| = b`` are the right derivative in ``b``.
 from __future__ import annotations
 
 import numbers
+from typing import Any, NamedTuple
 
 from .._lib.namespace import array_device, as_work, shape_str
 from .._lib.typing import Array, ArrayOrFloat, Namespace
-from .._spec import AttentionSpec
+from .._spec import AttentionSpec, Normalizer
 from ..adapters import run
 from ..engines import select
 from ..kernels import HatMixture, PiecewiseLinear, ReLU
@@ -29,7 +30,7 @@ from ._validate import (
     setup,
 )
 
-__all__ = ["relu_attention", "hat_attention", "hat_mixture_attention", "kernel_attention"]
+__all__ = ["relu_attention", "hat_attention", "hat_mixture_attention", "kernel_attention", "Call", "prepare"]
 
 #: Kernels are immutable: one ReLU serves every call.
 _RELU = ReLU()
@@ -39,11 +40,10 @@ def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, 
     """Shared validation and dispatch of every attention op (see :func:`prepare`)."""
     # the caller's own objects, so that slicedkern.vjp finds each input among a wrapper's arguments
     sources = {"q": q, "k": k, "v": v, "key_mask": key_mask, **(hats.sources if hats is not None else {})}
-    xp, spec, chosen, inputs, names, out_dtype = prepare(
-        q, k, v, hats, kernel=kernel, key_mask=key_mask, center=center, normalize=normalize, eps=eps,
-        causal=causal, engine=engine, xp=xp)
-    out = run(xp, spec, chosen, inputs, names, out_dtype, sources=tuple(sources.get(n) for n in names))
-    return nan_rows_without_keys(xp, inputs[0], inputs[1], out)
+    call = prepare(q, k, v, hats, kernel=kernel, key_mask=key_mask, center=center, normalize=normalize, eps=eps,
+                   causal=causal, engine=engine, xp=xp)
+    out = run(*call, sources=tuple(sources.get(n) for n in call.names))
+    return nan_rows_without_keys(call.xp, call.inputs[0], call.inputs[1], out)
 
 
 def nan_rows_without_keys(xp, queries, keys, out):
@@ -58,12 +58,25 @@ def nan_rows_without_keys(xp, queries, keys, out):
     return xp.where(ok, out, nan)
 
 
-def prepare(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, causal=False, engine, xp):
-    """Validate an attention call once: ``(xp, spec, engine, inputs, names, out_dtype)``, what
-    :func:`slicedkern.adapters.run` takes (and what ``slicedkern.distributed`` runs its own way).
+class Call(NamedTuple):
+    """A validated attention call, the arguments of :func:`slicedkern.adapters.run` in order."""
+
+    xp: Any                 # the array namespace
+    spec: AttentionSpec     # what to compute
+    engine: Any             # the engine chosen once for the forward and the backward
+    inputs: tuple           # (q, k, v[, key_mask], *params), broadcast, scores in the work dtype
+    names: tuple            # the argument name of each input
+    out_dtype: Any          # the result's dtype
+
+
+def prepare(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, causal=False, engine, xp,
+            wrap=None) -> Call:
+    """Validate an attention call once and choose its engine: a :class:`Call`.
 
     ``kernel`` is a fixed profile; otherwise ``hats`` is a builder (see :func:`hat_spec`) that
-    returns the hat part of the spec and its array parameters.
+    returns the hat part of the spec and its array parameters. ``wrap`` maps each candidate engine
+    to the one that runs the call (:class:`slicedkern.engines.ShardedEngine` in
+    ``slicedkern.distributed``), as :func:`slicedkern.engines.select` takes it.
     """
     named = {"q": q, "k": k, "v": v, "key_mask": key_mask}
     xp, device, out_dtype, work = setup(named, xp, required=("q", "k", "v"))
@@ -97,7 +110,7 @@ def prepare(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, cau
     batch, arrays = broadcast_all(xp, arrays, cores, tuple(arrays))
     hat_fields, params = hats(xp, device, work, batch) if hats is not None else ({}, {})
     fields = {"kernel": kernel, **hat_fields}
-    spec = AttentionSpec(center=center, normalize=normalize, eps=eps, has_mask=key_mask is not None,
+    spec = AttentionSpec(center=center, normalizer=Normalizer(normalize, eps), has_mask=key_mask is not None,
                          causal=causal, param_layout=tuple(params), **fields)
     q, k = as_work(xp, arrays["q"], work), as_work(xp, arrays["k"], work)
     v = arrays["v"]                  # widened inside the prefix sums, after the gather
@@ -107,10 +120,10 @@ def prepare(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, cau
         v = xp.astype(v, out_dtype)
     inputs = (q, k, v) + ((arrays["key_mask"],) if key_mask is not None else ()) + tuple(params.values())
     names = ("q", "k", "v") + (("key_mask",) if key_mask is not None else ()) + tuple(params)
-    return xp, spec, select(spec, inputs, engine), inputs, names, out_dtype
+    return Call(xp, spec, select(spec, inputs, engine, wrap=wrap), inputs, names, out_dtype)
 
 
-def relu_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = None, center: bool = True,
+def relu_attention(q: Array, k: Array, v: Array, /, *, key_mask: Array | None = None, center: bool = True,
                    normalize: str | None = "abs", eps: float = 1e-6, causal: bool = False,
                    engine: str | None = None, xp: Namespace | None = None) -> Array:
     """Sliced ReLU attention (paper eq. 3), ``O(n log n)``.
@@ -234,8 +247,8 @@ def hat_spec(bandwidths, weights, names):
     return build
 
 
-def hat_attention(q: Array, k: Array, v: Array, bandwidth: ArrayOrFloat = 1.0, *, key_mask: Array | None = None,
-                  normalize: str | None = "count", eps: float = 1e-6, causal: bool = False,
+def hat_attention(q: Array, k: Array, v: Array, /, bandwidth: ArrayOrFloat = 1.0, *, key_mask: Array | None = None,
+                  center: bool = False, normalize: str | None = "count", eps: float = 1e-6, causal: bool = False,
                   engine: str | None = None, xp: Namespace | None = None) -> Array:
     """Hat ("ReLU-bump") attention (paper eq. 5).
 
@@ -250,6 +263,9 @@ def hat_attention(q: Array, k: Array, v: Array, bandwidth: ArrayOrFloat = 1.0, *
         Positive half-width ``b``; an array broadcasts against the leading dims (one per head, say).
     key_mask : bool array, shape (..., Lk), optional
         True where the key takes part.
+    center : bool, default False
+        Use ``v_j - mean(v)`` over the valid keys a query sees (causal: a running mean), as
+        :func:`relu_attention` does; the layers' ``center=True`` for hats.
     normalize : {"count", "abs", "relu", None}, default "count"
     eps : float, default 1e-6
         Lower clamp of the "abs" / "relu" denominators, positive.
@@ -275,18 +291,19 @@ def hat_attention(q: Array, k: Array, v: Array, bandwidth: ArrayOrFloat = 1.0, *
     array([[1.  , 0.75, 0.5 ]])
     """
     return _attention(q, k, v, hat_spec(bandwidth, None, ("bandwidth", "weights")),
-                      key_mask=key_mask, center=False, normalize=normalize, eps=eps, causal=causal,
+                      key_mask=key_mask, center=center, normalize=normalize, eps=eps, causal=causal,
                       engine=engine, xp=xp)
 
 
-def hat_mixture_attention(q: Array, k: Array, v: Array, bandwidths: ArrayOrFloat, weights: ArrayOrFloat, *,
-                          key_mask: Array | None = None, normalize: str | None = "count", eps: float = 1e-6,
-                          causal: bool = False, engine: str | None = None, xp: Namespace | None = None) -> Array:
+def hat_mixture_attention(q: Array, k: Array, v: Array, /, bandwidths: ArrayOrFloat, weights: ArrayOrFloat, *,
+                          key_mask: Array | None = None, center: bool = False, normalize: str | None = "count",
+                          eps: float = 1e-6, causal: bool = False, engine: str | None = None,
+                          xp: Namespace | None = None) -> Array:
     """Attention with a mixture of hats ``sum_i weights[i] max(0, 1 - |r| / bandwidths[i])``.
 
     Parameters
     ----------
-    q, k, v, key_mask, normalize, eps, causal, engine, xp
+    q, k, v, key_mask, center, normalize, eps, causal, engine, xp
         As in :func:`hat_attention`.
     bandwidths : sequence of float or array, shape (..., K)
         Positive bandwidths; an array's leading dims broadcast against the batch (per head).
@@ -305,11 +322,11 @@ def hat_mixture_attention(q: Array, k: Array, v: Array, bandwidths: ArrayOrFloat
     array([[[1.625]]])
     """
     return _attention(q, k, v, hat_spec(bandwidths, weights, ("bandwidths", "weights")),
-                      key_mask=key_mask, center=False, normalize=normalize, eps=eps, causal=causal,
+                      key_mask=key_mask, center=center, normalize=normalize, eps=eps, causal=causal,
                       engine=engine, xp=xp)
 
 
-def kernel_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, key_mask: Array | None = None,
+def kernel_attention(q: Array, k: Array, v: Array, /, kernel: PiecewiseLinear, *, key_mask: Array | None = None,
                      center: bool = False, normalize: str | None = "count", eps: float = 1e-6,
                      causal: bool = False, engine: str | None = None, xp: Namespace | None = None) -> Array:
     """Attention with any piecewise-linear profile: ``out_i = sum_j f(q_i - k_j) v_j / normaliser``.

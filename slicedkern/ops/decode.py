@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 
 from .._lib.namespace import array_device, shape_str
-from .._spec import normalizer_profile
+from .._spec import Normalizer
 from ..backends import without_gradient
 from ..engines.scan._decode import Runs
 from ..kernels import Hat, HatMixture, PiecewiseLinear, Profile, ReLU
@@ -20,8 +20,8 @@ _NO_GRADIENT = ("DecodeCache is inference-only: its outputs have no gradient. Ge
 #: op name -> (its keywords with their defaults, as in the attention ops)
 _OPTIONS = {
     "relu": {"center": True, "normalize": "abs", "eps": 1e-6},
-    "hat": {"bandwidth": 1.0, "normalize": "count", "eps": 1e-6},
-    "hat_mixture": {"bandwidths": None, "weights": None, "normalize": "count", "eps": 1e-6},
+    "hat": {"bandwidth": 1.0, "center": False, "normalize": "count", "eps": 1e-6},
+    "hat_mixture": {"bandwidths": None, "weights": None, "center": False, "normalize": "count", "eps": 1e-6},
     "kernel": {"center": False, "normalize": "count", "eps": 1e-6},
 }
 
@@ -77,7 +77,7 @@ class DecodeCache:
         :func:`~slicedkern.hat_mixture_attention`, or :func:`~slicedkern.kernel_attention` with this
         kernel.
     **options
-        The op's own keywords, with its defaults: ``center`` (relu, kernel), ``normalize``, ``eps``,
+        The op's own keywords, with its defaults: ``center``, ``normalize``, ``eps``,
         ``bandwidth`` (hat), ``bandwidths`` and ``weights`` (hat_mixture).
 
     Examples
@@ -106,8 +106,7 @@ class DecodeCache:
         opts = {**_OPTIONS[name], **options}
         self._profile = Profile.of(_kernel(op, opts))
         check_normalize(opts["normalize"])
-        self._normalizer = normalizer_profile(opts["normalize"])
-        self._eps = check_eps(opts["eps"])
+        self._normalizer = Normalizer(opts["normalize"], check_eps(opts["eps"]))
         self._center = check_bool(opts.get("center", False), "center")
         self._runs = None
         self._shape = None          # (batch shape, dv, namespace, work dtype, output dtype)
@@ -125,7 +124,7 @@ class DecodeCache:
         if self._shape is None:
             self._shape = (tuple(k.shape[:-1]), v.shape[-1], xp, work, out_dtype)
             self._runs = Runs(xp, work, self._profile, center=self._center, normalizer=self._normalizer,
-                              eps=self._eps, dv=v.shape[-1])
+                              dv=v.shape[-1])
         batch, dv, xp0, work0, _ = self._shape
         if xp is not xp0 or tuple(k.shape[:-1]) != batch or v.shape[-1] != dv:
             raise ValueError(f"arguments 'k' and 'v' must continue the cache's rows: batch shape {batch}, "

@@ -14,7 +14,7 @@ from .attention import nan_rows_without_keys
 __all__ = ["kernel_sum"]
 
 
-def kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, engine: str | None = None,
+def kernel_sum(x: Array, y: Array, w: Array, /, kernel: PiecewiseLinear, *, engine: str | None = None,
                xp: Namespace | None = None) -> Array:
     """Kernel sum ``S_i = sum_j f(x_i - y_j) w_j`` by sort-scan, in ``O((n M + m) log m)``.
 

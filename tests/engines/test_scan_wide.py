@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from slicedkern._lib.namespace import inclusive_scan
-from slicedkern.engines.scan._wide import DoubleFloat
+from slicedkern.engines.sortscan.wide import DoubleFloat
 
 xp = array_api_compat.array_namespace(np.zeros(1))
 

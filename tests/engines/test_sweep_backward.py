@@ -334,11 +334,12 @@ def test_engine_keeps_residuals_only_for_a_backward(rng):
     """The engine keeps the forward's sort only when a backward will follow (``for_backward``): a
     forward alone writes no residuals; both forwards give the same output."""
     from slicedkern import engines
+    from slicedkern._spec import Normalizer
     from slicedkern.kernels import Profile
 
     engine = engines.get("sweep")
     q, k, v = rng.normal(size=(2, 9)), rng.normal(size=(2, 11)), rng.normal(size=(2, 11, 3))
-    options = dict(key_mask=None, center=True, normalize="abs", eps=1e-6, xp=np)
+    options = dict(key_mask=None, center=True, normalizer=Normalizer("abs", 1e-6), xp=np)
     alone, none = engine.attention(q, k, v, Profile.of(ReLU()), **options)
     kept, residuals = engine.attention(q, k, v, Profile.of(ReLU()), for_backward=True, **options)
     assert none == () and len(residuals) > 0

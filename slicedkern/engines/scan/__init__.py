@@ -9,9 +9,8 @@ machinery (:mod:`._causal`, docs/mathematics.rst, "Causal attention").
 
 from __future__ import annotations
 
-from ..._spec import normalizer_profile
 from .._base import Engine
-from ._backward import indicator_sums, profiles_vjp
+from ..sortscan.pullback import indicator_sums, profiles_vjp
 from ._causal import causal_attention, causal_profile_sums, causal_profiles_vjp
 from ._compose import attention, kernel_sum
 
@@ -21,19 +20,22 @@ __all__ = ["ScanEngine"]
 class ScanEngine(Engine):
     name = "scan"
     supports_causal = True
+    gives_causal_sums = True
+
+    def serves(self, library: str) -> bool:
+        return True
 
     def kernel_sum(self, x, y, w, profile, *, xp):
         return kernel_sum(x, y, w, profile, xp=xp)
 
-    def attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp, for_backward=False):
-        out, aux = attention(q, k, v, profile, key_mask=key_mask, center=center,
-                             normalizer=normalizer_profile(normalize), eps=eps, xp=xp)
+    def attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp, for_backward=False):
+        out, aux = attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer, xp=xp)
         residuals = (aux["take"], aux["relu_count"]) + ((aux["den"],) if "den" in aux else ())
         return out, residuals
 
-    def causal_attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp):
-        out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center,
-                                    normalizer=normalizer_profile(normalize), eps=eps, xp=xp)
+    def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
+        out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,
+                                    xp=xp)
         residuals = (aux["take"], aux["relu_count"]) + ((aux["den"],) if "den" in aux else ())
         return out, residuals
 

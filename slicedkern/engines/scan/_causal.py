@@ -7,13 +7,15 @@ positions pair into blocks ``(2c, 2c + 1)`` of ``2**l`` positions, and the queri
 block see all the keys of its left block. So
 
 * at each level, the keys of all left blocks are sorted and scanned and the queries of the right
-  blocks search them: **one** call of the non-causal machinery (:mod:`._scan`) with the blocks as an
-  extra batch axis, ``O(n log n)`` work;
+  blocks search them: **one** call of the non-causal machinery
+  (:mod:`slicedkern.engines.sortscan.sums`) with the blocks as an extra batch axis, ``O(n log n)``
+  work;
 * the pairs inside the blocks of the lowest levels (``leaf`` positions, the key at or before the
   query) are summed densely (:mod:`._leaf`), cheaper there than sorting a few keys;
-* per query, the sums of every level add up (in the wide arithmetic of :mod:`._wide`) to the sums
-  over the keys it sees; the running totals of the values and of the valid-key indicator (for the
-  running mean and the count) are one cumulative sum.
+* per query, the sums of every level add up (in the wide arithmetic of
+  :mod:`slicedkern.engines.sortscan.wide`) to the sums over the keys it sees; the running
+  totals of the values and of the valid-key indicator (for the running mean and the count) are one
+  cumulative sum.
 
 ``O(n log^2 n)`` work in all, static shapes and ``log2 n`` Python steps (no loop over tokens), so it
 traces under ``jax.jit``. The backward is the same decomposition over the levels' VJPs.
@@ -21,17 +23,19 @@ traces under ``jax.jit``. The backward is the same decomposition over the levels
 
 from __future__ import annotations
 
-from ..._lib.namespace import array_device, clamp_min
+from ..._lib.namespace import array_device
+from ..._spec import Normalizer
 from ...kernels import Profile, is_fixed
 from .._causal_grid import CausalGrid, running_sum, screen_causal
-from ._backward import profiles_vjp
+from .._combine import combine
+from ..sortscan.pullback import profiles_vjp
+from ..sortscan.sums import profile_sums, queries, sort_keys
+from ..sortscan.wide import Pair, Plain, arithmetic
 from ._compose import _power_of_two_scaled, _unscaled
 from ._compose import attention as noncausal_attention
 from ._leaf import leaf_sums, leaf_vjp
-from ._scan import profile_sums, queries, sort_keys
-from ._wide import Pair, Plain, arithmetic
 
-__all__ = ["causal_attention", "causal_profile_sums", "causal_profiles_vjp", "compose", "each"]
+__all__ = ["causal_attention", "causal_profile_sums", "causal_profiles_vjp", "each"]
 
 #: Positions per dense leaf block in float64 work (a (16, 16) block product costs less than sorting
 #: four levels of blocks of 1 to 8 keys). Double-float work keeps every sum in wide arithmetic: its
@@ -169,44 +173,13 @@ def _running_totals(xp, ar, w, take):
     return table[..., 1:, :rows.shape[-1]]
 
 
-def compose(xp, ar, num_r, den_sum, totals, good, *, center, normalizer, eps, dv):
-    """The attention of every query from its sums, as the non-causal op combines its totals.
-
-    ``num_r`` wide (..., n, dv + 1): ``[N, R]``, the value sums and the indicator's; ``den_sum`` wide
-    (..., n, 1), the normaliser profile over the indicator (or ``None``); ``totals`` wide (..., n,
-    dv + 1): the value sums and the count of the keys seen; ``good`` (..., n): False where the NaN rule
-    makes the row NaN. Returns ``(out plain (..., n, dv), relu_count (..., n, 1), den (..., n, 1) or
-    None)``: ``out = (N - mean R) / den`` with ``mean = totals / count`` when centring.
-    """
-    count = ar.value(totals[..., dv:dv + 1])[..., 0]                        # (..., n), exact integers
-    raw_den = None
-    if normalizer is None:
-        den = xp.ones_like(count)
-    elif isinstance(normalizer, Profile):
-        raw_den = ar.value(den_sum)
-        # no key seen: the numerator is an empty sum and the row 0; dividing by 1 keeps it finite
-        den = xp.where(count > 0, clamp_min(xp, raw_den[..., 0], eps), xp.ones_like(count))
-    else:
-        den = clamp_min(xp, count, 1.0)
-    num = num_r[..., :dv]
-    relu_count = num_r[..., dv:dv + 1]
-    if center:
-        # N - mean R in the wide arithmetic, with no centred copy of the values (docs/mathematics.rst,
-        # "Attention"); mean is the running mean over the keys the query sees
-        mean = ar.div(totals[..., :dv], clamp_min(xp, count, 1.0)[..., None])
-        num = ar.sub(num, ar.mul(mean, relu_count))
-    nan = xp.asarray(float("nan"), dtype=count.dtype, device=array_device(count))
-    divisor = xp.where(good, den, nan)
-    return ar.value(ar.div(num, divisor[..., None])), ar.value(relu_count), raw_den
-
-
-def causal_attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, eps: float, xp):
+def causal_attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer: Normalizer, xp):
     """Causal normalised kernel attention: the scan engine's causal forward; ``(out, aux)`` as
     :func:`slicedkern.engines.scan._compose.attention` returns them, per query over the keys it sees."""
     lq, lk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
     if lq == 0 or lk == 0:
-        return noncausal_attention(q, k, v, profile, key_mask=key_mask, center=center,
-                                   normalizer=normalizer, eps=eps, xp=xp)
+        return noncausal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,
+                                   xp=xp)
     ar = arithmetic(xp, q.dtype)
     v, unscale = _power_of_two_scaled(xp, ar, v)
     grid = CausalGrid(lq, lk)
@@ -216,14 +189,14 @@ def causal_attention(q, k, v, profile: Profile, *, key_mask, center: bool, norma
     w = grid.keys(xp, xp.astype(sc.v, q.dtype), 0.0, axis=-2)
     take = grid.keys(xp, sc.take, False)
     profiles = [profile.with_(columns=slice(0, dv + 1))]
-    if isinstance(normalizer, Profile):
-        profiles.append(normalizer.with_(columns=slice(dv, dv + 1)))
+    if normalizer.summed:
+        profiles.append(normalizer.profile.with_(columns=slice(dv, dv + 1)))
     sums = causal_sums(xp, ar, x, y, w, take, profiles)
     totals = _running_totals(xp, ar, w, take)
     on_queries = [each(ar, lambda a: grid.at_queries(xp, a, axis=-2), s) for s in sums + [totals]]
     num_r, den_sum, totals = on_queries[0], on_queries[1] if len(sums) > 1 else None, on_queries[-1]
-    out, relu_count, raw_den = compose(xp, ar, num_r, den_sum, totals, sc.good, center=center,
-                                       normalizer=normalizer, eps=eps, dv=dv)
+    out, relu_count, raw_den = combine(xp, ar, num_r, den_sum, totals, sc.good, center=center,
+                                       normalizer=normalizer, dv=dv)
     aux = {"take": sc.take, "relu_count": relu_count}
     if raw_den is not None:
         aux["den"] = raw_den
@@ -282,7 +255,7 @@ def causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True):
     Returns
     -------
     ``(dx (..., lq), dy (..., lk), dw (..., lk, c), [(dknots, dcoeffs)] per profile)`` as
-    :func:`slicedkern.engines.scan._backward.profiles_vjp` returns them: the levels' pull-backs
+    :func:`slicedkern.engines.sortscan.pullback.profiles_vjp` returns them: the levels' pull-backs
     (each one call with the blocks as a batch axis) and the leaves' dense one, added on the positions.
     """
     lq, lk = x.shape[-1], y.shape[-1]

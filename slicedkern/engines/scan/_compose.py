@@ -12,11 +12,12 @@ per-query divisor of the final combination (NaN where bad), not as a pass over t
 from __future__ import annotations
 
 from ..._lib.namespace import array_device, clamp_min
+from ..._spec import Normalizer
 from ...backends import quiet_nonfinite
 from ...kernels import Profile
 from .._nanpolicy import screen
-from ._scan import combine_sums, profile_terms, queries, searches, sort_keys
-from ._wide import arithmetic
+from ..sortscan.sums import combine_sums, profile_terms, queries, searches, sort_keys
+from ..sortscan.wide import arithmetic
 
 __all__ = ["kernel_sum", "attention"]
 
@@ -84,7 +85,7 @@ def kernel_sum(x, y, w, profile: Profile, *, xp):
     return _unscaled(ar.value(out), unscale)
 
 
-def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, eps: float, xp):
+def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer: Normalizer, xp):
     """Normalised kernel attention, docs/mathematics.rst, "Attention"; returns ``(out, aux)``.
 
     Parameters
@@ -96,9 +97,9 @@ def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, 
     center : bool
         Use ``v_j - mean_valid(v)``; folded in as ``N - mu R`` (``R`` = kernel sum of the valid-key
         indicator) so that no centred copy of ``v`` is rounded.
-    normalizer : Profile, "count" or None
-        A profile is summed over the valid-key indicator and clamped below by ``eps``; "count" divides
-        by ``max(n_valid, 1)``.
+    normalizer : Normalizer
+        A profile normaliser is summed over the valid-key indicator; the divisor's rule is
+        :meth:`~slicedkern._spec.Normalizer.divisor`.
 
     Returns
     -------
@@ -134,25 +135,17 @@ def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer, 
     count = clamp_min(xp, totals[..., dv:dv + 1], 1.0)           # (..., 1, 1) valid keys, >= 1
 
     xs = queries(sc.x, sk, ar=ar)
-    profiles = [profile] + ([normalizer] if isinstance(normalizer, Profile) else [])
+    profiles = [profile] + ([normalizer.profile] if normalizer.summed else [])
     found = searches(xs, sk, profiles, xp=xp, ar=ar, strict=True)
     cache: dict = {}
     indicator = slice(dv, dv + 1)
     terms = profile_terms(profile, xs, found, ar=ar)
     relu_count = combine_sums(xs, sk, terms, indicator, xp=xp, ar=ar, cache=cache)   # (..., Lq, 1)
     aux = {"take": sc.take, "relu_count": ar.value(relu_count)}
-    if normalizer is None:
-        den = 1.0
-    elif isinstance(normalizer, Profile):
-        aux["den"] = ar.value(combine_sums(xs, sk, profile_terms(normalizer, xs, found, ar=ar), indicator,
-                                           xp=xp, ar=ar, cache=cache))
-        den = clamp_min(xp, aux["den"][..., 0], eps)
-        # a row with no valid key: its numerator is an empty sum, and its attention 0; dividing by 1
-        # rather than a tiny eps keeps the folded 1 / den finite (a huge coefficient times 1 / eps
-        # would overflow to inf, and inf times an empty prefix sum is NaN)
-        den = xp.where(totals[..., dv] > 0, den, xp.ones_like(den))
-    else:
-        den = count[..., 0]
+    if normalizer.summed:
+        aux["den"] = ar.value(combine_sums(xs, sk, profile_terms(normalizer.profile, xs, found, ar=ar),
+                                           indicator, xp=xp, ar=ar, cache=cache))
+    den = normalizer.divisor(xp, totals[..., dv], aux["den"][..., 0] if normalizer.summed else None)
     if center:
         terms = terms + [(None, 0, ar.scale(ar.div(relu_count[..., 0], count[..., 0]), -1.0))]
     out = combine_sums(xs, sk, terms, slice(0, dv), xp=xp, ar=ar, divisor=sc.divisor(xp, den), cache=cache)

@@ -1,12 +1,12 @@
 """Incremental attention for decoding: a binary counter of sorted runs, each with its prefix table.
 
 docs/mathematics.rst, "Decoding". The keys appended so far are kept as a few *runs*, each sorted once
-with its prefix table (:func:`._scan.sort_keys`), of sizes that strictly decrease: appending a chunk
-makes it a run, and merges it with the last run while that one is not larger (the carries of a
-binary counter), so there are at most ``log2 n + 1`` runs and each key is re-sorted ``O(log n)``
-times. A query that sees every key appended so far is the sum over the runs of the ordinary
+with its prefix table (:func:`slicedkern.engines.sortscan.sums.sort_keys`), of sizes that strictly
+decrease: appending a chunk makes it a run, and merges it with the last run while that one is not
+larger (the carries of a binary counter), so there are at most ``log2 n + 1`` runs and each key is
+re-sorted ``O(log n)`` times. A query that sees every key appended so far is the sum over the runs of the ordinary
 sort-scan sums (one rank search per knot and run, one gathered row each), combined as causal
-attention combines its levels (:func:`._causal.compose`).
+attention combines its levels (:func:`slicedkern.engines._combine.combine`).
 
 The work of one run (its sort and prefix table; its sums for a block of queries) and the final
 combination are functions of arrays only, compiled by the backend row (``compile``: ``jax.jit`` on
@@ -17,11 +17,12 @@ one by one, so JAX compiles ``O(log n)`` shapes, not one per token (docs/mathema
 from __future__ import annotations
 
 from ..._lib.namespace import array_device
+from ..._spec import Normalizer
 from ...backends import ops_for
 from ...kernels import Profile
-from ._causal import compose
-from ._scan import SortedKeys, profile_sums, queries, sort_keys
-from ._wide import Pair, arithmetic
+from .._combine import combine
+from ..sortscan.sums import SortedKeys, profile_sums, queries, sort_keys
+from ..sortscan.wide import Pair, arithmetic
 
 __all__ = ["Runs"]
 
@@ -56,21 +57,22 @@ class Runs:
         The work dtype (float64, or float32 with double-float sums).
     profile : Profile
         The op's kernel profile.
-    center, normalizer, eps
-        The op's options (``normalizer`` as :func:`slicedkern._spec.normalizer_profile` gives it).
+    center : bool
+    normalizer : Normalizer
+        The op's options.
     dv : int
         Value columns.
     """
 
-    def __init__(self, xp, work, profile: Profile, *, center, normalizer, eps, dv):
+    def __init__(self, xp, work, profile: Profile, *, center: bool, normalizer: Normalizer, dv: int):
         self.xp, self.work = xp, work
         self.ar = ar = arithmetic(xp, work)
         self.runs: list[_Run] = []
         self.totals = None          # (..., 1, dv + 1): the values' sum and the count of the keys taken
         self.bad = None             # (...): some appended key or value was not finite
         profiles = [profile.with_(columns=slice(0, dv + 1))]
-        if isinstance(normalizer, Profile):
-            profiles.append(normalizer.with_(columns=slice(dv, dv + 1)))
+        if normalizer.summed:
+            profiles.append(normalizer.profile.with_(columns=slice(dv, dv + 1)))
 
         def build(y, w, take):
             sk = sort_keys(y, w, xp=xp, ar=ar, take=take, ones=True)
@@ -86,8 +88,8 @@ class Runs:
             for more in parts[1:]:
                 sums = [ar.add(a, _wide(b)) for a, b in zip(sums, more)]
             totals = xp.broadcast_to(totals, q_ok.shape + (dv + 1,))
-            out, _, _ = compose(xp, ar, sums[0], sums[1] if len(sums) > 1 else None, totals, q_ok & ~bad[..., None],
-                                center=center, normalizer=normalizer, eps=eps, dv=dv)
+            out, _, _ = combine(xp, ar, sums[0], sums[1] if len(sums) > 1 else None, totals, q_ok & ~bad[..., None],
+                                center=center, normalizer=normalizer, dv=dv)
             return out
 
         def admit(k, v):

@@ -31,7 +31,7 @@ from ..._lib.namespace import array_device, as_work
 from ...backends import backend_of, compiled_threads, to_host
 from ...kernels import is_fixed
 from .._base import Engine
-from ..scan._backward import ColumnSums, column_range
+from ..sortscan.pullback import ColumnSums, column_range
 
 __all__ = ["SweepEngine", "AVAILABLE"]
 
@@ -119,6 +119,9 @@ class SweepEngine(Engine):
     #: causal attention by one Fenwick-tree sweep over positions per row (:mod:`._kernels_causal`)
     supports_causal = True
 
+    def serves(self, library: str) -> bool:
+        return library in ("numpy", "torch", "jax") and self.installed()
+
     @staticmethod
     def installed() -> bool:
         # asked once (every call selects an engine); a module constant, not a functools.cache, which
@@ -156,7 +159,7 @@ class SweepEngine(Engine):
 
         return _call(compute, [(tuple(x.shape) + (w.shape[-1],), _F64)], x, y, w, *params)[0]
 
-    def attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp, for_backward=False):
+    def attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp, for_backward=False):
         params, build = _profile_args(profile, tuple(q.shape[:-1]), xp)
         masks = () if key_mask is None else (key_mask,)
 
@@ -166,26 +169,26 @@ class SweepEngine(Engine):
             # the backward neither sorts again nor re-sweeps the scores; a forward alone does not pay
             # for writing them
             with compiled_threads(q):
-                result = _bridge().attention(q, k, v, key_mask, center=center, normalizer=normalize, eps=eps,
-                                             keep=for_backward, **build(params))
+                result = _bridge().attention(q, k, v, key_mask, center=center, normalizer=normalizer.name,
+                                             eps=normalizer.eps, keep=for_backward, **build(params))
             return result if for_backward else (result, ())
 
         def compute(q, k, v, *rest):
             mask, params = (rest[0], rest[1:]) if masks else (None, rest)
-            return (_bridge().attention(q, k, v, mask, center=center, normalizer=normalize, eps=eps,
-                                        **build(params)),)
+            return (_bridge().attention(q, k, v, mask, center=center, normalizer=normalizer.name,
+                                        eps=normalizer.eps, **build(params)),)
 
         # a host callback (JAX) declares its results up front, so it keeps none: the backward sorts again
         out = _call(compute, [(tuple(q.shape) + (v.shape[-1],), v.dtype)], q, k, v, *masks, *params)[0]
         return out, ()
 
-    def causal_attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp):
+    def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
         with compiled_threads(q):
             out, take, relu_count, den = _bridge().causal_attention(
-                q, k, v, key_mask, center=center, normalizer=normalize, eps=eps,
+                q, k, v, key_mask, center=center, normalizer=normalizer.name, eps=normalizer.eps,
                 **_host_profile(profile, tuple(q.shape[:-1]), xp))
         residuals = (take, as_work(xp, relu_count, q.dtype)[..., None])
-        if normalize in ("abs", "relu"):
+        if normalizer.summed:
             residuals += (as_work(xp, den, q.dtype)[..., None],)
         return out, residuals
 
@@ -227,20 +230,20 @@ class SweepEngine(Engine):
         dknots, dcoeffs = pgrads if param_grads else (None, None)
         return dx, dy, dw, _param_tuple(profile, dknots, dcoeffs)
 
-    def attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalize, eps, xp):
+    def attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
         # the kernels read the cotangent in the values' dtype (float64 running sums either way)
         g = as_work(xp, g, v.dtype)
         params, build = _profile_args(profile, tuple(q.shape[:-1]), xp)
         param_grads = not profile.is_fixed
         masks = () if key_mask is None else (key_mask,)
-        outs = (as_work(xp, out, v.dtype),) if normalize in ("abs", "relu") else ()
+        outs = (as_work(xp, out, v.dtype),) if normalizer.summed else ()
 
         def compute(q, k, v, g, *rest):
             rest = list(rest)
             mask = rest.pop(0) if masks else None
             fwd = rest.pop(0) if outs else None
             grads = _bridge().attention_vjp(
-                q, k, v, mask, g, fwd, center=center, normalizer=normalize, eps=eps,
+                q, k, v, mask, g, fwd, center=center, normalizer=normalizer.name, eps=normalizer.eps,
                 param_grads=param_grads, strict_knots=profile.strict_knots, residuals=residuals,
                 **build(rest))
             return grads if param_grads else grads[:3]

@@ -16,8 +16,8 @@ import numpy as np
 
 from ._kernels_common import NORMALIZER_CODES
 
-#: Normaliser names of the attention functions.
-NORMALIZERS = (None, "abs", "relu", "count")
+#: Normaliser names of the attention functions (those the kernels have codes for).
+NORMALIZERS = tuple(NORMALIZER_CODES)
 
 Array = Any          # a NumPy array or a CPU torch tensor
 Param = float | Sequence[float] | Array

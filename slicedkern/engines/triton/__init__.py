@@ -19,13 +19,11 @@ from __future__ import annotations
 import importlib.util
 
 from ..._lib.namespace import clamp_min
-from ..._spec import normalizer_profile
-from ...kernels import Profile
 from .._base import Engine
 from .._nanpolicy import screen
-from ..scan._backward import ColumnSums, column_range, knot_grads
-from ..scan._scan import queries, sort_keys
-from ..scan._wide import arithmetic
+from ..sortscan.pullback import ColumnSums, column_range, knot_grads
+from ..sortscan.sums import queries, sort_keys
+from ..sortscan.wide import arithmetic
 from ._sums import build_table, interpreted, profile_sum
 
 __all__ = ["TritonEngine"]
@@ -85,14 +83,13 @@ class TritonEngine(Engine):
                           strict=True, divisor=divisor)
         return xp.reshape(out, batch + (n, out.shape[-1]))
 
-    def attention(self, q, k, v, profile, *, key_mask, center, normalize, eps, xp, for_backward=False):
+    def attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp, for_backward=False):
         batch, lq, lk, dv = tuple(q.shape[:-1]), q.shape[-1], k.shape[-1], v.shape[-1]
         dt, dev = q.dtype, q.device
         if lq == 0 or lk == 0:
             take = xp.ones(k.shape, dtype=xp.bool, device=dev) if key_mask is None else key_mask
             zeros = xp.zeros(q.shape + (1,), dtype=dt, device=dev)
             return xp.zeros(q.shape + (dv,), dtype=dt, device=dev), (take, zeros, zeros)
-        normalizer = normalizer_profile(normalize)
         sc = screen(xp, q, k, v, key_mask, defer=False)
         table = build_table(xp, _rows(xp, sc.y, 1), _rows(xp, v, 2), take=_rows(xp, sc.table_take, 1),
                             ones=True)
@@ -102,16 +99,12 @@ class TritonEngine(Engine):
         indicator = range(dv, dv + 1)
         relu_count = profile_sum(xp, table, xr, profile, batch, indicator, strict=True)[..., 0]   # (R, n)
         residuals = [sc.take, xp.reshape(relu_count, batch + (lq, 1))]
-        if normalizer is None:
-            den = 1.0
-        elif isinstance(normalizer, Profile):
-            raw = profile_sum(xp, table, xr, normalizer, batch, indicator, strict=True)[..., 0]
+        raw = None
+        if normalizer.summed:
+            raw = profile_sum(xp, table, xr, normalizer.profile, batch, indicator, strict=True)[..., 0]
             residuals.append(xp.reshape(raw, batch + (lq, 1)))
-            # no valid key: the numerator is an empty sum; dividing by 1 rather than eps keeps it 0
-            den = xp.where(valid > 0, clamp_min(xp, raw, eps), xp.ones_like(raw))
-            den = xp.reshape(den, batch + (lq,))
-        else:
-            den = xp.reshape(xp.broadcast_to(count, (count.shape[0], lq)), batch + (lq,))
+        den = normalizer.divisor(xp, valid, raw)                     # (R, n) or (R, 1)
+        den = xp.reshape(xp.broadcast_to(den, (den.shape[0], lq)), batch + (lq,))
         divisor = _rows(xp, sc.divisor(xp, den), 1)
         alpha = -(relu_count / count) if center else None
         out = profile_sum(xp, table, xr, profile, batch, range(0, dv), strict=True, alpha=alpha,

@@ -1,6 +1,6 @@
 """Profile sums on the Triton kernels: the sorted-key table and the per-profile query launches.
 
-The same sums as the scan engine's :func:`~slicedkern.engines.scan._scan.profile_sums` (the same
+The same sums as the scan engine's :func:`~slicedkern.engines.sortscan.sums.profile_sums` (the same
 shift by the median key, the same tie rules), computed by two kernels (:mod:`._kernels`): one
 blocked scan of the sorted value rows, one query pass per profile and column range. Arrays are
 torch tensors; the batch is flattened to rows here and restored by the caller.

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 from ..._lib.namespace import array_device
 from ...kernels import Profile, is_fixed
-from ._scan import knot_sums, profile_sums, queries, sort_keys
-from ._wide import arithmetic
+from .sums import knot_sums, profile_sums, queries, sort_keys
+from .wide import arithmetic
 
 __all__ = ["profiles_vjp", "knot_grads", "no_pairs_knot_grads", "indicator_sums", "column_range", "ColumnSums"]
 

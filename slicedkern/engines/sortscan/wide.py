@@ -14,7 +14,7 @@ float32. Two interchangeable implementations share one interface:
   under ``jax.jit``.
 
 Both also build the prefix table (``table``) and evaluate ``combine``: the per-query weighted sum
-of gathered table rows that every profile sum reduces to (:mod:`slicedkern._scan`). ``Plain`` hands it
+of gathered table rows that every profile sum reduces to (:mod:`slicedkern.engines.sortscan.sums`). ``Plain`` hands it
 to :func:`slicedkern.backends.combine_rows` (one ``embedding_bag`` on torch) with a per-query divisor
 folded into the weights; ``DoubleFloat`` sums pair products and divides last.
 

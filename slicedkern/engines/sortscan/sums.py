@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 from ..._lib.namespace import array_device
 from ...backends import searchsorted_right
 from ...kernels import Profile
-from ._wide import is_one, two_sum
+from .wide import is_one, two_sum
 
 __all__ = ["SortedKeys", "Queries", "sort_keys", "queries", "knot_sums", "profile_sums",
            "searches", "profile_terms", "combine_sums"]
@@ -217,7 +217,7 @@ def profile_sums(xs: Queries, sk: SortedKeys, profiles: Sequence[Profile], *, xp
 
     Returns
     -------
-    list of wide values (see :mod:`slicedkern._wide`), one per profile, shape (..., n, c_profile).
+    list of wide values (see :mod:`slicedkern.engines.sortscan.wide`), one per profile, shape (..., n, c_profile).
     """
     found = searches(xs, sk, profiles, xp=xp, ar=ar, strict=strict)
     cache: dict = {}

@@ -1,0 +1,95 @@
+"""The attention arithmetic, written once: from a query's sums to its output, and back.
+
+Every engine reduces attention to sums over the keys a query sees (docs/mathematics.rst,
+"Attention"): ``N`` (the profile over the values), ``R`` (the profile over the valid-key
+indicator), ``D`` (the normaliser's profile over it), and the totals of the values and of the
+indicator (the count). :func:`combine` turns them into the output, centring, normaliser and NaN rule
+included; :func:`pullback` is its derivative, the quotient rule that turns the output's cotangent
+into the sums' cotangents. The divisor's clamp rule is :meth:`slicedkern._spec.Normalizer.divisor`.
+
+Who calls what: the scan's causal mode, :class:`~slicedkern.engines.scan._decode.Runs` and the
+sharded engine combine explicit sums here; the scan's non-causal forward and the triton kernels fold
+the centring into their gathers and take the divisor from the same rule; every backward but the
+sweep's fused one (which the tests hold equal to it) pulls back here (:mod:`._vjp`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from .._lib.namespace import array_device, clamp_min
+from .._spec import Normalizer
+
+__all__ = ["combine", "pullback", "Cotangents"]
+
+
+def combine(xp, ar, num_r, den_sum, totals, good, *, center: bool, normalizer: Normalizer, dv: int):
+    """The attention of every query from its sums.
+
+    Parameters
+    ----------
+    xp : namespace
+    ar : wide arithmetic
+        :func:`slicedkern.engines.sortscan.wide.arithmetic` of the work dtype (``Plain`` for plain arrays).
+    num_r : wide (..., n, dv + 1)
+        ``[N, R]``: the value sums and the indicator's.
+    den_sum : wide (..., n, 1) or None
+        The normaliser's profile over the indicator (``None`` unless ``normalizer.summed``).
+    totals : wide (..., n, dv + 1)
+        The values' sum and the count of the keys each query sees.
+    good : bool array (..., n)
+        False where the NaN rule makes the row NaN.
+    center : bool
+        Centre the values on the mean over the keys seen, as ``N - mean R`` (no centred copy).
+    normalizer : Normalizer
+    dv : int
+
+    Returns
+    -------
+    out : (..., n, dv) plain, work dtype
+    relu_count : (..., n, 1) plain, ``R``
+    den : (..., n, 1) plain, the unclamped normaliser sum, or None
+    """
+    count = ar.value(totals[..., dv:dv + 1])[..., 0]                        # (..., n), exact integers
+    raw_den = ar.value(den_sum) if normalizer.summed else None
+    den = normalizer.divisor(xp, count, None if raw_den is None else raw_den[..., 0])
+    num = num_r[..., :dv]
+    relu_count = num_r[..., dv:dv + 1]
+    if center:
+        mean = ar.div(totals[..., :dv], clamp_min(xp, count, 1.0)[..., None])
+        num = ar.sub(num, ar.mul(mean, relu_count))
+    nan = xp.asarray(float("nan"), dtype=count.dtype, device=array_device(count))
+    divisor = xp.where(good, xp.broadcast_to(den, count.shape), nan)
+    return ar.value(ar.div(num, divisor[..., None])), ar.value(relu_count), raw_den
+
+
+class Cotangents(NamedTuple):
+    """The cotangents of the sums :func:`combine` read, from :func:`pullback`."""
+
+    numerator: Any          # (..., lq, dv): of N
+    relu_count: Any         # (..., lq, 1): of R (centring), or None
+    den: Any                # (..., lq, 1): of D (a summed normaliser), or None
+    mean_weights: Any       # (..., lq, 1): R / count, what the centring mean's cotangent carries, or None
+
+
+def pullback(xp, gout, out, *, relu_count, den, count, mean, good, center: bool,
+             normalizer: Normalizer) -> Cotangents:
+    """The quotient rule of :func:`combine` (docs/mathematics.rst, "The backward pass").
+
+    ``gout`` and ``out`` (..., lq, dv) in the work dtype; ``relu_count`` and ``den`` (..., lq, 1) the
+    forward's ``R`` and unclamped ``D`` (``den`` read only when ``normalizer.summed``); ``count``
+    (..., lq or 1, 1) the valid keys seen; ``mean`` (..., lq or 1, dv) their mean value (read only
+    when centring); ``good`` (..., lq, 1) bool, False on the rows the forward made NaN. A clamped
+    normaliser (``D < eps``) is a constant: no cotangent reaches ``D`` there.
+    """
+    work = gout.dtype
+    zero = xp.zeros((), dtype=work, device=array_device(gout))
+    den_c = normalizer.divisor(xp, count, den)
+    numerator = gout * (xp.astype(good, work) / den_c)
+    count_c = clamp_min(xp, count, 1.0)
+    cot_r = -xp.vecdot(numerator, mean)[..., None] if center else None
+    cot_den = None
+    if normalizer.summed:
+        dot = xp.astype(xp.vecdot(gout, xp.astype(out, work))[..., None], work)
+        cot_den = xp.where(good & (den >= normalizer.eps), -dot / den_c, zero)
+    return Cotangents(numerator, cot_r, cot_den, relu_count / count_c if center else None)

@@ -34,6 +34,7 @@ from ._convert import (
     wrap,
 )
 from ._kernels_causal import ATTENTION, PULL_KEYS, PULL_QUERIES, causal_rows
+from ._kernels_common import NO_NORMALIZER, CausalOptions
 
 __all__ = ["causal_attention", "causal_profile_vjp"]
 
@@ -44,6 +45,11 @@ def _workers(bsz: int, n: int, m: int, c: int) -> int:
     if threads == 1 or bsz * (n + m) * max(c, 1) < PARALLEL_MIN_WORK:
         return 1
     return min(threads, bsz)
+
+
+def _pull_options(want_params: bool) -> CausalOptions:
+    """A pull-back sweep's options: profile sums only (no centring, no normaliser)."""
+    return CausalOptions(center=False, normalizer=NO_NORMALIZER, zero_knot=0, eps=0.0, want_params=want_params)
 
 
 def _sweep(mode, src, tgt, profile, options, outs, width):
@@ -112,7 +118,8 @@ def causal_attention(q: Array, k: Array, v: Array, key_mask: Array | None, *, kn
     relu_count, den = np.empty((bsz, lq)), np.empty((bsz, lq))
     take = np.empty((bsz, lk), np.bool_)
     outs = (out, _placeholder(F64, 2), relu_count, den, take, _placeholder(F64, 2), _placeholder(F64, 2))
-    options = (bool(center), code, zero_knot, float(eps), False)
+    options = CausalOptions(center=bool(center), normalizer=code, zero_knot=zero_knot, eps=float(eps),
+                            want_params=False)
     _sweep(ATTENTION, src, tgt, (*profile, strict), options, outs, 2 * dv + 2)
     out = out.reshape(batch + (lq, dv))
     if out.dtype != out_dt:
@@ -174,11 +181,11 @@ def causal_profile_vjp(x: Array, y: Array, w: Array, g: Array, *, knots: Param, 
         none = _placeholder(F64, 2)
         # queries read the keys: dx and the knot / coefficient gradients
         outs = (_placeholder(F64, 3), dx, none, none, _placeholder(np.bool_, 2), dknots, dcoeffs)
-        _sweep(PULL_QUERIES, (yr, wr, NO_MASK, False), (xr, gr), prof, (False, 0, 0, 0.0, bool(param_grads)),
+        _sweep(PULL_QUERIES, (yr, wr, NO_MASK, False), (xr, gr), prof, _pull_options(bool(param_grads)),
                outs, 2 * c)
         # keys read the queries that see them (reflected, in reverse position order): dw and dy
         outs = (dw, dy, none, none, _placeholder(np.bool_, 2), none, none)
-        _sweep(PULL_KEYS, (xr, gr, NO_MASK, False), (yr, wr), prof, (False, 0, 0, 0.0, False), outs, 2 * c)
+        _sweep(PULL_KEYS, (xr, gr, NO_MASK, False), (yr, wr), prof, _pull_options(False), outs, 2 * c)
     grads = [wrap(a.reshape(batch + a.shape[1:]), tdt) for a in (dx, dy, dw)]
     if not param_grads:
         return (*grads, None, None)

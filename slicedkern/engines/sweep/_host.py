@@ -84,7 +84,7 @@ from ._convert import (
     wrap,
 )
 from ._kernels_backward import backward_rows
-from ._kernels_common import NO_NORMALIZER, allocate_saved, allocate_sorted
+from ._kernels_common import NO_NORMALIZER, BackwardOptions, SumOptions, allocate_saved, allocate_sorted
 from ._kernels_forward import forward_rows
 
 __all__ = ["AVAILABLE", "kernel_sum", "attention", "kernel_sum_vjp", "attention_vjp", "warmup",
@@ -135,7 +135,7 @@ def kernel_sum(x: Array, y: Array, w: Array, knots: Param, coeffs: Param, slope:
     plan = schedule(bsz, n, m, c)
     # kernel sums run in float64 throughout (one compiled signature; the output is float64 anyway)
     scores = (rows(x, bsz, (n,), F64), rows(y, bsz, (m,), F64), NO_MASK, False)
-    options = (False, NO_NORMALIZER, 0, 0.0)
+    options = SumOptions.plain()
     out = np.empty((bsz, n, c))
     bad = forward_rows(scores, profile, options, rows(w, bsz, (m, c), F64), out,
                        allocate_sorted(bsz, n, m), NOT_SAVED, plan)
@@ -198,7 +198,7 @@ def attention(q: Array, k: Array, v: Array, key_mask: Array | None = None, knots
     profile, zero_knot, _ = sweep_profile(knots, coeffs, slope, intercept, batch, bsz, normalizer)
     plan = schedule(bsz, lq, lk, dv)
     scores = (rows(q, bsz, (lq,), F64), rows(k, bsz, (lk,), F64), mask, has_mask)
-    options = (bool(center), code, zero_knot, float(eps))
+    options = SumOptions(center=bool(center), normalizer=code, zero_knot=zero_knot, eps=float(eps))
     out = np.empty((bsz, lq, dv), dt)
     sorted_rows, saved = allocate_sorted(bsz, lq, lk), allocate_saved(bsz, lq, dv, True) if keep else NOT_SAVED
     bad = forward_rows(scores, profile, options, rows(v, bsz, (lk, dv), dt), out, sorted_rows, saved, plan)
@@ -300,8 +300,9 @@ def kernel_sum_vjp(x: Array, y: Array, w: Array, knots: Param, coeffs: Param, sl
         zeros = [wrap(np.zeros(s), tdt) for s in shapes]
         return tuple(zeros) if param_grads else (*zeros, None, None)
     scores = (rows(x, bsz, (n,), F64), rows(y, bsz, (m,), F64), NO_MASK, False)
-    options = (False, NO_NORMALIZER, 0, 0.0, n_user, bool(param_grads), bool(bad_query_poisons_row),
-               strict_rows(strict_knots, profile[0].shape[1]))
+    options = BackwardOptions(center=False, normalizer=NO_NORMALIZER, zero_knot=0, eps=0.0, n_user_knots=n_user,
+                              want_coeffs=bool(param_grads), query_poisons_row=bool(bad_query_poisons_row),
+                              strict=strict_rows(strict_knots, profile[0].shape[1]))
     tensors = (rows(w, bsz, (m, c), F64), rows(g, bsz, (n, c), F64), dummy(F64))
     dx, dy, dw, dkn, dco, bad = _backward(scores, profile, options, tensors, (bsz, n, m, c))
     dkn, dco = dkn[:, :n_user], dco[:, :n_user]
@@ -393,8 +394,9 @@ def attention_vjp(q: Array, k: Array, v: Array, key_mask: Array | None, g: Array
     mask, has_mask = mask_rows(key_mask, k.shape, bsz)
     profile, zero_knot = with_zero_knot(profile, normalizer)
     scores = (rows(q, bsz, (lq,), F64), rows(k, bsz, (lk,), F64), mask, has_mask)
-    options = (bool(center), code, zero_knot, float(eps), n_user, bool(param_grads), False,
-               strict_rows(strict_knots, profile[0].shape[1]))
+    options = BackwardOptions(center=bool(center), normalizer=code, zero_knot=zero_knot, eps=float(eps),
+                              n_user_knots=n_user, want_coeffs=bool(param_grads), query_poisons_row=False,
+                              strict=strict_rows(strict_knots, profile[0].shape[1]))
     tensors = (rows(v, bsz, (lk, dv_cols), dt), rows(g, bsz, (lq, dv_cols), dt),
                rows(out, bsz, (lq, dv_cols), dt) if needs_out else dummy(dt))
     kept = [to_numpy(a, "residuals")[0] for a in residuals] if residuals else None

@@ -53,7 +53,8 @@ def _backward_prepare_row(b, scores, sorted_rows, profile, options, tensors, ter
     x, keys_given, mask, has_mask = scores
     queries, query_order, keys, key_order, counts, shift = sorted_rows
     knots, coeffs, slope, intercept = profile
-    center, normalizer, zero_knot, eps, n_user_knots, want_coeffs, query_poisons_row, _ = options
+    center, normalizer, zero_knot, eps = options.center, options.normalizer, options.zero_knot, options.eps
+    n_user_knots, want_coeffs, query_poisons_row = options.n_user_knots, options.want_coeffs, options.query_poisons_row
     values, cot, out = tensors
     scale, grad_count, grad_norm, row_vectors, row_scalars = terms
     n, c, n_knots = x.shape[1], values.shape[2], knots.shape[1]
@@ -184,7 +185,8 @@ def _backward_task(b, ch, c0, c1, scores, sorted_rows, profile, options, tensors
     _, keys_given, mask, has_mask = scores
     queries, query_order, keys, key_order, counts, shift = sorted_rows
     knots, coeffs, slope, intercept = profile
-    center, normalizer, zero_knot, eps, n_user_knots, want_coeffs, _, strict = options
+    normalizer, zero_knot = options.normalizer, options.zero_knot
+    n_user_knots, want_coeffs, strict = options.n_user_knots, options.want_coeffs, options.strict
     values, cot, _ = tensors
     scale, grad_count, grad_norm, row_vectors, row_scalars = terms
     dq_parts, dk_parts, dv, dknots_parts, dcoeffs_parts = grads
@@ -402,8 +404,8 @@ def _backward_row(b, scores, sorted_rows, profile, options, tensors, terms, save
 def backward_rows(scores, profile, options, tensors, grads, workspace, schedule):
     """The fused backward pass of every row, into ``grads``; returns ``bad (B * n_chunks,)``.
 
-    ``options = (center, normalizer, zero_knot, eps, n_user_knots, want_coeffs, query_poisons_row,
-    strict (M,) bool)``: ``strict[m]``: knot ``m``'s own gradient counts an exact tie as below it;
+    ``options``: a :class:`._kernels_common.BackwardOptions` (``strict[m]``: knot ``m``'s own
+    gradient counts an exact tie as below it);
     ``tensors = (values (B, m, c), cot (B, n, c), out (B, n, c))`` in one dtype (``out`` is read
     only for an "abs"/"relu" normaliser). ``grads = (dq_parts (n_chunks, B, n) zeros, dk_parts
     (n_chunks, B, m), dv (B, m, c) in the values' dtype, dknots_parts, dcoeffs_parts (n_chunks, B,

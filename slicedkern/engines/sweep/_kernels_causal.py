@@ -101,7 +101,8 @@ def _causal_row(b, tree, mode, src, tgt, profile, options, work, outs):
     src_scores, src_w, src_mask, has_mask = src
     tgt_scores, tgt_vec = tgt
     knots, coeffs, slope, intercept, strict = profile
-    center, normalizer, zero_knot, eps, want_params = options
+    center, normalizer, zero_knot, eps = options.center, options.normalizer, options.zero_knot, options.eps
+    want_params = options.want_params
     svals, order, rank_of, inserted = work
     rows_out, scal_out, relu_out, den_out, take_out, dknots, dcoeffs = outs
     n_s, n_t, c = src_scores.shape[1], tgt_scores.shape[1], src_w.shape[2]

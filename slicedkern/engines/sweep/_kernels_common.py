@@ -36,13 +36,16 @@ backward pass"); the comments below say where and why the code departs from the 
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 from llvmlite import ir as llvm_ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["NORMALIZER_CODES", "NO_NORMALIZER", "ABS_NORMALIZER", "RELU_NORMALIZER", "COUNT_NORMALIZER",
+__all__ = ["SumOptions", "BackwardOptions", "CausalOptions",
+           "NORMALIZER_CODES", "NO_NORMALIZER", "ABS_NORMALIZER", "RELU_NORMALIZER", "COUNT_NORMALIZER",
            "JIT", "INLINE", "PARALLEL", "PREFETCH_AHEAD", "allocate_sorted", "allocate_saved", "sort_row", "fetch_row",
            "exact_sum", "below", "dot", "dot_pair", "claim", "normaliser_scale", "value_totals"]
 
@@ -50,6 +53,45 @@ __all__ = ["NORMALIZER_CODES", "NO_NORMALIZER", "ABS_NORMALIZER", "RELU_NORMALIZ
 NO_NORMALIZER, ABS_NORMALIZER, RELU_NORMALIZER, COUNT_NORMALIZER = 0, 1, 2, 3
 NORMALIZER_CODES = {None: NO_NORMALIZER, "abs": ABS_NORMALIZER, "relu": RELU_NORMALIZER,
                     "count": COUNT_NORMALIZER}
+
+
+
+class SumOptions(NamedTuple):
+    """What the forward kernels combine (:func:`._kernels_forward.forward_rows`); a plain kernel sum
+    is ``SumOptions.plain()``."""
+
+    center: bool        # fold the centring term ``- mean R`` in
+    normalizer: int     # a code of NORMALIZER_CODES
+    zero_knot: int      # the knot at 0 of the profile, which carries an "abs" / "relu" normaliser
+    eps: float          # the normaliser's floor
+
+    @staticmethod
+    def plain() -> SumOptions:
+        return SumOptions(False, NO_NORMALIZER, 0, 0.0)
+
+
+class BackwardOptions(NamedTuple):
+    """The fused backward's options (:func:`._kernels_backward.backward_rows`)."""
+
+    center: bool
+    normalizer: int
+    zero_knot: int
+    eps: float
+    n_user_knots: int           # the profile's own knots (a normaliser's knot at 0 may follow them)
+    want_coeffs: bool           # knot and coefficient gradients (array parameters)
+    query_poisons_row: bool     # a non-finite query makes its whole row's key gradients NaN
+    strict: Any                 # (M,) bool: knot m's own gradient counts an exact tie as below it
+
+
+class CausalOptions(NamedTuple):
+    """The causal sweep's options (:func:`._kernels_causal.causal_rows`)."""
+
+    center: bool
+    normalizer: int
+    zero_knot: int
+    eps: float
+    want_params: bool           # knot and coefficient gradients (the pull-back modes)
+
 
 JIT = dict(cache=True, nogil=True, error_model="numpy")
 INLINE = dict(JIT, inline="always")

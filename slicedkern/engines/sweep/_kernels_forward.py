@@ -28,8 +28,8 @@ __all__ = ["forward_rows"]
 def _forward_task(b, c0, c1, scores, sorted_rows, profile, options, values, out, saved):
     """Columns ``c0:c1`` of row ``b`` of the (normalised, centred) kernel sum; True on a bad value.
 
-    ``options = (center, normalizer, zero_knot, eps)``; a plain kernel sum is ``(False,
-    NO_NORMALIZER, 0, 0.0)``. ``knots[b, zero_knot] == 0`` carries the "abs"/"relu" normaliser.
+    ``options``: a :class:`._kernels_common.SumOptions`; a plain kernel sum is
+    ``SumOptions.plain()``. ``knots[b, zero_knot] == 0`` carries the "abs"/"relu" normaliser.
     Queries are visited in increasing order, a pointer per knot advancing through the sorted keys
     (merge-style) with float64 running sums ``P0 = sum w_j``, ``P1 = sum (y_j - shift) w_j``; the
     output row is assembled in float64 and written once (docs, "The kernel sum by sort-scan").
@@ -41,7 +41,7 @@ def _forward_task(b, c0, c1, scores, sorted_rows, profile, options, values, out,
     keep_queries = keep and c0 == 0         # one chunk writes the per-query terms
     queries, query_order, keys, key_order, counts, shift = sorted_rows
     knots, coeffs, slope, intercept = profile
-    center, normalizer, zero_knot, eps = options
+    center, normalizer, zero_knot, eps = options.center, options.normalizer, options.zero_knot, options.eps
     n_all = query_order.shape[1]
     width = c1 - c0
     n_knots = knots.shape[1]

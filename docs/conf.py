@@ -21,6 +21,12 @@ sys.path.insert(0, ROOT)
 
 import slicedkern  # noqa: E402
 
+# The engine support table of backends.rst, asked of the engines' own ``decline`` at every build.
+sys.path.insert(0, os.path.join(ROOT, "docs", "_ext"))
+import engine_support  # noqa: E402
+
+engine_support.write(os.path.join(ROOT, "docs", "generated", "engine_support.inc"))
+
 # -- project -------------------------------------------------------------------------------------
 project = "slicedkern"
 author = "the slicedkern developers"

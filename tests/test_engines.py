@@ -155,3 +155,19 @@ def test_sweep_refuses_a_tensor_off_the_cpu():
     with pytest.raises(ValueError, match="argument 'engine': the 'sweep' engine runs on NumPy arrays and "
                                          "CPU torch tensors.*device meta"):
         slicedkern.relu_attention(q, q, v, engine="sweep")
+
+
+def test_the_support_table_is_the_engines_own_answers():
+    """``slicedkern.engines.support`` (rendered into docs/backends.rst) reports each engine's
+    ``decline`` verbatim: the scan serves everything, the sweep NumPy (causal too), triton no NumPy."""
+    import array_api_strict as xs
+
+    from slicedkern.engines import get
+    from slicedkern.engines.support import FEATURES, support
+
+    table = support({"numpy": np.zeros(3), "strict": xs.zeros(3)})
+    assert table["numpy"]["scan"] == table["strict"]["scan"] == {"attention": None, "causal": None}
+    assert table["numpy"]["sweep"] == {"attention": None, "causal": None}
+    assert "serves torch tensors only" in table["numpy"]["triton"]["attention"]
+    backend = slicedkern.backends.backend_of(xs.zeros(3))
+    assert table["strict"]["sweep"]["causal"] == get("sweep").decline(FEATURES["causal"], (xs.zeros(3),), backend)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ._lib.namespace import clamp_min
 from .kernels import Abs, PiecewiseLinear, Profile, ReLU, hat_profile, hat_pullback, is_fixed
 
-__all__ = ["KernelSumSpec", "AttentionSpec", "Normalizer", "NORMALIZERS", "unpack", "hats",
+__all__ = ["KernelSumSpec", "AttentionSpec", "Normalizer", "NORMALIZERS", "OP_DEFAULTS", "unpack", "hats",
            "profile_of", "param_grads", "sum_to", "bandwidth_ok"]
 
 #: The attention normalisers by the name users pass as ``normalize``: a profile summed over the
@@ -23,6 +23,18 @@ NORMALIZERS = {"abs": Abs(), "relu": ReLU(), "count": None, None: None}
 #: Their profiles, built once (a property that builds them would cost every call, and torch.compile
 #: does not trace ``functools.cached_property``).
 _PROFILES = {name: Profile.of(kernel) if kernel is not None else None for name, kernel in NORMALIZERS.items()}
+
+
+#: Each attention op's options and their defaults: the one table. ``slicedkern.DecodeCache`` and the
+#: layers read it; the signatures of the ops (``slicedkern``, ``slicedkern.distributed``,
+#: ``slicedkern.reference``) restate it for their readers, and tests/test_architecture.py holds them
+#: equal to it.
+OP_DEFAULTS = {
+    "relu": {"center": True, "normalize": "abs", "eps": 1e-6},
+    "hat": {"bandwidth": 1.0, "center": False, "normalize": "count", "eps": 1e-6},
+    "hat_mixture": {"center": False, "normalize": "count", "eps": 1e-6},
+    "kernel": {"center": False, "normalize": "count", "eps": 1e-6},
+}
 
 
 @dataclass(frozen=True)

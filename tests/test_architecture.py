@@ -226,3 +226,22 @@ def test_every_engine_provides_the_primitives_it_declares():
     with pytest.raises(NotImplementedError, match="'triton' engine does not provide 'causal_attention'"):
         get("triton").causal_attention(None, None, None, None, key_mask=None, center=False, normalizer=None,
                                        xp=None)
+
+
+@pytest.mark.parametrize("module", ["slicedkern", "slicedkern.distributed", "slicedkern.reference"])
+def test_op_signatures_restate_the_one_table_of_defaults(module):
+    """``_spec.OP_DEFAULTS`` is each attention op's defaults; every signature that restates them
+    (the ops, their sequence-parallel and dense versions) agrees with it, and DecodeCache reads it."""
+    import importlib
+    import inspect
+
+    from slicedkern._spec import OP_DEFAULTS
+    from slicedkern.ops.decode import _OPTIONS
+
+    mod = importlib.import_module(module)
+    for op, defaults in OP_DEFAULTS.items():
+        fn = getattr(mod, "kernel_attention" if op == "kernel" else f"{op}_attention")
+        params = inspect.signature(fn).parameters
+        got = {name: params[name].default for name in defaults}
+        assert got == defaults, (module, op, got)
+        assert {k: _OPTIONS[op][k] for k in defaults} == defaults

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .. import hat_attention, hat_mixture_attention, kernel_attention, relu_attention
-from .._spec import NORMALIZERS
+from .._spec import NORMALIZERS, OP_DEFAULTS
 from ..kernels import PiecewiseLinear
 from ..ops._validate import check_bool
 
@@ -167,12 +167,13 @@ def layer_config(embed_dim, num_heads, *, kernel, score, bandwidth, learn_bandwi
     if score not in _SCORES:
         raise ValueError(f"argument 'score' must be one of {_SCORES}, got {score!r}")
     bandwidths = _initial_bandwidths(kernel_name, bandwidth, mixture_size, num_heads)
+    op_name = "kernel" if kernel_name == "custom" else kernel_name
     if center is None:
-        center = kernel_name == "relu"           # the ops' defaults: centred ReLU, plain hats
+        center = OP_DEFAULTS[op_name]["center"]      # the ops' defaults: centred ReLU, plain hats
     elif not isinstance(center, bool):
         raise TypeError(f"argument 'center' must be True, False or None, got {center!r}")
     if normalize == "auto":
-        normalize = "abs" if kernel_name == "relu" else "count"
+        normalize = OP_DEFAULTS[op_name]["normalize"]
     elif normalize not in _NORMALIZERS:
         raise ValueError(f"argument 'normalize' must be 'auto' or one of {_NORMALIZERS}, got {normalize!r}")
     if not isinstance(dropout, numbers.Real) or not 0.0 <= float(dropout) < 1.0:

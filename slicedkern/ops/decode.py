@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 
 from .._lib.namespace import array_device, shape_str
-from .._spec import Normalizer
+from .._spec import OP_DEFAULTS, Normalizer
 from ..backends import without_gradient
 from ..engines.scan._decode import Runs
 from ..kernels import Hat, HatMixture, PiecewiseLinear, Profile, ReLU
@@ -17,13 +17,8 @@ __all__ = ["DecodeCache"]
 _NO_GRADIENT = ("DecodeCache is inference-only: its outputs have no gradient. Generate without differentiating "
                 "(torch.no_grad(), or outside jax.grad); to train, call the attention op with causal=True")
 
-#: op name -> (its keywords with their defaults, as in the attention ops)
-_OPTIONS = {
-    "relu": {"center": True, "normalize": "abs", "eps": 1e-6},
-    "hat": {"bandwidth": 1.0, "center": False, "normalize": "count", "eps": 1e-6},
-    "hat_mixture": {"bandwidths": None, "weights": None, "center": False, "normalize": "count", "eps": 1e-6},
-    "kernel": {"center": False, "normalize": "count", "eps": 1e-6},
-}
+#: op name -> its keywords with their defaults (the ops' table; a mixture's hats have no default)
+_OPTIONS = {**OP_DEFAULTS, "hat_mixture": {"bandwidths": None, "weights": None, **OP_DEFAULTS["hat_mixture"]}}
 
 
 def _positive_floats(value, name):

@@ -120,3 +120,34 @@ def test_bad_arguments_name_themselves():
         cache.append(np.zeros((2, 2)), np.zeros((2, 1, 3)))
     with pytest.raises(ValueError, match="'q'"):
         cache.attend(np.zeros((3, 1)))
+
+
+@pytest.mark.parametrize("op", ["hat", "hat_mixture"])
+def test_per_head_parameter_arrays(xp, rng, op):
+    """Bandwidths (and mixture weights) given as arrays, one per head of a (B, H) batch, as the layers
+    learn them: token by token equal to the causal op with the same arrays."""
+    n = 21
+    q, k, v = _data(rng, n)
+    if op == "hat":
+        params = {"bandwidth": np.array([0.3, 1.0, 2.5])}
+        args = (params["bandwidth"],)
+    else:
+        params = {"bandwidths": rng.uniform(0.3, 2.0, size=(3, 2)), "weights": rng.normal(size=(3, 2))}
+        args = (params["bandwidths"], params["weights"])
+    cache = slicedkern.DecodeCache(op, center=True, **{name: xp.asarray(p) for name, p in params.items()})
+    rows = []
+    for t in range(n):
+        cache.append(xp.asarray(k[..., t:t + 1]), xp.asarray(v[..., t:t + 1, :]))
+        rows.append(to_numpy(cache.attend(xp.asarray(q[..., t:t + 1]))))
+    dense = reference.hat_attention if op == "hat" else reference.hat_mixture_attention
+    expected = dense(q, k, v, *args, center=True, causal=True)
+    assert_close(np.concatenate(rows, axis=-2), expected, rtol=1e-10, atol=1e-10 * np.abs(expected).max())
+
+
+def test_per_head_parameters_are_checked_against_the_batch():
+    cache = slicedkern.DecodeCache("hat", bandwidth=np.array([0.5, 1.0]))       # 2 heads, 3 given below
+    with pytest.raises(ValueError, match="'bandwidth'"):
+        cache.append(np.zeros((2, 3, 1)), np.zeros((2, 3, 1, 4)))
+    cache = slicedkern.DecodeCache("hat", bandwidth=np.array([0.5, -1.0, 1.0]))
+    with pytest.raises(ValueError, match="'bandwidth'"):
+        cache.append(np.zeros((2, 3, 1)), np.zeros((2, 3, 1, 4)))

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numbers
 
 from .._lib.namespace import array_device, shape_str
-from .._spec import OP_DEFAULTS, Normalizer
-from ..backends import without_gradient
+from .._spec import OP_DEFAULTS, AttentionSpec, Normalizer, profile_of
+from ..backends import is_array, without_gradient
 from ..engines.scan._decode import Runs
 from ..kernels import Hat, HatMixture, PiecewiseLinear, Profile, ReLU
 from ._validate import check_bool, check_eps, check_normalize, setup
-from .attention import nan_rows_without_keys
+from .attention import hat_spec, nan_rows_without_keys
 
 __all__ = ["DecodeCache"]
 
@@ -22,14 +22,23 @@ _OPTIONS = {**OP_DEFAULTS, "hat_mixture": {"bandwidths": None, "weights": None, 
 
 
 def _positive_floats(value, name):
-    """Fixed bandwidths: a number or a sequence of numbers (TypeError), positive and finite (ValueError)."""
+    """Float bandwidths: a number or a sequence of numbers (TypeError), positive and finite (ValueError)."""
     values = [value] if isinstance(value, numbers.Real) else list(value) if isinstance(value, (list, tuple)) else None
     if not values or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) for b in values):
-        raise TypeError(f"argument {name!r} must be a number or a sequence of numbers (DecodeCache takes fixed "
-                        f"bandwidths), got {value!r}")
+        raise TypeError(f"argument {name!r} must be a number, a sequence of numbers or an array, got {value!r}")
     if not all(0 < b < float("inf") for b in values):
         raise ValueError(f"argument {name!r} must be positive and finite, got {value!r}")
     return [float(b) for b in values]
+
+
+def _array_parameters(op, options) -> bool:
+    """Whether the hat parameters include an array (per head, say): their profile is built at the
+    first ``append``, when the batch shape and the library are known."""
+    if op == "hat":
+        return is_array(options["bandwidth"])
+    if op == "hat_mixture":
+        return is_array(options["bandwidths"]) or is_array(options["weights"])
+    return False
 
 
 def _kernel(op, options):
@@ -39,8 +48,8 @@ def _kernel(op, options):
         return ReLU()
     if op == "hat":
         if not isinstance(options["bandwidth"], numbers.Real):
-            raise TypeError(f"argument 'bandwidth' must be a number (DecodeCache takes a fixed bandwidth), "
-                            f"got {options['bandwidth']!r}")
+            raise TypeError(f"argument 'bandwidth' must be a number or an array (one per batch row or "
+                            f"head), got {options['bandwidth']!r}")
         return Hat(_positive_floats(options["bandwidth"], "bandwidth")[0])
     bandwidths = _positive_floats(options["bandwidths"], "bandwidths")
     weights = options["weights"]
@@ -48,6 +57,18 @@ def _kernel(op, options):
             isinstance(w, numbers.Real) and not isinstance(w, bool) for w in weights):
         raise TypeError(f"argument 'weights' must be a sequence of {len(bandwidths)} numbers, got {weights!r}")
     return HatMixture(bandwidths, [float(w) for w in weights])
+
+
+def _array_profile(hats, xp, work, k) -> Profile:
+    """The profile of hat parameters given as arrays, broadcast to the batch shape of ``k``."""
+    batch = tuple(k.shape[:-1])
+    fields, params = hats(xp, array_device(k), work, batch)
+    spec = AttentionSpec(kernel=fields.get("kernel"), alphas=fields.get("alphas", ()),
+                         betas=fields.get("betas", ()), param_layout=tuple(params))
+    params = {name: xp.broadcast_to(without_gradient(p, _NO_GRADIENT),
+                                    batch if name == "bandwidth" else batch + (p.shape[-1],))
+              for name, p in params.items()}
+    return profile_of(spec, params)
 
 
 class DecodeCache:
@@ -62,8 +83,7 @@ class DecodeCache:
     work per token; memory ``O(n D)`` like a softmax KV cache. Inference only: differentiating an
     output (torch ``backward``, ``jax.grad``) through the cache's keys, values or queries raises
     (``RuntimeError`` on torch, ``TypeError`` on JAX) rather than leaving their gradients silently
-    empty; generate under ``torch.no_grad()``. Fixed (float) bandwidths and weights, no key mask; any
-    array-API backend.
+    empty; generate under ``torch.no_grad()``. No key mask; any array-API backend.
 
     Parameters
     ----------
@@ -73,7 +93,10 @@ class DecodeCache:
         kernel.
     **options
         The op's own keywords, with its defaults: ``center``, ``normalize``, ``eps``,
-        ``bandwidth`` (hat), ``bandwidths`` and ``weights`` (hat_mixture).
+        ``bandwidth`` (hat), ``bandwidths`` and ``weights`` (hat_mixture). The hat parameters are
+        numbers, or arrays as the ops take them (a bandwidth of shape ``(H,)`` per head of a
+        ``(B, H)`` batch, say; mixtures ``(..., K)``), of the library of the keys, checked against
+        their batch shape at the first :meth:`append`; they get no gradient.
 
     Examples
     --------
@@ -99,7 +122,13 @@ class DecodeCache:
             raise TypeError(f"argument(s) {unknown} are not options of the {name!r} op; "
                             f"it takes {sorted(_OPTIONS[name])}")
         opts = {**_OPTIONS[name], **options}
-        self._profile = Profile.of(_kernel(op, opts))
+        if _array_parameters(name, opts):
+            # validated against the batch shape at the first append, as the ops validate them
+            names = ("bandwidth", "weights") if name == "hat" else ("bandwidths", "weights")
+            self._hats = hat_spec(opts[names[0]], None if name == "hat" else opts["weights"], names)
+            self._profile = None
+        else:
+            self._hats, self._profile = None, Profile.of(_kernel(op, opts))
         check_normalize(opts["normalize"])
         self._normalizer = Normalizer(opts["normalize"], check_eps(opts["eps"]))
         self._center = check_bool(opts.get("center", False), "center")
@@ -117,6 +146,8 @@ class DecodeCache:
             raise ValueError(f"arguments 'k' and 'v' must have shapes (..., t) and (..., t, Dv), got "
                              f"{shape_str(k)} and {shape_str(v)}")
         if self._shape is None:
+            if self._hats is not None:
+                self._profile = _array_profile(self._hats, xp, work, k)
             self._shape = (tuple(k.shape[:-1]), v.shape[-1], xp, work, out_dtype)
             self._runs = Runs(xp, work, self._profile, center=self._center, normalizer=self._normalizer,
                               dv=v.shape[-1])

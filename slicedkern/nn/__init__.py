@@ -37,7 +37,7 @@ import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .. import hat_attention, hat_mixture_attention, kernel_attention, relu_attention
+from .. import DecodeCache, hat_attention, hat_mixture_attention, kernel_attention, relu_attention
 from .._spec import NORMALIZERS, OP_DEFAULTS
 from ..kernels import PiecewiseLinear
 from ..ops._validate import check_bool
@@ -194,6 +194,19 @@ def attention_op(config: LayerConfig) -> Callable:
     """The public slicedkern op that computes the configured kernel."""
     return {"relu": relu_attention, "hat": hat_attention, "hat_mixture": hat_mixture_attention,
             "custom": kernel_attention}[config.kernel_name]
+
+
+def decode_cache(config: LayerConfig, bandwidth, mixture_weight) -> DecodeCache:
+    """The :class:`slicedkern.DecodeCache` of the configured op, with the layer's parameters now
+    (``bandwidth`` and ``mixture_weight`` as :func:`op_arguments` takes them; they get no gradient)."""
+    params, options = op_arguments(config, bandwidth, mixture_weight)
+    if config.kernel_name == "hat":
+        return DecodeCache("hat", bandwidth=params[0], **options)
+    if config.kernel_name == "hat_mixture":
+        return DecodeCache("hat_mixture", bandwidths=params[0], weights=params[1], **options)
+    if config.kernel_name == "custom":
+        return DecodeCache(params[0], **options)
+    return DecodeCache("relu", **options)
 
 
 def op_arguments(config: LayerConfig, bandwidth, mixture_weight) -> tuple[tuple, dict]:

@@ -31,34 +31,14 @@ from torch import Tensor, nn
 
 from ..backends import learn_types
 from ..kernels import PiecewiseLinear
-from . import ROPE_BASE, attention_op, check_forward, layer_config, op_arguments
+from . import attention_op, check_forward, layer_config, op_arguments
+from ._torch_generate import AttentionCache, generate_step, rotary_embedding
 
-__all__ = ["SlicedAttention", "SlicedTransformerEncoderLayer", "SlicedTransformerEncoder"]
+__all__ = ["SlicedAttention", "AttentionCache", "SlicedTransformerEncoderLayer", "SlicedTransformerEncoder"]
 
 # the tensor types memoised before any forward, which torch.compile may trace first: it warns about
 # every functools.lru_cache it meets, and array-api-compat's type tests are such caches
 learn_types(torch.empty(0), nn.Parameter(torch.empty(0), requires_grad=False))
-
-
-def rotary_embedding(x: Tensor, num_heads: int, offset: int = 0) -> Tensor:
-    """Rotate each head's features of ``x`` (N, L, E) by position (RoPE, half-split layout).
-
-    Feature ``i`` of the first half of a head and feature ``i`` of its second half form a pair,
-    rotated by the angle ``position * ROPE_BASE ** (-2 i / head_dim)``; the tokens of ``x`` take the
-    positions ``offset, ..., offset + L - 1``.
-    """
-    batch, length, embed_dim = x.shape
-    half = embed_dim // num_heads // 2
-    heads = x.reshape(batch, length, num_heads, 2, half)
-    # Angles in float32 at least: positions past 256 are not even integers in bfloat16.
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    position = torch.arange(offset, offset + length, device=x.device, dtype=dtype)
-    frequency = ROPE_BASE ** (-torch.arange(half, device=x.device, dtype=dtype) / half)
-    angle = (position[:, None] * frequency)[:, None, :]                      # (L, 1, half)
-    cos, sin = torch.cos(angle), torch.sin(angle)
-    first, second = heads[..., 0, :], heads[..., 1, :]
-    rotated = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-2)
-    return rotated.reshape(batch, length, embed_dim).to(x.dtype)
 
 
 class SlicedAttention(nn.Module):
@@ -204,9 +184,13 @@ class SlicedAttention(nn.Module):
         hidden = projected if self.score_hidden is None else F.gelu(self.score_hidden(projected))
         return self.score_out(hidden)
 
+    def init_cache(self) -> AttentionCache:
+        """An empty :class:`AttentionCache` for generating with this layer (``forward(..., cache=)``)."""
+        return AttentionCache(self)
+
     def forward(self, query: Tensor, key: Tensor, value: Tensor, *, key_padding_mask: Tensor | None = None,
                 need_weights: bool = False, attn_mask: Tensor | None = None,
-                is_causal: bool = False) -> tuple[Tensor, None]:
+                is_causal: bool = False, cache: AttentionCache | None = None) -> tuple[Tensor, None]:
         """Attend from ``query`` to ``key`` / ``value``.
 
         Parameters
@@ -226,6 +210,12 @@ class SlicedAttention(nn.Module):
             Query ``i`` attends to keys ``j <= i + Lk - Lq`` only (``j <= i`` in self-attention): the
             ops' ``causal=True``, bottom-right aligned when ``Lq != Lk``. A query that sees no
             valid key gets zeros.
+        cache : AttentionCache, optional
+            Generation (self-attention, ``is_causal=True``): ``query``, ``key`` and ``value`` are the
+            new tokens only (one or a chunk), at the positions after those already in the cache;
+            ``key_padding_mask`` (N, new tokens) marks padding among them (a left-padded prompt).
+            The output equals those rows of the full causal forward over every token so far, RoPE
+            at their absolute positions included. See :meth:`init_cache`.
 
         Returns
         -------
@@ -242,12 +232,19 @@ class SlicedAttention(nn.Module):
             key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
         elif not self.batch_first:
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
-        out = self._attend(query, key, value, key_padding_mask, is_causal)
+        if cache is not None:
+            out = self._generate(query, key, value, key_padding_mask, is_causal, cache)
+        else:
+            out = self._attend(query, key, value, key_padding_mask, is_causal)
         if not batched:
             out = out.squeeze(0)
         elif not self.batch_first:
             out = out.transpose(0, 1)
         return out, None
+
+    def _generate(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None,
+                  is_causal: bool, cache: AttentionCache) -> Tensor:
+        return generate_step(self, query, key, value, key_padding_mask, is_causal, cache)
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None,
                 causal: bool) -> Tensor:
@@ -355,26 +352,32 @@ class SlicedTransformerEncoderLayer(nn.Module):
                             f"{type(activation).__name__}")
         self.activation = activation
 
+    def init_cache(self) -> AttentionCache:
+        """An empty cache of the self-attention, for generating (``forward(..., cache=)``)."""
+        return self.self_attn.init_cache()
+
     def forward(self, src: Tensor, src_mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None,
-                is_causal: bool = False) -> Tensor:
+                is_causal: bool = False, *, cache: AttentionCache | None = None) -> Tensor:
         """One encoder layer, with ``nn.TransformerEncoderLayer.forward``'s arguments.
 
         ``src`` (L, N, E) or (N, L, E) with ``batch_first``; ``src_key_padding_mask`` boolean (N, L),
-        True = padding; ``src_mask`` only as the causal mask with ``is_causal=True``.
+        True = padding; ``src_mask`` only as the causal mask with ``is_causal=True``. ``cache``
+        (:meth:`init_cache`): generation, ``src`` being the new tokens only, as in
+        :meth:`SlicedAttention.forward`.
         """
         x = src
         if self.norm_first:
-            x = x + self._attention_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal)
+            x = x + self._attention_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal, cache)
             x = x + self._feed_forward_block(self.norm2(x))
         else:
-            x = self.norm1(x + self._attention_block(x, src_mask, src_key_padding_mask, is_causal))
+            x = self.norm1(x + self._attention_block(x, src_mask, src_key_padding_mask, is_causal, cache))
             x = self.norm2(x + self._feed_forward_block(x))
         return x
 
     def _attention_block(self, x: Tensor, attn_mask: Tensor | None, key_padding_mask: Tensor | None,
-                         is_causal: bool) -> Tensor:
+                         is_causal: bool, cache: AttentionCache | None = None) -> Tensor:
         out, _ = self.self_attn(x, x, x, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-                                is_causal=is_causal)
+                                is_causal=is_causal, cache=cache)
         return self.dropout1(out)
 
     def _feed_forward_block(self, x: Tensor) -> Tensor:
@@ -414,10 +417,20 @@ class SlicedTransformerEncoder(nn.Module):
         self.num_layers = num_layers
         self.norm = norm
 
+    def init_cache(self) -> list[AttentionCache]:
+        """One empty cache per layer, for generating (``forward(..., cache=)``)."""
+        return [layer.init_cache() for layer in self.layers]
+
     def forward(self, src: Tensor, mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None,
-                is_causal: bool = False) -> Tensor:
-        """Run the layers in turn; arguments as ``nn.TransformerEncoder.forward``."""
+                is_causal: bool = False, *, cache: list[AttentionCache] | None = None) -> Tensor:
+        """Run the layers in turn; arguments as ``nn.TransformerEncoder.forward``; ``cache`` (from
+        :meth:`init_cache`) for generation, ``src`` being the new tokens only."""
         out = src
-        for layer in self.layers:
-            out = layer(out, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
+        caches = [None] * self.num_layers if cache is None else cache
+        if len(caches) != self.num_layers:
+            raise ValueError(f"argument 'cache' must hold one cache per layer ({self.num_layers}), got "
+                             f"{len(caches)}: make it with init_cache()")
+        for layer, layer_cache in zip(self.layers, caches):
+            out = layer(out, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal,
+                        cache=layer_cache)
         return out if self.norm is None else self.norm(out)

@@ -139,12 +139,25 @@ class DecodeCache:
         """The number of keys appended so far."""
         return 0 if self._runs is None else self._runs.length
 
-    def append(self, k, v) -> None:
-        """Append keys ``k`` (..., t) and values ``v`` (..., t, Dv), in position order, to every row."""
-        xp, _, out_dtype, work = setup({"k": k, "v": v}, None, required=("k", "v"))
+    def append(self, k, v, key_mask=None) -> None:
+        """Append keys ``k`` (..., t) and values ``v`` (..., t, Dv), in position order, to every row.
+
+        ``key_mask`` (bool, broadcasting to ``k``'s shape, optional): True where the key takes part,
+        as the ops' ``key_mask``; a masked key (a left-padded prompt's padding, say) is in no sum,
+        mean or normaliser, and its values are not read for the NaN rule.
+        """
+        xp, _, out_dtype, work = setup({"k": k, "v": v, "key_mask": key_mask}, None, required=("k", "v"))
         if k.ndim < 1 or v.ndim != k.ndim + 1 or tuple(v.shape[:-1]) != tuple(k.shape):
             raise ValueError(f"arguments 'k' and 'v' must have shapes (..., t) and (..., t, Dv), got "
                              f"{shape_str(k)} and {shape_str(v)}")
+        if key_mask is not None:
+            if key_mask.dtype != xp.bool:
+                raise TypeError(f"argument 'key_mask' must be a boolean array, got {shape_str(key_mask)}")
+            try:
+                key_mask = xp.broadcast_to(key_mask, tuple(k.shape))
+            except ValueError:
+                raise ValueError(f"argument 'key_mask' must broadcast to the keys' shape {tuple(k.shape)}, "
+                                 f"got {shape_str(key_mask)}") from None
         if self._shape is None:
             if self._hats is not None:
                 self._profile = _array_profile(self._hats, xp, work, k)
@@ -159,7 +172,9 @@ class DecodeCache:
             return
         # the runs keep no autograd history: an output that depends on k or v raises when differentiated
         k, v = without_gradient(k, _NO_GRADIENT), without_gradient(v, _NO_GRADIENT)
-        self._runs.append(xp.astype(k, work0), v)
+        if key_mask is None:
+            key_mask = xp.ones(tuple(k.shape), dtype=xp.bool, device=array_device(k))
+        self._runs.append(xp.astype(k, work0), v, key_mask)
 
     def attend(self, q):
         """Attention of queries ``q`` (..., M) over every key appended so far: (..., M, Dv).

@@ -92,13 +92,14 @@ class Runs:
                                 center=center, normalizer=normalizer, dv=dv)
             return out
 
-        def admit(k, v):
-            ok = xp.isfinite(k) & xp.all(xp.isfinite(v), axis=-1)
+        def admit(k, v, mask):
+            finite = xp.isfinite(k) & xp.all(xp.isfinite(v), axis=-1)
+            take = finite & mask
             zero = xp.asarray(0.0, dtype=k.dtype, device=array_device(k))
-            k = xp.where(ok, k, zero)
-            v = xp.where(ok[..., None], xp.astype(v, work), zero)
-            rows = xp.concat([v, xp.astype(ok, work)[..., None]], axis=-1)
-            return k, v, ok, xp.sum(rows, axis=-2, keepdims=True), ~xp.all(ok, axis=-1)
+            k = xp.where(finite, k, zero)
+            v = xp.where(take[..., None], xp.astype(v, work), zero)
+            rows = xp.concat([v, xp.astype(take, work)[..., None]], axis=-1)
+            return k, v, take, xp.sum(rows, axis=-2, keepdims=True), xp.any(mask & ~finite, axis=-1)
 
         compile = ops_for(xp).compile
         self._admit, self._build = compile(admit), compile(build)
@@ -108,10 +109,11 @@ class Runs:
     def length(self) -> int:
         return sum(r.size for r in self.runs)
 
-    def append(self, k, v):
-        """Append keys ``k`` (..., t) in the work dtype and values ``v`` (..., t, dv), in position order."""
+    def append(self, k, v, mask):
+        """Append keys ``k`` (..., t) in the work dtype and values ``v`` (..., t, dv), in position order;
+        ``mask`` (..., t) bool: the keys that take part."""
         xp = self.xp
-        k, v, ok, total, bad = self._admit(k, v)       # non-finite keys: zeroed, flagged (the NaN rule)
+        k, v, ok, total, bad = self._admit(k, v, mask)   # non-finite keys: zeroed, flagged (the NaN rule)
         self.bad = bad if self.bad is None else self.bad | bad
         self.totals = total if self.totals is None else self.totals + total
         y, w, take = k, v, ok

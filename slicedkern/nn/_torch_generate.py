@@ -1,0 +1,125 @@
+"""Generation with the torch layers: rotary embeddings at absolute positions and the layer's cache.
+
+:class:`AttentionCache` keeps a :class:`slicedkern.DecodeCache` per layer (one row per batch entry
+and head); :func:`generate_step` is :meth:`slicedkern.nn.torch.SlicedAttention.forward` with a
+cache (docs/mathematics.rst, "Decoding"). Re-exported by :mod:`slicedkern.nn.torch`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from . import ROPE_BASE, decode_cache
+
+__all__ = ["AttentionCache", "generate_step", "rotary_embedding"]
+
+
+def rotary_embedding(x: Tensor, num_heads: int, offset: int = 0) -> Tensor:
+    """Rotate each head's features of ``x`` (N, L, E) by position (RoPE, half-split layout).
+
+    Feature ``i`` of the first half of a head and feature ``i`` of its second half form a pair,
+    rotated by the angle ``position * ROPE_BASE ** (-2 i / head_dim)``; the tokens of ``x`` take the
+    positions ``offset, ..., offset + L - 1``.
+    """
+    batch, length, embed_dim = x.shape
+    half = embed_dim // num_heads // 2
+    heads = x.reshape(batch, length, num_heads, 2, half)
+    # Angles in float32 at least: positions past 256 are not even integers in bfloat16.
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    position = torch.arange(offset, offset + length, device=x.device, dtype=dtype)
+    frequency = ROPE_BASE ** (-torch.arange(half, device=x.device, dtype=dtype) / half)
+    angle = (position[:, None] * frequency)[:, None, :]                      # (L, 1, half)
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    first, second = heads[..., 0, :], heads[..., 1, :]
+    rotated = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-2)
+    return rotated.reshape(batch, length, embed_dim).to(x.dtype)
+
+
+class AttentionCache:
+    """The keys and values a :class:`SlicedAttention` layer has seen while generating.
+
+    Made by :meth:`SlicedAttention.init_cache`; passed as ``cache=`` with ``is_causal=True`` and the
+    new tokens only, it makes the layer's output for them equal to the rows of the full causal
+    forward over every token so far (a :class:`slicedkern.DecodeCache` per layer, one row per batch
+    entry and head; docs/mathematics.rst, "Decoding"). Inference only: the cache reads the layer's
+    bandwidths and weights when it is first used and keeps no gradient.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from slicedkern.nn.torch import SlicedAttention
+    >>> attn = SlicedAttention(16, 2, batch_first=True).double().eval()
+    >>> x = torch.randn(3, 6, 16, dtype=torch.float64)
+    >>> full, _ = attn(x, x, x, is_causal=True)
+    >>> cache = attn.init_cache()
+    >>> steps = [attn(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], is_causal=True, cache=cache)[0]
+    ...          for t in range(6)]
+    >>> torch.allclose(torch.cat(steps, dim=1), full)
+    True
+    """
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+        self.decode = None            # the DecodeCache, made at the first call
+        self.seen = None              # (N,) valid keys seen so far per batch entry
+        self.length = 0               # tokens appended (padding included): the next token's position
+        self.meta = None              # (batch size, dtype, device) of the first call
+
+    def __len__(self) -> int:
+        return self.length
+
+    def check(self, layer: nn.Module, query: Tensor) -> None:
+        """The cache belongs to ``layer`` and continues its batch, dtype and device (ValueError)."""
+        if self.layer is not layer:
+            raise ValueError("argument 'cache' belongs to another layer: make one per layer with "
+                             "layer.init_cache()")
+        meta = (query.shape[0], query.dtype, query.device)
+        if self.meta is not None and meta != self.meta:
+            raise ValueError(f"argument 'cache' holds a batch of {self.meta[0]} rows of {self.meta[1]} on "
+                             f"{self.meta[2]}; got 'query' with {meta[0]} rows of {meta[1]} on {meta[2]} "
+                             "(a new batch needs a new cache: layer.init_cache())")
+        self.meta = meta
+
+
+def generate_step(layer: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                   key_padding_mask: Tensor | None, is_causal: bool, cache: AttentionCache) -> Tensor:
+    """:meth:`SlicedAttention.forward` with a cache, batch first: (N, T, E) new tokens to (N, T, E)."""
+    if not isinstance(cache, AttentionCache):
+        raise TypeError(f"argument 'cache' must be an AttentionCache (layer.init_cache()), got "
+                        f"{type(cache).__name__}")
+    if not is_causal:
+        raise ValueError("argument 'is_causal' must be True with a cache: generation attends to the tokens "
+                         "so far, and a cache holds no future tokens")
+    if key.shape[1] != query.shape[1]:
+        raise ValueError(f"arguments 'query' and 'key': with a cache they are the same new tokens, got "
+                         f"{query.shape[1]} queries and {key.shape[1]} keys")
+    cache.check(layer, query)
+    cfg = layer.config
+    batch, length = query.shape[0], query.shape[1]
+    heads, head_dim = cfg.num_heads, cfg.head_dim
+    q, k, v = layer.q_proj(query), layer.k_proj(key), layer.v_proj(value)
+    if cfg.rope:
+        q, k = rotary_embedding(q, heads, offset=cache.length), rotary_embedding(k, heads, offset=cache.length)
+    q_scores = layer.scores(q).transpose(1, 2)                            # (N, H, T)
+    k_scores = layer.scores(k).transpose(1, 2)
+    v = v.reshape(batch, length, heads, head_dim).transpose(1, 2)         # (N, H, T, Dh)
+    if cache.decode is None:
+        bandwidth = None if layer.log_bandwidth is None else torch.exp(layer.log_bandwidth.detach())
+        weight = None if layer.mixture_weight is None else layer.mixture_weight.detach()
+        cache.decode = decode_cache(cfg, bandwidth, weight)
+        cache.seen = torch.zeros(batch, dtype=torch.int64, device=query.device)
+    valid = None if key_padding_mask is None else ~key_padding_mask       # (N, T)
+    rows = []
+    for t in range(length):      # each new query sees the new keys up to its own position
+        mask = None if valid is None else valid[:, None, t:t + 1]
+        cache.decode.append(k_scores[..., t:t + 1], v[..., t:t + 1, :], key_mask=mask)
+        rows.append(cache.decode.attend(q_scores[..., t:t + 1]))
+    cache.length += length
+    ctx = torch.cat(rows, dim=-2).transpose(1, 2).reshape(batch, length, cfg.embed_dim)
+    out = layer.out_proj(layer.attention_dropout(ctx))
+    counted = torch.ones(batch, length, dtype=torch.int64, device=out.device) if valid is None else valid.long()
+    seen = cache.seen[:, None] + counted.cumsum(dim=-1)                   # (N, T) valid keys seen
+    cache.seen = seen[:, -1]
+    # zeros where a query sees no key yet, as the full forward gives them
+    return torch.where((seen > 0)[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))

@@ -38,7 +38,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .. import DecodeCache, hat_attention, hat_mixture_attention, kernel_attention, relu_attention
+from .._lib.namespace import array_device
 from .._spec import NORMALIZERS, OP_DEFAULTS
+from ..backends import array_namespace
 from ..kernels import PiecewiseLinear
 from ..ops._validate import check_bool
 
@@ -194,6 +196,54 @@ def attention_op(config: LayerConfig) -> Callable:
     """The public slicedkern op that computes the configured kernel."""
     return {"relu": relu_attention, "hat": hat_attention, "hat_mixture": hat_mixture_attention,
             "custom": kernel_attention}[config.kernel_name]
+
+
+class Generation:
+    """What a layer keeps while generating, in any framework: a :class:`slicedkern.DecodeCache` (one
+    row per batch entry and head), the tokens so far (the next token's position, for RoPE) and the
+    valid keys each batch entry has seen (a query that has seen none gets zeros)."""
+
+    def __init__(self) -> None:
+        self.decode = None            # made at the first step, with the layer's parameters then
+        self.seen = None              # (N,) valid keys seen so far
+        self.length = 0               # tokens appended, padding included
+        self.meta = None              # (batch size, dtype, device) of the first step
+
+    def __len__(self) -> int:
+        return self.length
+
+    def check(self, batch: int, dtype, device) -> None:
+        """The step continues the cache's batch, dtype and device (ValueError naming 'cache')."""
+        meta = (batch, dtype, device)
+        if self.meta is not None and meta != self.meta:
+            raise ValueError(f"argument 'cache' holds a batch of {self.meta[0]} rows of {self.meta[1]} on "
+                             f"{self.meta[2]}; got new tokens with {batch} rows of {dtype} on {device} "
+                             "(a new batch needs a new cache)")
+        self.meta = meta
+
+    def step(self, config: LayerConfig, parameters, q_scores, k_scores, v, valid):
+        """Attend the new tokens, each over the keys so far and the new ones up to its position.
+
+        ``parameters``: ``(bandwidth, mixture_weight)`` as :func:`op_arguments` takes them (read at
+        the first step); ``q_scores``, ``k_scores`` (N, H, T); ``v`` (N, H, T, Dh); ``valid`` (N, T)
+        bool or None (no padding). Returns ``(ctx (N, H, T, Dh), sees_a_key (N, T) bool)``.
+        """
+        xp = array_namespace(q_scores)
+        batch, length = q_scores.shape[0], q_scores.shape[-1]
+        if self.decode is None:
+            self.decode = decode_cache(config, *parameters)
+            self.seen = xp.zeros((batch,), dtype=xp.int64, device=array_device(q_scores))
+        rows = []
+        for t in range(length):      # each new query sees the new keys up to its own position
+            mask = None if valid is None else valid[:, None, t:t + 1]
+            self.decode.append(k_scores[..., t:t + 1], v[..., t:t + 1, :], key_mask=mask)
+            rows.append(self.decode.attend(q_scores[..., t:t + 1]))
+        self.length += length
+        counted = (xp.ones((batch, length), dtype=xp.int64, device=array_device(q_scores)) if valid is None
+                   else xp.astype(valid, xp.int64))
+        seen = self.seen[:, None] + xp.cumulative_sum(counted, axis=-1)   # (N, T) valid keys seen
+        self.seen = seen[:, -1]
+        return xp.concat(rows, axis=-2), seen > 0
 
 
 def decode_cache(config: LayerConfig, bandwidth, mixture_weight) -> DecodeCache:

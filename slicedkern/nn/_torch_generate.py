@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from . import ROPE_BASE, decode_cache
+from . import ROPE_BASE, Generation
 
 __all__ = ["AttentionCache", "generate_step", "rotary_embedding"]
 
@@ -36,7 +36,7 @@ def rotary_embedding(x: Tensor, num_heads: int, offset: int = 0) -> Tensor:
     return rotated.reshape(batch, length, embed_dim).to(x.dtype)
 
 
-class AttentionCache:
+class AttentionCache(Generation):
     """The keys and values a :class:`SlicedAttention` layer has seen while generating.
 
     Made by :meth:`SlicedAttention.init_cache`; passed as ``cache=`` with ``is_causal=True`` and the
@@ -60,26 +60,13 @@ class AttentionCache:
     """
 
     def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
         self.layer = layer
-        self.decode = None            # the DecodeCache, made at the first call
-        self.seen = None              # (N,) valid keys seen so far per batch entry
-        self.length = 0               # tokens appended (padding included): the next token's position
-        self.meta = None              # (batch size, dtype, device) of the first call
 
-    def __len__(self) -> int:
-        return self.length
-
-    def check(self, layer: nn.Module, query: Tensor) -> None:
-        """The cache belongs to ``layer`` and continues its batch, dtype and device (ValueError)."""
+    def check_layer(self, layer: nn.Module) -> None:
         if self.layer is not layer:
             raise ValueError("argument 'cache' belongs to another layer: make one per layer with "
                              "layer.init_cache()")
-        meta = (query.shape[0], query.dtype, query.device)
-        if self.meta is not None and meta != self.meta:
-            raise ValueError(f"argument 'cache' holds a batch of {self.meta[0]} rows of {self.meta[1]} on "
-                             f"{self.meta[2]}; got 'query' with {meta[0]} rows of {meta[1]} on {meta[2]} "
-                             "(a new batch needs a new cache: layer.init_cache())")
-        self.meta = meta
 
 
 def generate_step(layer: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -94,7 +81,8 @@ def generate_step(layer: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     if key.shape[1] != query.shape[1]:
         raise ValueError(f"arguments 'query' and 'key': with a cache they are the same new tokens, got "
                          f"{query.shape[1]} queries and {key.shape[1]} keys")
-    cache.check(layer, query)
+    cache.check_layer(layer)
+    cache.check(query.shape[0], query.dtype, query.device)
     cfg = layer.config
     batch, length = query.shape[0], query.shape[1]
     heads, head_dim = cfg.num_heads, cfg.head_dim
@@ -104,22 +92,10 @@ def generate_step(layer: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     q_scores = layer.scores(q).transpose(1, 2)                            # (N, H, T)
     k_scores = layer.scores(k).transpose(1, 2)
     v = v.reshape(batch, length, heads, head_dim).transpose(1, 2)         # (N, H, T, Dh)
-    if cache.decode is None:
-        bandwidth = None if layer.log_bandwidth is None else torch.exp(layer.log_bandwidth.detach())
-        weight = None if layer.mixture_weight is None else layer.mixture_weight.detach()
-        cache.decode = decode_cache(cfg, bandwidth, weight)
-        cache.seen = torch.zeros(batch, dtype=torch.int64, device=query.device)
+    bandwidth = None if layer.log_bandwidth is None else torch.exp(layer.log_bandwidth.detach())
+    weight = None if layer.mixture_weight is None else layer.mixture_weight.detach()
     valid = None if key_padding_mask is None else ~key_padding_mask       # (N, T)
-    rows = []
-    for t in range(length):      # each new query sees the new keys up to its own position
-        mask = None if valid is None else valid[:, None, t:t + 1]
-        cache.decode.append(k_scores[..., t:t + 1], v[..., t:t + 1, :], key_mask=mask)
-        rows.append(cache.decode.attend(q_scores[..., t:t + 1]))
-    cache.length += length
-    ctx = torch.cat(rows, dim=-2).transpose(1, 2).reshape(batch, length, cfg.embed_dim)
-    out = layer.out_proj(layer.attention_dropout(ctx))
-    counted = torch.ones(batch, length, dtype=torch.int64, device=out.device) if valid is None else valid.long()
-    seen = cache.seen[:, None] + counted.cumsum(dim=-1)                   # (N, T) valid keys seen
-    cache.seen = seen[:, -1]
+    ctx, sees = cache.step(cfg, (bandwidth, weight), q_scores, k_scores, v, valid)
+    out = layer.out_proj(layer.attention_dropout(ctx.transpose(1, 2).reshape(batch, length, cfg.embed_dim)))
     # zeros where a query sees no key yet, as the full forward gives them
-    return torch.where((seen > 0)[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return torch.where(sees[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from ..kernels import PiecewiseLinear
-from . import ROPE_BASE, attention_op, check_forward, layer_config, op_arguments
+from . import ROPE_BASE, Generation, attention_op, check_forward, layer_config, op_arguments
 
 __all__ = ["SlicedAttention", "FixedBandwidth"]
 
@@ -135,6 +135,21 @@ class SlicedAttention(nnx.Module):
         self.log_bandwidth = nnx.data(log_bandwidth)
         self.mixture_weight = nnx.data(mixture_weight)
         self._op = attention_op(cfg)
+        #: the generation state of ``decode=True`` (:meth:`init_cache`), or None
+        self.cache = nnx.data(None)
+
+    def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
+        """Prepare the layer for ``decode=True`` calls, Flax's decoding convention.
+
+        ``input_shape``: the shape of the inputs the decoding calls will pass (its batch size is
+        checked at every step); ``dtype`` the inputs' dtype. Decoding then takes the new tokens only,
+        one or a chunk at a time, with ``is_causal=True``, and returns the rows the full causal
+        forward gives them (:class:`slicedkern.DecodeCache` per head; eager, not under ``jit``: the
+        cache grows by runs of changing sizes). Call again to start a new sequence.
+        """
+        self.cache = Generation()
+        axis = 0 if (self.batch_first or len(input_shape) == 2) else 1
+        self.cache.check(1 if len(input_shape) == 2 else int(input_shape[axis]), jnp.dtype(dtype), None)
 
     # ------------------------------------------------------------------------- torch interchange
     def _torch_names(self) -> dict[str, tuple[Any, str, bool]]:
@@ -205,7 +220,8 @@ class SlicedAttention(nnx.Module):
     def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array, *,
                  key_padding_mask: jax.Array | None = None, need_weights: bool = False,
                  attn_mask: jax.Array | None = None, is_causal: bool = False,
-                 deterministic: bool | None = None, rngs: nnx.Rngs | None = None) -> tuple[jax.Array, None]:
+                 deterministic: bool | None = None, rngs: nnx.Rngs | None = None,
+                 decode: bool = False) -> tuple[jax.Array, None]:
         """Attend from ``query`` to ``key`` / ``value``.
 
         Parameters
@@ -227,6 +243,11 @@ class SlicedAttention(nnx.Module):
             Disable dropout (default: the module's ``eval()`` / ``train()`` mode).
         rngs : nnx.Rngs, optional
             Dropout randomness for this call (default: the stream given at construction).
+        decode : bool, default False
+            Generation (after :meth:`init_cache`, ``is_causal=True``): ``query``, ``key`` and ``value``
+            are the new tokens only, after those already decoded; ``key_padding_mask`` marks padding
+            among them. The output equals their rows of the full causal forward over every token
+            so far, RoPE at their absolute positions included.
 
         Returns
         -------
@@ -243,12 +264,43 @@ class SlicedAttention(nnx.Module):
             key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]
         elif not self.batch_first:
             query, key, value = (jnp.swapaxes(a, 0, 1) for a in (query, key, value))
-        out = self._attend(query, key, value, key_padding_mask, is_causal, deterministic, rngs)
+        if decode:
+            out = self._generate(query, key, value, key_padding_mask, is_causal, deterministic, rngs)
+        else:
+            out = self._attend(query, key, value, key_padding_mask, is_causal, deterministic, rngs)
         if not batched:
             out = out[0]
         elif not self.batch_first:
             out = jnp.swapaxes(out, 0, 1)
         return out, None
+
+    def _generate(self, query, key, value, key_padding_mask, is_causal, deterministic, rngs):
+        """``decode=True``, batch first: (N, T, E) new tokens to (N, T, E)."""
+        if self.cache is None:
+            raise ValueError("argument 'decode': call init_cache(input_shape) before decoding")
+        if not is_causal:
+            raise ValueError("argument 'is_causal' must be True with decode=True: generation attends to the "
+                             "tokens so far, and the cache holds no future tokens")
+        if key.shape[1] != query.shape[1]:
+            raise ValueError(f"arguments 'query' and 'key': with decode=True they are the same new tokens, got "
+                             f"{query.shape[1]} queries and {key.shape[1]} keys")
+        cache, cfg = self.cache, self.config
+        batch, length = query.shape[0], query.shape[1]
+        cache.check(batch, query.dtype, None)
+        heads, head_dim = cfg.num_heads, cfg.head_dim
+        q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        if cfg.rope:
+            q, k = rotary_embedding(q, heads, offset=cache.length), rotary_embedding(k, heads, offset=cache.length)
+        q_scores, k_scores = jnp.swapaxes(self.scores(q), 1, 2), jnp.swapaxes(self.scores(k), 1, 2)
+        v = jnp.swapaxes(v.reshape(batch, length, heads, head_dim), 1, 2)      # (N, H, T, Dh)
+        bandwidth = None if self.log_bandwidth is None else jnp.exp(self.log_bandwidth[...])
+        weight = None if self.mixture_weight is None else self.mixture_weight[...]
+        valid = None if key_padding_mask is None else ~key_padding_mask
+        ctx, sees = cache.step(cfg, (bandwidth, weight), q_scores, k_scores, v, valid)
+        ctx = jnp.swapaxes(ctx, 1, 2).reshape(batch, length, cfg.embed_dim)
+        out = self.out_proj(self.attention_dropout(ctx, deterministic=deterministic, rngs=rngs))
+        # zeros where a query sees no key yet, as the full forward gives them
+        return jnp.where(sees[..., None], out, jnp.zeros((), dtype=out.dtype))
 
     def _attend(self, query, key, value, key_padding_mask, causal, deterministic, rngs):
         """The batch-first computation: (N, Lq, E), (N, Lk, kdim), (N, Lk, vdim) to (N, Lq, E)."""

@@ -1,0 +1,74 @@
+"""Generation from the Flax layer, Flax's convention (``init_cache``, ``decode=True``): the new tokens
+only, equal to the full causal forward at every step (every kernel, RoPE, chunks, left padding)."""
+
+from __future__ import annotations
+
+import pytest
+
+jax = pytest.importorskip("jax")
+nnx = pytest.importorskip("flax.nnx")
+import jax.numpy as jnp  # noqa: E402
+
+from slicedkern.kernels import Hat  # noqa: E402
+from slicedkern.nn.flax import SlicedAttention  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    previous = bool(jax.config.jax_enable_x64)
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+
+
+def _layer(kernel, rope):
+    layer = SlicedAttention(16, 2, kernel=kernel, rope=rope, batch_first=True, param_dtype=jnp.float64,
+                            bandwidth=[0.5, 1.5] if kernel == "hat" else None, rngs=nnx.Rngs(0))
+    if layer.mixture_weight is not None:       # learned-looking weights, not the initial ones
+        layer.mixture_weight[...] = jax.random.normal(jax.random.key(5), layer.mixture_weight[...].shape)
+    layer.eval()
+    return layer
+
+
+# every JAX decoding step compiles a few small functions per new run size (about 13 s a case here):
+# the default profile runs one case, --exhaustive the rest
+_SLOW = pytest.mark.exhaustive
+
+
+@pytest.mark.parametrize("kernel, rope", [
+    ("hat", True), pytest.param("hat_mixture", False, marks=_SLOW),
+    pytest.param("relu", False, marks=_SLOW), pytest.param("relu", True, marks=_SLOW),
+    pytest.param("hat", False, marks=_SLOW), pytest.param("hat_mixture", True, marks=_SLOW),
+    pytest.param(Hat(0.7), False, marks=_SLOW), pytest.param(Hat(0.7), True, marks=_SLOW)], ids=str)
+def test_decoding_equals_the_full_causal_forward(kernel, rope):
+    layer = _layer(kernel, rope)
+    x = jax.random.normal(jax.random.key(1), (3, 8, 16), dtype=jnp.float64)
+    pad = jnp.zeros((3, 8), dtype=bool).at[0, :4].set(True).at[1, :1].set(True)   # left-padded prompts
+    full, _ = layer(x, x, x, key_padding_mask=pad, is_causal=True)
+    for chunks in ([1] * 8, [4, 1, 3]):
+        layer.init_cache(x.shape, jnp.float64)
+        steps, start = [], 0
+        for size in chunks:
+            part = x[:, start:start + size]
+            out, _ = layer(part, part, part, key_padding_mask=pad[:, start:start + size], is_causal=True,
+                           decode=True)
+            steps.append(out)
+            start += size
+        assert len(layer.cache) == 8
+        assert float(jnp.max(jnp.abs(jnp.concatenate(steps, axis=1) - full))) < 1e-12
+
+
+def test_bad_decoding_calls_name_the_argument():
+    layer = _layer("relu", rope=False)
+    x = jnp.zeros((2, 1, 16), dtype=jnp.float64)
+    with pytest.raises(ValueError, match="init_cache"):
+        layer(x, x, x, is_causal=True, decode=True)
+    layer.init_cache(x.shape, jnp.float64)
+    with pytest.raises(ValueError, match="'is_causal'"):
+        layer(x, x, x, decode=True)
+    with pytest.raises(ValueError, match="'cache' holds a batch of 2 rows"):
+        layer(x[:1], x[:1], x[:1], is_causal=True, decode=True)
+    with pytest.raises(ValueError, match="'cache'"):
+        layer(x.astype(jnp.float32), x.astype(jnp.float32), x.astype(jnp.float32), is_causal=True, decode=True)

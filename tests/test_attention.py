@@ -561,3 +561,15 @@ def test_all_keys_masked_gives_zero(xp, rng):
                 slicedkern.kernel_attention(Q, K, V, GENERAL, key_mask=MK, normalize=None)):
         assert_meta(out, like=Q, shape=(B, H, LQ, DV))
         np.testing.assert_array_equal(xp.to_numpy(out), 0.0)
+
+
+@pytest.mark.parametrize("op", [slicedkern.relu_attention, slicedkern.hat_attention, slicedkern.kernel_sum])
+def test_arrays_are_positional_only(op):
+    """The arrays of the 1-D ops are positional-only (``q, k, v, /``, as array-api-extra has them):
+    their names are free for wrappers, and a keyword call is Python's own TypeError."""
+    a, w = np.zeros((1, 2)), np.zeros((1, 2, 1))
+    extra = (ReLU(),) if op is slicedkern.kernel_sum else ()
+    op(a, a, w, *extra)
+    names = ("x", "y", "w") if op is slicedkern.kernel_sum else ("q", "k", "v")
+    with pytest.raises(TypeError, match="positional-only"):
+        op(**dict(zip(names, (a, a, w))), **({"kernel": ReLU()} if extra else {}))

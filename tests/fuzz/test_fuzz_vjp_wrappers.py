@@ -216,9 +216,9 @@ def wrapper_examples(draw, op: str, *, few_shapes: tuple = ()):
     mask_source = None
     if mask is not None:
         mask_source = ("kw", by_keyword[id(mask)]) if id(mask) in by_keyword else ("arg", position[id(mask)])
-    # non-array inputs (Python floats, lists, kernels) reach fn as keywords; any input may be passed to
-    # the op by keyword (those from `cut` on)
-    cut = draw(st.integers(0, len(case.args)))
+    # non-array inputs (Python floats, lists, kernels) reach fn as keywords; any input after the op's
+    # positional-only arrays (q, k, v / x, y, w) may be passed to the op by keyword (those from `cut` on)
+    cut = draw(st.integers(3, len(case.args)))
     constants = {i: s[1] for i, s in enumerate(sources) if s[0] == "const"}
     sources = [("kw", f"const_{i}") if s[0] == "const" else s for i, s in enumerate(sources)]
     kw = {name: a for name, a in kw_names}

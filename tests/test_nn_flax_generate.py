@@ -8,6 +8,7 @@ import pytest
 jax = pytest.importorskip("jax")
 nnx = pytest.importorskip("flax.nnx")
 import jax.numpy as jnp  # noqa: E402
+from _helpers import jax_x64  # noqa: E402
 
 from slicedkern.kernels import Hat  # noqa: E402
 from slicedkern.nn.flax import SlicedAttention  # noqa: E402
@@ -15,12 +16,8 @@ from slicedkern.nn.flax import SlicedAttention  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def x64():
-    previous = bool(jax.config.jax_enable_x64)
-    jax.config.update("jax_enable_x64", True)
-    try:
+    with jax_x64(True):
         yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
 
 
 def _layer(kernel, rope):

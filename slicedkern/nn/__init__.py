@@ -212,6 +212,17 @@ class Generation:
     def __len__(self) -> int:
         return self.length
 
+    def check_step(self, is_causal: bool, q_len: int, k_len: int, batch: int, dtype, device) -> None:
+        """A generation step's arguments: causal, queries and keys the same new tokens, and the
+        cache's batch, dtype and device (ValueError naming the argument)."""
+        if not is_causal:
+            raise ValueError("argument 'is_causal' must be True with a cache: generation attends to the tokens "
+                             "so far, and a cache holds no future tokens")
+        if k_len != q_len:
+            raise ValueError(f"arguments 'query' and 'key': with a cache they are the same new tokens, got "
+                             f"{q_len} queries and {k_len} keys")
+        self.check(batch, dtype, device)
+
     def check(self, batch: int, dtype, device) -> None:
         """The step continues the cache's batch, dtype and device (ValueError naming 'cache')."""
         meta = (batch, dtype, device)

@@ -75,14 +75,8 @@ def generate_step(layer: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     if not isinstance(cache, AttentionCache):
         raise TypeError(f"argument 'cache' must be an AttentionCache (layer.init_cache()), got "
                         f"{type(cache).__name__}")
-    if not is_causal:
-        raise ValueError("argument 'is_causal' must be True with a cache: generation attends to the tokens "
-                         "so far, and a cache holds no future tokens")
-    if key.shape[1] != query.shape[1]:
-        raise ValueError(f"arguments 'query' and 'key': with a cache they are the same new tokens, got "
-                         f"{query.shape[1]} queries and {key.shape[1]} keys")
     cache.check_layer(layer)
-    cache.check(query.shape[0], query.dtype, query.device)
+    cache.check_step(is_causal, query.shape[1], key.shape[1], query.shape[0], query.dtype, query.device)
     cfg = layer.config
     batch, length = query.shape[0], query.shape[1]
     heads, head_dim = cfg.num_heads, cfg.head_dim

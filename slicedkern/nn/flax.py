@@ -278,15 +278,9 @@ class SlicedAttention(nnx.Module):
         """``decode=True``, batch first: (N, T, E) new tokens to (N, T, E)."""
         if self.cache is None:
             raise ValueError("argument 'decode': call init_cache(input_shape) before decoding")
-        if not is_causal:
-            raise ValueError("argument 'is_causal' must be True with decode=True: generation attends to the "
-                             "tokens so far, and the cache holds no future tokens")
-        if key.shape[1] != query.shape[1]:
-            raise ValueError(f"arguments 'query' and 'key': with decode=True they are the same new tokens, got "
-                             f"{query.shape[1]} queries and {key.shape[1]} keys")
         cache, cfg = self.cache, self.config
         batch, length = query.shape[0], query.shape[1]
-        cache.check(batch, query.dtype, None)
+        cache.check_step(is_causal, length, key.shape[1], batch, query.dtype, None)
         heads, head_dim = cfg.num_heads, cfg.head_dim
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if cfg.rope:

@@ -81,7 +81,7 @@ class Engine:
         :func:`slicedkern.engines.available` lists it (the scan: every library)."""
         return False
 
-    # -- the primitives (docstring of this module); tests/test_engines.py checks each engine has them --
+    # -- the primitives (docstring of this module); tests/test_architecture.py checks each engine has them
     #: the primitives of every engine, and of an engine with ``supports_causal``
     PRIMITIVES = ("kernel_sum", "attention", "profiles_vjp", "indicator_sums")
     CAUSAL_PRIMITIVES = ("causal_attention", "causal_profiles_vjp")

@@ -72,22 +72,23 @@ class Cotangents(NamedTuple):
     mean_weights: Any       # (..., lq, 1): R / count, what the centring mean's cotangent carries, or None
 
 
-def pullback(xp, gout, out, *, relu_count, den, count, mean, good, center: bool,
+def pullback(xp, gout, out, *, relu_count, den, count, value_sums, good, center: bool,
              normalizer: Normalizer) -> Cotangents:
     """The quotient rule of :func:`combine` (docs/mathematics.rst, "The backward pass").
 
     ``gout`` and ``out`` (..., lq, dv) in the work dtype; ``relu_count`` and ``den`` (..., lq, 1) the
     forward's ``R`` and unclamped ``D`` (``den`` read only when ``normalizer.summed``); ``count``
-    (..., lq or 1, 1) the valid keys seen; ``mean`` (..., lq or 1, dv) their mean value (read only
-    when centring); ``good`` (..., lq, 1) bool, False on the rows the forward made NaN. A clamped
-    normaliser (``D < eps``) is a constant: no cotangent reaches ``D`` there.
+    (..., lq or 1, 1) the valid keys seen; ``value_sums`` (..., lq or 1, dv) the sum of their values
+    (read only when centring; values are zero on the keys that take no part); ``good`` (..., lq, 1)
+    bool, False on the rows the forward made NaN. A clamped normaliser (``D < eps``) is a constant:
+    no cotangent reaches ``D`` there.
     """
     work = gout.dtype
     zero = xp.zeros((), dtype=work, device=array_device(gout))
     den_c = normalizer.divisor(xp, count, den)
     numerator = gout * (xp.astype(good, work) / den_c)
     count_c = clamp_min(xp, count, 1.0)
-    cot_r = -xp.vecdot(numerator, mean)[..., None] if center else None
+    cot_r = -xp.vecdot(numerator, value_sums / count_c)[..., None] if center else None
     cot_den = None
     if normalizer.summed:
         dot = xp.astype(xp.vecdot(gout, xp.astype(out, work))[..., None], work)

@@ -10,7 +10,7 @@ backward pass" and "Causal attention").
 
 from __future__ import annotations
 
-from .._lib.namespace import array_device, clamp_min
+from .._lib.namespace import array_device
 from .._spec import Normalizer
 from ..backends import holds_everywhere
 from ..kernels import Profile
@@ -95,9 +95,13 @@ class SeenKeys(AllKeys):
         return self.grid.at_queries(xp, running_sum(xp, xp.astype(a, self.q.dtype), axis=-2), axis=-2)
 
     def to_keys(self, xp, weights, g):
-        """The adjoint of :meth:`seen` applied to ``weights * g``: a key receives the rows of every
-        query at or after its position (a reverse running sum), (..., lk, c)."""
-        return running_sum(xp, self.grid.queries_to_keys(xp, weights * g), axis=-2, reverse=True)
+        """The adjoint of :meth:`seen` applied to ``weights * g``: (..., lk, c)."""
+        return self.rows_to_keys(xp, weights * g)
+
+    def rows_to_keys(self, xp, rows):
+        """The adjoint of :meth:`seen` on per-query ``rows`` (..., lq, c): a key receives the rows of
+        every query at or after its position (a reverse running sum), (..., lk, c)."""
+        return running_sum(xp, self.grid.queries_to_keys(xp, rows), axis=-2, reverse=True)
 
     def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
         return self.engine.causal_profiles_vjp(x, y, w, profiles, cotangents, xp=xp, param_grads=param_grads)
@@ -136,9 +140,8 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
     count, value_sums = keys.totals(xp, values=center)                  # (..., lq or 1, 1 | Dv)
     good = keys.good[..., None]                                         # (..., lq, 1)
     zero = xp.zeros((), dtype=work, device=array_device(q))
-    mean = value_sums / clamp_min(xp, count, 1.0) if center else None   # v is zero on keys not taken
-    cot = pullback(xp, gout, out, relu_count=aux["relu_count"], den=aux.get("den"), count=count, mean=mean,
-                   good=good, center=center, normalizer=normalizer)
+    cot = pullback(xp, gout, out, relu_count=aux["relu_count"], den=aux.get("den"), count=count,
+                   value_sums=value_sums, good=good, center=center, normalizer=normalizer)
     gnum = cot.numerator                                                # (..., lq, Dv), work dtype
 
     indicator_profiles, indicator_cots = [], []

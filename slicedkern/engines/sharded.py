@@ -79,7 +79,7 @@ class ShardedAllKeys(_vjp.AllKeys):
 
     def __init__(self, engine, q, k, v, key_mask, aux, xp):
         super().__init__(engine.inner, q, k, v, key_mask, xp)
-        self.comm, self.inner, self.queries = engine.comm, engine.inner, aux["queries"]
+        self.comm, self.queries = engine.comm, aux["queries"]
         self._totals = aux["totals"]                                      # (..., 1, Dv + 2)
         dv = v.shape[-1]
         row_ok = self._totals[..., 0, dv + 1] == 0                        # no bad key on any rank
@@ -96,7 +96,7 @@ class ShardedAllKeys(_vjp.AllKeys):
 
     def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
         gathered = _gather_columns(xp, self.comm, list(cotangents))       # (..., P n, c_i)
-        dx, dy, dw, params = self.inner.profiles_vjp(self.queries, y, w, profiles, gathered, xp=xp,
+        dx, dy, dw, params = self.engine.profiles_vjp(self.queries, y, w, profiles, gathered, xp=xp,
                                                      param_grads=param_grads)
         return self.comm.scatter_sum(dx, -1), dy, dw, params
 
@@ -108,7 +108,7 @@ class ShardedSeenKeys(_vjp.SeenKeys):
 
     def __init__(self, engine, q, k, v, key_mask, aux, xp):
         super().__init__(engine.inner, q, k, v, key_mask, xp)
-        self.comm, self.inner, self.queries = engine.comm, engine.inner, aux["queries"]
+        self.comm, self.queries = engine.comm, aux["queries"]
         ranks = aux["totals"]                     # (..., 2, Dv + 2): the earlier ranks' totals, everyone's
         dv = v.shape[-1]
         self._before = ranks[..., 0:1, :dv + 1]                           # what the earlier ranks hold
@@ -120,11 +120,11 @@ class ShardedSeenKeys(_vjp.SeenKeys):
         count = self.seen(xp, xp.astype(self.take, self.q.dtype)[..., None]) + self._before[..., dv:dv + 1]
         return count, self.seen(xp, self.v) + self._before[..., :dv] if values else None
 
-    def to_keys(self, xp, weights, g):
+    def rows_to_keys(self, xp, rows):
         # key j gets the rows of every query i >= j: this rank's by a reverse running sum, the later
         # ranks' as one total per rank
-        after, _ = _scan_ranks(xp, self.comm, xp.sum(weights * g, axis=-2), after=True)
-        return super().to_keys(xp, weights, g) + after[..., None, :]
+        after, _ = _scan_ranks(xp, self.comm, xp.sum(rows, axis=-2), after=True)
+        return super().rows_to_keys(xp, rows) + after[..., None, :]
 
     def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
         n = x.shape[-1]
@@ -132,9 +132,9 @@ class ShardedSeenKeys(_vjp.SeenKeys):
         zero = xp.zeros((), dtype=x.dtype, device=array_device(x))
         later = _later_rows(xp, self.comm, self.queries.shape[-1], n, array_device(x))
         gathered = [xp.where(later, c, zero) for c in gathered]
-        dx, dy, dw, params = self.inner.profiles_vjp(self.queries, y, w, profiles, gathered, xp=xp,
-                                                     param_grads=param_grads)
-        own_dx, own_dy, own_dw, own_params = self.inner.causal_profiles_vjp(x, y, w, profiles, cotangents, xp=xp,
+        dx, dy, dw, params = self.engine.profiles_vjp(self.queries, y, w, profiles, gathered, xp=xp,
+                                                      param_grads=param_grads)
+        own_dx, own_dy, own_dw, own_params = self.engine.causal_profiles_vjp(x, y, w, profiles, cotangents, xp=xp,
                                                                             param_grads=param_grads)
         return (self.comm.scatter_sum(dx, -1) + own_dx, dy + own_dy, dw + own_dw,
                 _vjp.add_params(params, own_params))
@@ -186,7 +186,8 @@ class ShardedEngine(Engine):
             take = take & key_mask
         takef = xp.astype(take, work)[..., None]
         queries = comm.gather(x, -1)                                      # (..., P n): O(n) scalars
-        parts = self._partial_sums(queries, y, w, takef, profile, normalizer, xp=xp)
+        weights = xp.concat([w, xp.astype(takef, w.dtype)], axis=-1)      # [v | 1] over the valid keys
+        parts = self._partial_sums(queries, y, weights, takef, profile, normalizer, xp=xp)
         bad = xp.astype(~row_ok, work)[..., None]
         totals = comm.sum(xp.concat([xp.sum(xp.astype(w, work), axis=-2), xp.sum(takef, axis=-2), bad], axis=-1))
         own = comm.scatter_sum(parts, -2)                                 # (..., n, Dv + 1 [+ 1])
@@ -203,11 +204,11 @@ class ShardedEngine(Engine):
         takef = xp.astype(sc.take, work)[..., None]
         bad = ~sc.take if key_mask is None else key_mask & ~sc.take
         queries = comm.gather(sc.q, -1)                                   # (..., P n): O(n) scalars
-        parts = self._partial_sums(queries, sc.k, sc.v, takef, profile, normalizer, xp=xp)
+        weights = xp.concat([sc.v, xp.astype(takef, sc.v.dtype)], axis=-1)   # [v | 1] over the valid keys
+        parts = self._partial_sums(queries, sc.k, weights, takef, profile, normalizer, xp=xp)
         later = _later_rows(xp, comm, queries.shape[-1], n, dev)
         parts = xp.where(later, parts, xp.zeros((), dtype=parts.dtype, device=dev))
         own = comm.scatter_sum(parts, -2)                                 # (..., n, Dv + 1 [+ 1])
-        weights = xp.concat([sc.v, xp.astype(takef, sc.v.dtype)], axis=-1)
         mine = inner.causal_profile_sums(sc.q, sc.k, weights, _indicator_profiles(profile, normalizer, dv), xp=xp)
         own = own + (mine[0] if len(mine) == 1 else xp.concat(mine, axis=-1))
         rows = xp.concat([xp.astype(sc.v, work), takef, xp.astype(bad, work)[..., None]], axis=-1)
@@ -217,9 +218,9 @@ class ShardedEngine(Engine):
         ranks = xp.stack([before, everything], axis=-2)                   # (..., 2, Dv + 2)
         return self._combined(xp, own, seen, good, center, normalizer, dv, (sc.take, queries, ranks))
 
-    def _partial_sums(self, queries, y, w, takef, profile, normalizer, *, xp):
-        """This shard's ``[N, R[, D]]`` for every gathered query: (..., P n, Dv + 1 [+ 1])."""
-        weights = xp.concat([w, xp.astype(takef, w.dtype)], axis=-1)      # [v | 1] over the valid keys
+    def _partial_sums(self, queries, y, weights, takef, profile, normalizer, *, xp):
+        """This shard's ``[N, R[, D]]`` for every gathered query over ``weights = [v | 1]``:
+        (..., P n, Dv + 1 [+ 1])."""
         parts = [self.inner.kernel_sum(queries, y, weights, profile, xp=xp)]
         if normalizer.summed:
             parts.append(self.inner.indicator_sums(queries, y, takef, [normalizer.profile], xp=xp)[0])

@@ -153,11 +153,10 @@ class DecodeCache:
         if key_mask is not None:
             if key_mask.dtype != xp.bool:
                 raise TypeError(f"argument 'key_mask' must be a boolean array, got {shape_str(key_mask)}")
-            try:
-                key_mask = xp.broadcast_to(key_mask, tuple(k.shape))
-            except ValueError:
+            if key_mask.ndim > k.ndim or any(m not in (1, s) for m, s in zip(key_mask.shape[::-1], k.shape[::-1])):
                 raise ValueError(f"argument 'key_mask' must broadcast to the keys' shape {tuple(k.shape)}, "
-                                 f"got {shape_str(key_mask)}") from None
+                                 f"got {shape_str(key_mask)}")
+            key_mask = xp.broadcast_to(key_mask, tuple(k.shape))
         if self._shape is None:
             if self._hats is not None:
                 self._profile = _array_profile(self._hats, xp, work, k)

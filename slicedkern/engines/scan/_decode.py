@@ -113,10 +113,9 @@ class Runs:
         """Append keys ``k`` (..., t) in the work dtype and values ``v`` (..., t, dv), in position order;
         ``mask`` (..., t) bool: the keys that take part."""
         xp = self.xp
-        k, v, ok, total, bad = self._admit(k, v, mask)   # non-finite keys: zeroed, flagged (the NaN rule)
+        y, w, take, total, bad = self._admit(k, v, mask)   # non-finite keys: zeroed, flagged (the NaN rule)
         self.bad = bad if self.bad is None else self.bad | bad
         self.totals = total if self.totals is None else self.totals + total
-        y, w, take = k, v, ok
         while self.runs and self.runs[-1].size <= y.shape[-1]:
             last = self.runs.pop()
             y = xp.concat([last.y, y], axis=-1)

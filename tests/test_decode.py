@@ -151,3 +151,11 @@ def test_per_head_parameters_are_checked_against_the_batch():
     cache = slicedkern.DecodeCache("hat", bandwidth=np.array([0.5, -1.0, 1.0]))
     with pytest.raises(ValueError, match="'bandwidth'"):
         cache.append(np.zeros((2, 3, 1)), np.zeros((2, 3, 1, 4)))
+
+
+def test_a_key_mask_that_does_not_broadcast_names_itself(xp):
+    """On every backend (torch's own broadcast raises RuntimeError): a ValueError naming the mask."""
+    cache = slicedkern.DecodeCache("relu")
+    with pytest.raises(ValueError, match="'key_mask'"):
+        cache.append(xp.asarray(np.zeros((2, 3, 1))), xp.asarray(np.zeros((2, 3, 1, 4))),
+                     key_mask=xp.asarray(np.ones((2, 4, 1), dtype=bool)))

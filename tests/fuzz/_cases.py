@@ -32,7 +32,7 @@ from slicedkern import reference
 from slicedkern.kernels import Abs, Hat, HatMixture, PiecewiseLinear, ReLU
 
 __all__ = ["Arr", "Case", "OPS", "OP_NAMES", "FLOAT_DTYPES", "Layout", "FEW_LAYOUTS", "forward_cases",
-           "layouts", "kernels", "np_dtype", "promote", "log_uniform", "hat_params", "mask"]
+           "layouts", "kernels", "np_dtype", "promote", "log_uniform", "hat_params", "mask", "attention_options"]
 
 #: op name -> (the public function, its dense float64 oracle)
 OPS = {
@@ -345,7 +345,7 @@ def mask(draw, layout: Layout):
     return Arr(mask, "bool")
 
 
-def _attention_options(draw, op: str) -> dict:
+def attention_options(draw, op: str) -> dict:
     """Normaliser, centring and eps (each sometimes left at the op's default)."""
     options = {}
     normalize = draw(st.sampled_from((DEFAULT, "abs", "relu", "count", None)))
@@ -427,7 +427,7 @@ def forward_cases(draw, op: str, *, has_float16: bool, few_shapes: tuple = (), d
 
     if op == "kernel_sum":
         return Case(op, (q_arr, k_arr, v_arr, draw(kernels(scale))))
-    options = _attention_options(draw, op)
+    options = attention_options(draw, op)
     key_mask = mask(draw, layout)
     if key_mask is not None:
         options["key_mask"] = key_mask

@@ -39,11 +39,9 @@ Findings (deterministic, NumPy; ``xfail(strict=True)`` where an engine is known 
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
-from _helpers import assert_meta, names_argument, to_numpy
+from _helpers import assert_meta, to_numpy
 from hypothesis import note
 
 import slicedkern
@@ -59,7 +57,7 @@ from ._causal import (
     with_causal,
 )
 from ._grad_cases import assume_away_from_kinks, smooth_gradient_cases, tie_gradient_cases
-from ._oracle import assert_within, finite_difference, magnitudes, power_of_two_scale
+from ._oracle import assert_within, call_recording_warnings, finite_difference, magnitudes, power_of_two_scale
 from .test_fuzz_gradients import backend_gradients
 
 ATTENTION_OPS = ("relu_attention", "hat_attention", "hat_mixture_attention", "kernel_attention")
@@ -91,14 +89,10 @@ def check_causal_forward(backend, engine, case):
         # the sweep's rounding scales with keys a query does not see (test_causal_row_does_not_depend_on_unseen_keys)
         expected, bound, judged = causal_oracle(case, row_shift=True)
     args, kwargs = case.on(backend)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            out = engine.call(case.function, *args, **kwargs)
-    except ValueError as exc:
-        if case.option("eps", None) == 0.0 and names_argument(str(exc), "eps"):
-            return                      # rejecting eps = 0 clearly is one of the two documented answers
-        raise
+    called = call_recording_warnings(engine, case, args, kwargs)
+    if called is None:
+        return                          # rejecting eps = 0 clearly is one of the two documented answers
+    out, caught = called
     with np.errstate(all="ignore"):
         non_finite = not np.all(np.isfinite(expected.astype(np_dtype(case.out_dtype()))))
     for w in caught:

@@ -36,7 +36,7 @@ from hypothesis.extra import numpy as hnp
 
 import slicedkern
 
-from ._cases import DEFAULT, GRID, Arr, Case, kernels, log_uniform, np_dtype, promote
+from ._cases import GRID, Arr, Case, attention_options, kernels, log_uniform, np_dtype, promote
 from ._causal import causal_oracle, has_causal_mode
 from ._oracle import assert_within, expected_output, forward_bound
 
@@ -81,17 +81,7 @@ def decode_sessions(draw, *, dtypes=("float64", "float32")):
     elif op == "kernel":
         kernel = draw(kernels(scale))
         args = (kernel,)
-    if op in ("relu", "kernel"):
-        center = draw(st.sampled_from((DEFAULT, True, False)))
-        if center != DEFAULT:
-            options["center"] = center
-    normalize = draw(st.sampled_from((DEFAULT, "abs", "relu", "count", None)))
-    if normalize != DEFAULT:
-        options["normalize"] = normalize
-    eps = draw(st.one_of(st.just(DEFAULT), st.sampled_from((0.0, 1e-300, 1.0)),
-                         st.builds(lambda e: 10.0 ** e, st.integers(-30, 30))))
-    if eps != DEFAULT:
-        options["eps"] = eps
+    options.update(attention_options(draw, OP_OF[op]))
     case_options = {name: value for name, value in options.items()
                     if name not in ("bandwidth", "bandwidths", "weights")}
     chunks, left = [], n

@@ -96,6 +96,14 @@ def make_layer(kwargs: dict, seed: int) -> SlicedAttention:
     return layer.eval()
 
 
+def layer_of(example):
+    """``(layer, rng, kwargs, shape)`` of a drawn ``(kwargs, seed, shape)`` example, noted for the
+    reproducer."""
+    kwargs, seed, shape = example
+    note(f"SlicedAttention(**{kwargs!r}) with seed {seed}; {shape!r}")
+    return make_layer(kwargs, seed), np.random.default_rng(seed), kwargs, shape
+
+
 def _call(layer, query, key, value, mask, is_causal: bool, *, unbatched: bool):
     """``layer`` on batch-first data (N, L, E); returns batch-first (N, Lq, E)."""
     first = layer.batch_first
@@ -146,10 +154,7 @@ def padding_examples(draw):
 
 
 def check_padding(example):
-    kwargs, seed, shape = example
-    note(f"SlicedAttention(**{kwargs!r}) with seed {seed}; {shape!r}")
-    layer = make_layer(kwargs, seed)
-    rng = np.random.default_rng(seed)
+    layer, rng, _, shape = layer_of(example)
     n, pad = shape["n"], shape["pad"]
     e, kdim, vdim = layer.embed_dim, layer.kdim, layer.vdim
     lk = shape["lk"] if shape["cross"] else shape["lq"]
@@ -203,10 +208,7 @@ def suffix_examples(draw):
 
 
 def check_suffix(example):
-    kwargs, seed, shape = example
-    note(f"SlicedAttention(**{kwargs!r}) with seed {seed}; {shape!r}")
-    layer = make_layer(kwargs, seed)
-    rng = np.random.default_rng(seed)
+    layer, rng, kwargs, shape = layer_of(example)
     n, lk, lq = shape["n"], shape["lk"], shape["lq"]
     x = torch.as_tensor(rng.normal(size=(n, lk, layer.embed_dim)))
     mask = torch.as_tensor(rng.random((n, lk)) < shape["padded"])

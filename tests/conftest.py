@@ -121,7 +121,7 @@ JAX_ONLY_EXHAUSTIVE = frozenset({
     "tests/test_causal.py::test_causal_matches_dense_reference",
     "tests/test_gradients.py::test_vjp_bandwidth_gradients",
     "tests/engines/test_sweep_jax.py::test_jit_grad_of_hat_bandwidth_matches_scan_and_reference",
-    "tests/engines/test_sweep_jax.py::test_causal_goes_to_an_engine_with_a_causal_mode",
+    "tests/engines/test_sweep_jax.py::test_causal_through_the_host_callback",
 })
 
 

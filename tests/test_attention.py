@@ -248,8 +248,6 @@ def test_hat_attention(xp, rng, normalize, masked, bandwidth):
 def test_hat_ops_center(xp, rng, op, causal):
     """``center=True`` on the hat ops: the values centred on the mean of the valid keys each query
     sees (a running mean when causal), as relu_attention does; what the layers' ``center`` uses."""
-    if causal and xp.engine == "sweep" and xp.name.startswith("jax"):
-        pytest.skip("the sweep has no causal mode through JAX's host callback (tests/test_causal.py, cxp)")
     q, k, v = data(rng)
     args = [np.array([0.3, 1.0, 2.5])] if op == "hat" else [MIX_BW, MIX_W]
     fn = slicedkern.hat_attention if op == "hat" else slicedkern.hat_mixture_attention

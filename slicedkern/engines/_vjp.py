@@ -18,7 +18,8 @@ from ._causal_grid import CausalGrid, running_sum, screen_causal
 from ._combine import pullback
 from ._nanpolicy import sanitize_keys
 
-__all__ = ["kernel_sum_vjp", "attention_vjp", "attention_aux", "AllKeys", "SeenKeys", "add_params"]
+__all__ = ["kernel_sum_vjp", "attention_vjp", "attention_aux", "AllKeys", "SeenKeys", "add_params",
+           "vanishes_where_normalizer_does"]
 
 
 def kernel_sum_vjp(engine, x, y, w, profile: Profile, g, *, xp):
@@ -195,12 +196,12 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
 
 def _silent_rows(xp, profile: Profile, normalizer: Normalizer, den, good, *, uniform: bool = False):
     """``(..., lq, 1)`` True on the rows whose normaliser sum is exactly 0 and whose every term is
-    then 0 (:func:`_vanishes_where_normalizer_does`), or None when no row can be (or, traced, for
+    then 0 (:func:`vanishes_where_normalizer_does`), or None when no row can be (or, traced, for
     the ``|r|`` normaliser, whose sum is 0 only when every key seen ties with the query).
 
     ``uniform``: the answer must not depend on the data (a collective engine: every rank must send
     the same columns), so it is the traced one."""
-    if not normalizer.summed or not _vanishes_where_normalizer_does(profile, normalizer.profile):
+    if not normalizer.summed or not vanishes_where_normalizer_does(profile, normalizer.profile):
         return None
     none_zero = None if uniform else holds_everywhere(xp, den, lambda ns, a: a != 0)
     if none_zero or (none_zero is None and not _zero_below(normalizer.profile)):
@@ -218,7 +219,7 @@ def _zero_below(normalizer: Profile) -> bool:
     return _value(normalizer, -1.0) == 0.0
 
 
-def _vanishes_where_normalizer_does(profile: Profile, normalizer: Profile) -> bool:
+def vanishes_where_normalizer_does(profile: Profile, normalizer: Profile) -> bool:
     """Whether the value profile ``f`` is 0 at every difference ``r = q - k`` of a row whose normaliser
     sum is exactly 0: ``r <= 0`` for the ReLU normaliser, ``r = 0`` for ``|r|`` (ReLU attention, say;
     not a hat, whose ``f(0) = 1``). Fixed profiles only; ``f`` is piecewise linear, so it is checked at

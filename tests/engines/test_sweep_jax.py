@@ -168,14 +168,30 @@ def test_second_derivative_is_refused():
             jax.grad(jax.grad(lambda s: jnp.sum(slicedkern.hat_attention(Q, K, V, s))))(b)
 
 
-def test_causal_goes_to_an_engine_with_a_causal_mode(x64):
+def test_causal_through_the_host_callback(x64):
+    """Causal attention on JAX arrays takes the sweep through the host callback, under jit and grad,
+    forward and backward (the fused one, and the generic one where a key is not finite), equal to
+    the dense reference and to the scan's causal mode."""
     q, k, v = _data(8)
     Q, K, V = _jax(x64, q, k, v)
+    causal_relu = jax.make_jaxpr(lambda a, b_, c: slicedkern.relu_attention(a, b_, c, causal=True))(Q, K, V)
+    assert "callback" in str(causal_relu)
     out = jax.jit(lambda a, b, c: slicedkern.relu_attention(a, b, c, causal=True))(Q, K, V)
     np.testing.assert_allclose(np.asarray(out), reference.relu_attention(q, k, v, causal=True), **_tol(x64))
-    # the sweep's causal kernels read memory directly: JAX arrays take the scan's causal mode
-    with pytest.raises(ValueError, match="'engine'.*causal"):
-        slicedkern.relu_attention(Q, K, V, causal=True, engine="sweep")
+    b = _jax(x64, np.array([0.6, 0.9]))[0]
+
+    def loss(engine):
+        return jax.jit(jax.grad(lambda a, b_, c, bw: jnp.sum(jnp.sin(slicedkern.hat_attention(
+            a, b_, c, bw, causal=True, center=True, normalize="abs", engine=engine))), argnums=(0, 1, 2, 3)))
+
+    got, want = loss("sweep")(Q, K, V, b), loss("scan")(Q, K, V, b)
+    for a, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), **_tol(x64))
+    K_bad = K.at[0, 3].set(jnp.nan)
+    got, want = loss("sweep")(Q, K_bad, V, b), loss("scan")(Q, K_bad, V, b)
+    for a, w in zip(got, want):
+        np.testing.assert_array_equal(np.isnan(np.asarray(a)), np.isnan(np.asarray(w)))
+        np.testing.assert_allclose(np.nan_to_num(np.asarray(a)), np.nan_to_num(np.asarray(w)), **_tol(x64))
 
 
 def test_gpu_arrays_are_declined_in_words():

@@ -26,10 +26,12 @@ from __future__ import annotations
 import importlib.util
 
 import numpy as np
+from array_api_compat import array_namespace
 
 from ..._lib.namespace import array_device, as_work
 from ...backends import backend_of, compiled_threads, to_host
-from ...kernels import is_fixed
+from ...kernels import Profile, is_fixed
+from .. import _vjp
 from .._base import Engine
 from ..sortscan.pullback import ColumnSums, column_range
 
@@ -84,6 +86,15 @@ def _host_profile(profile, batch, xp) -> dict:
     return build(params)
 
 
+def _host_profile_of(profile, host: dict):
+    """``profile`` with the host's knot and coefficient values (a host callback's view of it)."""
+    knots, coeffs = host["knots"], host["coeffs"]
+    if not isinstance(knots, tuple):                    # (batch..., M) arrays: one per knot
+        knots = tuple(knots[..., i] for i in range(knots.shape[-1]))
+        coeffs = tuple(coeffs[..., i] for i in range(coeffs.shape[-1]))
+    return Profile(knots, coeffs, host["slope"], host["intercept"], strict_knots=profile.strict_knots)
+
+
 def _call(fn, results, *arrays):
     """``fn(*arrays)`` on the host through the arrays' backend row (a callback for JAX arrays), with
     as many numba threads as the arrays' library allows (torch's count for torch tensors)."""
@@ -109,6 +120,14 @@ def _device_text(a) -> str:
         return f" on device {a.device}"
     except Exception:               # no device, or a traced array that cannot say
         return ""
+
+
+def _fused_causal_applies(q, key_mask, aux, xp) -> bool:
+    """Whether the fused causal backward can serve a call (its preconditions,
+    :func:`._causal_host.causal_attention_vjp`): every query finite, and every unmasked key taken
+    (finite score and value): the causal NaN rule is then void."""
+    take = aux["take"]
+    return bool(xp.all(take if key_mask is None else take == key_mask)) and bool(xp.all(xp.isfinite(q)))
 
 
 class SweepEngine(Engine):
@@ -140,11 +159,6 @@ class SweepEngine(Engine):
                     f"and torch.func transforms, and on JAX arrays on the CPU (jit and vmap included), not "
                     f"on this {type(a).__module__}.{type(a).__name__}"
                     + _device_text(a))
-        if getattr(spec, "causal", False) and not backend.host_readable(arrays[0]):
-            # the causal kernels read the arrays' memory directly (no host callback yet): JAX arrays
-            # take the scan's causal mode (docs/backends.rst, "JAX on the CPU")
-            return ("the 'sweep' engine's causal mode runs on NumPy arrays and CPU torch tensors, not through "
-                    "a JAX host callback; use engine='scan', or leave engine unset")
         return None
 
     # -- forward primitives ---------------------------------------------------------------------
@@ -183,14 +197,74 @@ class SweepEngine(Engine):
         return out, ()
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
-        with compiled_threads(q):
-            out, take, relu_count, den = _bridge().causal_attention(
-                q, k, v, key_mask, center=center, normalizer=normalizer.name, eps=normalizer.eps,
-                **_host_profile(profile, tuple(q.shape[:-1]), xp))
+        params, build = _profile_args(profile, tuple(q.shape[:-1]), xp)
+        masks = () if key_mask is None else (key_mask,)
+
+        def compute(q, k, v, *rest):
+            mask, params = (rest[0], rest[1:]) if masks else (None, rest)
+            return _bridge().causal_attention(q, k, v, mask, center=center, normalizer=normalizer.name,
+                                              eps=normalizer.eps, **build(params))
+
+        results = [(tuple(q.shape) + (v.shape[-1],), v.dtype), (tuple(k.shape), np.bool_),
+                   (tuple(q.shape), _F64), (tuple(q.shape), _F64)]
+        out, take, relu_count, den = _call(compute, results, q, k, v, *masks, *params)
         residuals = (take, as_work(xp, relu_count, q.dtype)[..., None])
         if normalizer.summed:
             residuals += (as_work(xp, den, q.dtype)[..., None],)
         return out, residuals
+
+    def causal_attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
+        if backend_of(q).host_readable(q):
+            return self._causal_vjp_here(q, k, v, profile, g, out, residuals, key_mask=key_mask, center=center,
+                                         normalizer=normalizer, xp=xp)
+        # JAX: the same on NumPy arrays, in one host callback (the choice between the fused and the
+        # generic backward reads the values)
+        batch, n_knots = tuple(q.shape[:-1]), len(profile.knots)
+        params, build = _profile_args(profile, batch, xp)
+        masks = () if key_mask is None else (key_mask,)
+        n_residuals = len(residuals)
+        param_grads = not profile.is_fixed
+
+        def compute(q, k, v, g, out, *rest):
+            residuals, rest = rest[:n_residuals], rest[n_residuals:]
+            mask, params = (rest[0], rest[1:]) if masks else (None, rest)
+            host = _host_profile_of(profile, build(params))
+            dq, dk, dv, (gk, gc) = self._causal_vjp_here(q, k, v, host, g, out, residuals, key_mask=mask,
+                                                         center=center, normalizer=normalizer, xp=array_namespace(q))
+            grads = [dq, dk, dv]
+            if param_grads:
+                grads += [np.stack([np.zeros(batch) if a is None else np.broadcast_to(a, batch) for a in part],
+                                   axis=-1) for part in (gk, gc)]
+            return grads
+
+        results = [(tuple(q.shape), q.dtype), (tuple(k.shape), q.dtype), (tuple(v.shape), v.dtype)]
+        results += [(batch + (n_knots,), _F64)] * (2 * param_grads)
+        dq, dk, dv, *pgrads = _call(compute, results, q, k, v, as_work(xp, g, q.dtype), out, *residuals,
+                                    *masks, *params)
+        dknots, dcoeffs = pgrads if param_grads else (None, None)
+        return dq, dk, dv, _param_tuple(profile, dknots, dcoeffs)
+
+    def _causal_vjp_here(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
+        """:meth:`causal_attention_vjp` on readable arrays: the fused backward (two sweeps) where its
+        preconditions hold, else the generic one over this engine's causal profile-sum pull-backs
+        (engines/_vjp.py)."""
+        aux = self.aux_of(residuals)
+        grads = None
+        if aux is not None and _fused_causal_applies(q, key_mask, aux, xp):
+            param_grads = not profile.is_fixed
+            vanishes = normalizer.summed and _vjp.vanishes_where_normalizer_does(profile, normalizer.profile)
+            with compiled_threads(q):
+                grads = _bridge().causal_attention_vjp(
+                    q, k, v, key_mask, as_work(xp, g, v.dtype), out, aux["relu_count"][..., 0],
+                    aux["den"][..., 0] if normalizer.summed else None, center=center, normalizer=normalizer.name,
+                    eps=normalizer.eps, strict_knots=profile.strict_knots, param_grads=param_grads,
+                    vanishes=vanishes, **_host_profile(profile, tuple(q.shape[:-1]), xp))
+        if grads is None:
+            return super().causal_attention_vjp(q, k, v, profile, g, out, residuals, key_mask=key_mask,
+                                                center=center, normalizer=normalizer, xp=xp)
+        dq, dk, dv, dkn, dco = grads
+        dq, dk = (as_work(xp, a, q.dtype) for a in (dq, dk))
+        return dq, dk, as_work(xp, dv, v.dtype), _param_tuple(profile, dkn, dco)
 
     def causal_profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
         c = w.shape[-1]

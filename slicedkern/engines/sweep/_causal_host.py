@@ -33,10 +33,10 @@ from ._convert import (
     with_zero_knot,
     wrap,
 )
-from ._kernels_causal import ATTENTION, PULL_KEYS, PULL_QUERIES, causal_rows
+from ._kernels_causal import ATTENTION, BACKWARD_KEYS, BACKWARD_QUERIES, PULL_KEYS, PULL_QUERIES, causal_rows
 from ._kernels_common import NO_NORMALIZER, CausalOptions
 
-__all__ = ["causal_attention", "causal_profile_vjp"]
+__all__ = ["causal_attention", "causal_profile_vjp", "causal_attention_vjp"]
 
 
 def _workers(bsz: int, n: int, m: int, c: int) -> int:
@@ -52,15 +52,24 @@ def _pull_options(want_params: bool) -> CausalOptions:
     return CausalOptions(center=False, normalizer=NO_NORMALIZER, zero_knot=0, eps=0.0, want_params=want_params)
 
 
-def _sweep(mode, src, tgt, profile, options, outs, width):
+#: the prefix-sum columns each mode adds to the weights' (:mod:`._kernels_causal`, "Columns")
+_EXTRA_COLUMNS = {ATTENTION: 1, PULL_QUERIES: 0, PULL_KEYS: 0, BACKWARD_QUERIES: 1, BACKWARD_KEYS: 2}
+
+
+def _sweep(mode, src, tgt, profile, options, outs, terms=None):
     """Allocate the work space (sorted sources, one Fenwick tree per worker) and run the sweep."""
     scores = src[0]
     bsz, n_s = scores.shape
-    workers = _workers(bsz, tgt[0].shape[1], n_s, src[1].shape[2])
+    c = src[1].shape[2]
+    workers = _workers(bsz, tgt[0].shape[1], n_s, c)
     work = (np.empty((bsz, n_s)), np.empty((bsz, n_s), np.int64), np.empty((bsz, n_s), np.int64),
             np.zeros((bsz, n_s), np.bool_))
-    trees = np.empty((workers, n_s + 1, width))
-    causal_rows(mode, src, tgt, profile, options, work, outs, trees, workers)
+    trees = np.empty((workers, n_s + 1, 2 * (c + _EXTRA_COLUMNS[mode])))
+    if len(tgt) == 2:
+        tgt = (*tgt, NO_MASK, False)
+    if terms is None:
+        terms = (_placeholder(F64, 2), _placeholder(F64, 2), _placeholder(F64, 3), _placeholder(F64, 3))
+    causal_rows(mode, src, tgt, terms, profile, options, work, outs, trees, workers)
 
 
 def _placeholder(dt, ndim):
@@ -120,7 +129,7 @@ def causal_attention(q: Array, k: Array, v: Array, key_mask: Array | None, *, kn
     outs = (out, _placeholder(F64, 2), relu_count, den, take, _placeholder(F64, 2), _placeholder(F64, 2))
     options = CausalOptions(center=bool(center), normalizer=code, zero_knot=zero_knot, eps=float(eps),
                             want_params=False)
-    _sweep(ATTENTION, src, tgt, (*profile, strict), options, outs, 2 * dv + 2)
+    _sweep(ATTENTION, src, tgt, (*profile, strict), options, outs)
     out = out.reshape(batch + (lq, dv))
     if out.dtype != out_dt:
         out = out.astype(out_dt)
@@ -182,11 +191,101 @@ def causal_profile_vjp(x: Array, y: Array, w: Array, g: Array, *, knots: Param, 
         # queries read the keys: dx and the knot / coefficient gradients
         outs = (_placeholder(F64, 3), dx, none, none, _placeholder(np.bool_, 2), dknots, dcoeffs)
         _sweep(PULL_QUERIES, (yr, wr, NO_MASK, False), (xr, gr), prof, _pull_options(bool(param_grads)),
-               outs, 2 * c)
+               outs)
         # keys read the queries that see them (reflected, in reverse position order): dw and dy
         outs = (dw, dy, none, none, _placeholder(np.bool_, 2), none, none)
-        _sweep(PULL_KEYS, (xr, gr, NO_MASK, False), (yr, wr), prof, _pull_options(False), outs, 2 * c)
+        _sweep(PULL_KEYS, (xr, gr, NO_MASK, False), (yr, wr), prof, _pull_options(False), outs)
     grads = [wrap(a.reshape(batch + a.shape[1:]), tdt) for a in (dx, dy, dw)]
+    if not param_grads:
+        return (*grads, None, None)
+    return (*grads, *(wrap(a[:, :n_user].reshape(batch + (n_user,)), tdt) for a in (dknots, dcoeffs)))
+
+
+def causal_attention_vjp(q: Array, k: Array, v: Array, key_mask: Array | None, g: Array, out: Array | None,
+                         relu_count: Array | None, den: Array | None, *, knots: Param, coeffs: Param,
+                         slope: Param = 0.0, intercept: Param = 0.0, center: bool = True,
+                         normalizer: str | None = "abs", eps: float = 1e-6, strict_knots=None,
+                         param_grads: bool = True, vanishes: bool = False) -> tuple[Any, ...] | None:
+    """The fused backward of :func:`causal_attention`: two sweeps per batch row (:mod:`._kernels_causal`,
+    ``BACKWARD_QUERIES`` then ``BACKWARD_KEYS``).
+
+    Parameters
+    ----------
+    q, k, v, key_mask, knots, coeffs, slope, intercept, center, normalizer, eps
+        As in the forward call. Every query must be finite, and every unmasked key and its value
+        (the forward's ``take`` equals the key mask). The generic backward serves the calls that
+        break these.
+    g : array, shape (..., Lq, Dv)
+        The cotangent of the output.
+    out : array, shape (..., Lq, Dv), or None
+        The forward output; read for the "abs" and "relu" normalisers.
+    relu_count, den : array, shape (..., Lq), or None
+        The forward's residuals (read when centring, and for a summed normaliser).
+    strict_knots, param_grads
+        As in :func:`causal_profile_vjp`.
+    vanishes : bool
+        Whether the value profile is 0 wherever the normaliser is (ReLU attention): then a query
+        whose normaliser sum is exactly 0 while it sees a key (a *silent* row, engines/_vjp.py) is
+        possible, which this backward does not serve.
+
+    Returns
+    -------
+    dq (..., Lq), dk (..., Lk) float64; dv (..., Lk, Dv) in the values' dtype; dknots, dcoeffs
+    (..., M) float64, or None; or None where ``vanishes`` and some row is silent.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from slicedkern.engines.sweep import _causal_host as sweep
+    >>> q, k, v = np.array([[1.0, 3.0]]), np.array([[0.0, 2.0]]), np.array([[[1.0], [3.0]]])
+    >>> g = np.ones((1, 2, 1))
+    >>> dq, dk, dv, _, _ = sweep.causal_attention_vjp(q, k, v, None, g, None, None, None, knots=(0.0,),
+    ...                                               coeffs=(1.0,), center=False, normalizer=None)
+    >>> dq, dk, dv[..., 0]        # out_0 = 1 * 1, out_1 = 3 * 1 + 1 * 3
+    (array([[1., 4.]]), array([[-2., -3.]]), array([[4., 1.]]))
+    """
+    code = normalizer_code(normalizer)
+    (q, k, v), tdt, batch = checked(q, k, v, ("q", "k", "v"))
+    g, tg = to_numpy(g, "g")
+    tdt = tdt + [tg]
+    lq, lk, c = q.shape[-1], k.shape[-1], v.shape[-1]
+    if g.shape != batch + (lq, c):
+        raise ValueError(f"argument 'g' must have shape {batch + (lq, c)} (..., Lq, Dv), got {g.shape}")
+    summed = normalizer in ("abs", "relu")
+    dt = common_float([v, g], ["v", "g"])
+    bsz = int(np.prod(batch, dtype=np.int64))
+    profile, n_user = profile_rows(knots, coeffs, slope, intercept, batch, bsz)
+    profile, zero_knot = with_zero_knot(profile, normalizer)
+    n_knots = profile[0].shape[1]
+    dq, dk = np.zeros((bsz, lq)), np.zeros((bsz, lk))
+    dv = np.zeros((bsz, lk, c), dt)
+    dknots, dcoeffs = np.zeros((bsz, n_knots)), np.zeros((bsz, n_knots))
+    if lq and lk and c and bsz:
+        mask, has_mask = mask_rows(key_mask, k.shape, bsz)
+        prof = (*profile, strict_rows(strict_knots, n_knots))
+        qr, kr = rows(q, bsz, (lq,), F64), rows(k, bsz, (lk,), F64)
+        vr, gr = rows(v, bsz, (lk, c), dt), rows(g, bsz, (lq, c), dt)
+        none = _placeholder(F64, 2)
+
+        def residual(a, name):
+            return rows(to_numpy(a, name)[0], bsz, (lq,), F64) if a is not None else none
+
+        out_rows = rows(to_numpy(out, "out")[0], bsz, (lq, c), dt) if summed else _placeholder(dt, 3)
+        query_terms = np.empty((bsz, lq, 5))
+        terms = (residual(relu_count if center else None, "relu_count"), residual(den if summed else None, "den"),
+                 out_rows, query_terms)
+        options = CausalOptions(center=bool(center), normalizer=code, zero_knot=zero_knot, eps=float(eps),
+                                want_params=bool(param_grads), vanishes=bool(vanishes))
+        # queries read the keys: dq, the knot / coefficient gradients and each query's cotangents
+        outs = (_placeholder(dt, 3), dq, none, none, _placeholder(np.bool_, 2), dknots, dcoeffs)
+        _sweep(BACKWARD_QUERIES, (kr, vr, mask, has_mask), (qr, gr), prof, options, outs, terms)
+        if vanishes and query_terms[..., 4].any():
+            return None
+        # keys read the queries that see them (reflected, in reverse position order): dv and dk
+        outs = (dv, dk, none, none, _placeholder(np.bool_, 2), none, none)
+        _sweep(BACKWARD_KEYS, (qr, gr, NO_MASK, False), (kr, vr, mask, has_mask), prof,
+               options._replace(want_params=False), outs, terms)
+    grads = [wrap(a.reshape(batch + a.shape[1:]), tdt) for a in (dq, dk, dv)]
     if not param_grads:
         return (*grads, None, None)
     return (*grads, *(wrap(a[:, :n_user].reshape(batch + (n_user,)), tdt) for a in (dknots, dcoeffs)))

@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from ._causal_host import causal_attention, causal_profile_vjp
+from ._causal_host import causal_attention, causal_attention_vjp, causal_profile_vjp
 from ._convert import (
     F64,
     NO_MASK,
@@ -88,7 +88,7 @@ from ._kernels_common import NO_NORMALIZER, BackwardOptions, SumOptions, allocat
 from ._kernels_forward import forward_rows
 
 __all__ = ["AVAILABLE", "kernel_sum", "attention", "kernel_sum_vjp", "attention_vjp", "warmup",
-           "causal_attention", "causal_profile_vjp"]
+           "causal_attention", "causal_profile_vjp", "causal_attention_vjp"]
 
 #: Whether the engine can run here (this module imports only where numba does).
 AVAILABLE = True
@@ -440,6 +440,7 @@ def warmup() -> bool:
         attention(x, y, w, np.ones((1, 4), bool))
         kernel_sum_vjp(x, y, w, (0.0,), (1.0,), 0.0, 0.0, g)
         attention_vjp(x, y, w, None, g, out)
-        causal_attention(x, y, w, None, knots=(0.0,), coeffs=(1.0,))
+        out, _, relu_count, den = causal_attention(x, y, w, None, knots=(0.0,), coeffs=(1.0,))
+        causal_attention_vjp(x, y, w, None, g, out, relu_count, den, knots=(0.0,), coeffs=(1.0,))
         causal_profile_vjp(x, y, w, g, knots=(0.0,), coeffs=(1.0,))
     return True

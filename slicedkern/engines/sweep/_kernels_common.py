@@ -47,7 +47,7 @@ from numba.extending import intrinsic
 __all__ = ["SumOptions", "BackwardOptions", "CausalOptions",
            "NORMALIZER_CODES", "NO_NORMALIZER", "ABS_NORMALIZER", "RELU_NORMALIZER", "COUNT_NORMALIZER",
            "JIT", "INLINE", "PARALLEL", "PREFETCH_AHEAD", "allocate_sorted", "allocate_saved", "sort_row", "fetch_row",
-           "exact_sum", "below", "dot", "dot_pair", "claim", "normaliser_scale", "value_totals"]
+           "exact_sum", "below", "dot", "dot_pair", "claim", "divisor_of", "normaliser_scale", "value_totals"]
 
 #: Normaliser codes as the compiled code receives them (``normalizer`` of the attention options).
 NO_NORMALIZER, ABS_NORMALIZER, RELU_NORMALIZER, COUNT_NORMALIZER = 0, 1, 2, 3
@@ -91,6 +91,7 @@ class CausalOptions(NamedTuple):
     zero_knot: int
     eps: float
     want_params: bool           # knot and coefficient gradients (the pull-back modes)
+    vanishes: bool = False      # the value profile is 0 wherever the normaliser is (silent rows)
 
 
 JIT = dict(cache=True, nogil=True, error_model="numpy")
@@ -212,6 +213,20 @@ def dot_pair(a, b, c):
 def claim(counter):
     """The next task index for the calling worker (dynamic scheduling)."""
     return _fetch_add(counter)
+
+
+@njit(**INLINE)
+def divisor_of(normalizer, count, den, eps):
+    """What a query's numerator is divided by: the compiled twin of
+    :meth:`slicedkern._spec.Normalizer.divisor` (``max(den, eps)`` for a profile normaliser, 1 where
+    no key is seen; the count, at least 1; else 1)."""
+    if normalizer == ABS_NORMALIZER or normalizer == RELU_NORMALIZER:
+        if count <= 0.0:
+            return 1.0
+        return den if den > eps else eps
+    if normalizer == COUNT_NORMALIZER:
+        return count if count > 1.0 else 1.0
+    return 1.0
 
 
 @njit(**INLINE)

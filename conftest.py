@@ -28,6 +28,8 @@ OPTIONAL_MODULES = {
     "slicedkern/engines/sweep/_kernels_forward.py": ("numba",),
     "slicedkern/engines/sweep/_kernels_causal.py": ("numba",),
     "slicedkern/engines/sweep/_kernels_common.py": ("numba",),
+    "slicedkern/engines/sweep/_kernels_decode.py": ("numba",),
+    "slicedkern/engines/sweep/_decode.py": ("numba",),
     "tests/_distributed_jax.py": ("jax",),
 }
 

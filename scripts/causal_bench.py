@@ -96,8 +96,8 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.decode:
-        # the decoding table of ``python -m slicedkern bench --causal`` (one row), on this script's clock
-        print(run_causal(sizes=[], decode_sizes=[1 << int(e) for e in args.decode.split(",")], dim=args.dim,
+        # the decoding table of ``python -m slicedkern bench --causal`` (4 heads of --dim), on this clock
+        print(run_causal(sizes=[], decode_sizes=[1 << int(e) for e in args.decode.split(",")], decode_dim=args.dim,
                          steps=args.steps, clock=_clock))
         return
     g = torch.Generator().manual_seed(0)

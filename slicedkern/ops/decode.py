@@ -6,7 +6,8 @@ import numbers
 
 from .._lib.namespace import array_device, shape_str
 from .._spec import OP_DEFAULTS, AttentionSpec, Normalizer, profile_of
-from ..backends import is_array, without_gradient
+from ..backends import backend_of, is_array, without_gradient
+from ..engines import sweep
 from ..engines.scan._decode import Runs
 from ..kernels import Hat, HatMixture, PiecewiseLinear, Profile, ReLU
 from ._validate import check_bool, check_eps, check_normalize, setup
@@ -69,6 +70,26 @@ def _array_profile(hats, xp, work, k) -> Profile:
                                     batch if name == "bandwidth" else batch + (p.shape[-1],))
               for name, p in params.items()}
     return profile_of(spec, params)
+
+
+def _runs(xp, work, k, profile, *, center, normalizer, dv):
+    """The runs of a cache: compiled on the host (:class:`slicedkern.engines.sweep._decode.HostRuns`)
+    for NumPy arrays and CPU torch tensors where numba is installed, else the array-API runs."""
+    if sweep.AVAILABLE and backend_of(k).host_readable(k):
+        return sweep.host_runs(profile, center=center, normalizer=normalizer, dv=dv)
+    return Runs(xp, work, profile, center=center, normalizer=normalizer, dv=dv)
+
+
+def _gradient_guard(guard, *arrays):
+    """A zero that depends on every array here that records a gradient (marked by
+    :func:`without_gradient`): added to the host runs' outputs, which read the arrays' memory and so
+    drop their history, it makes differentiating them raise the cache's refusal, as the array-API
+    runs' outputs do."""
+    for a in arrays:
+        if getattr(a, "requires_grad", False) and a.numel() > 0:
+            zero = (a.reshape(-1)[:1] * 0).sum()
+            guard = zero if guard is None else guard + zero
+    return guard
 
 
 class DecodeCache:
@@ -134,6 +155,7 @@ class DecodeCache:
         self._center = check_bool(opts.get("center", False), "center")
         self._runs = None
         self._shape = None          # (batch shape, dv, namespace, work dtype, output dtype)
+        self._guard = None          # host runs: what carries the refusal of a gradient to the outputs
 
     def __len__(self) -> int:
         """The number of keys appended so far."""
@@ -161,8 +183,8 @@ class DecodeCache:
             if self._hats is not None:
                 self._profile = _array_profile(self._hats, xp, work, k)
             self._shape = (tuple(k.shape[:-1]), v.shape[-1], xp, work, out_dtype)
-            self._runs = Runs(xp, work, self._profile, center=self._center, normalizer=self._normalizer,
-                              dv=v.shape[-1])
+            self._runs = _runs(xp, work, k, self._profile, center=self._center, normalizer=self._normalizer,
+                               dv=v.shape[-1])
         batch, dv, xp0, work0, _ = self._shape
         if xp is not xp0 or tuple(k.shape[:-1]) != batch or v.shape[-1] != dv:
             raise ValueError(f"arguments 'k' and 'v' must continue the cache's rows: batch shape {batch}, "
@@ -171,9 +193,13 @@ class DecodeCache:
             return
         # the runs keep no autograd history: an output that depends on k or v raises when differentiated
         k, v = without_gradient(k, _NO_GRADIENT), without_gradient(v, _NO_GRADIENT)
-        if key_mask is None:
-            key_mask = xp.ones(tuple(k.shape), dtype=xp.bool, device=array_device(k))
-        self._runs.append(xp.astype(k, work0), v, key_mask)
+        if not isinstance(self._runs, Runs):
+            self._guard = _gradient_guard(self._guard, k, v)
+        if isinstance(self._runs, Runs):
+            if key_mask is None:
+                key_mask = xp.ones(tuple(k.shape), dtype=xp.bool, device=array_device(k))
+            k = xp.astype(k, work0)
+        self._runs.append(k, v, key_mask)         # the host runs read any float dtype, in float64
 
     def attend(self, q):
         """Attention of queries ``q`` (..., M) over every key appended so far: (..., M, Dv).
@@ -191,5 +217,11 @@ class DecodeCache:
         if self._runs.length == 0 or q.shape[-1] == 0:
             empty = xp.zeros(q.shape + (dv,), dtype=xp.result_type(out_dtype, q_dtype), device=array_device(q))
             return nan_rows_without_keys(xp, q, q[..., :0], empty)
-        out = self._runs.attend(xp.astype(without_gradient(q, _NO_GRADIENT), work))
-        return xp.astype(out, xp.result_type(out_dtype, q_dtype))
+        q = without_gradient(q, _NO_GRADIENT)
+        host = not isinstance(self._runs, Runs)
+        out = self._runs.attend(q if host else xp.astype(q, work))
+        guard = _gradient_guard(self._guard, q) if host else None
+        if guard is not None:
+            out = out + xp.astype(guard, out.dtype)
+        dtype = xp.result_type(out_dtype, q_dtype)
+        return out if out.dtype == dtype else xp.astype(out, dtype)

@@ -35,7 +35,7 @@ from .. import _vjp
 from .._base import Engine
 from ..sortscan.pullback import ColumnSums, column_range
 
-__all__ = ["SweepEngine", "AVAILABLE"]
+__all__ = ["SweepEngine", "AVAILABLE", "host_runs"]
 
 _F64 = np.dtype(np.float64)
 
@@ -84,6 +84,12 @@ def _host_profile(profile, batch, xp) -> dict:
     """The kernels' profile arguments read directly from host-readable arrays (the causal mode)."""
     params, build = _profile_args(profile, batch, xp)
     return build(params)
+
+
+def host_runs(profile, *, center: bool, normalizer, dv: int):
+    """Decoding runs compiled on the host (:class:`._decode.HostRuns`; numba imported on first use)."""
+    from . import _decode as decode
+    return decode.HostRuns(profile, center=center, normalizer=normalizer, dv=dv)
 
 
 def _host_profile_of(profile, host: dict):

@@ -1,0 +1,116 @@
+"""Decoding on the host: :class:`HostRuns`, the interface of :class:`slicedkern.engines.scan._decode.Runs`
+over the compiled kernels of :mod:`._kernels_decode`, for NumPy arrays and CPU torch tensors.
+
+The same binary counter of sorted runs (docs/mathematics.rst, "Decoding"), with each run's sort and
+prefix table and every query's rank searches compiled, and the keys kept in preallocated per-row
+storage that doubles when full; the attention arithmetic is compiled with the sums
+(:func:`._kernels_decode.attend_rows`, the twin of :func:`slicedkern.engines._combine.combine`).
+Imported where numba is.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from ..._spec import Normalizer
+from ...kernels import Profile, is_fixed
+from ._convert import NORMALIZER_CODES, sweep_profile, to_numpy, wrap
+from ._kernels_decode import admit, attend_rows, build_run
+
+__all__ = ["HostRuns"]
+
+@functools.lru_cache(maxsize=16)
+def _all_taken(shape: tuple) -> np.ndarray:
+    """A read-only all-True key mask (the same few chunk shapes recur while generating)."""
+    mask = np.ones(shape, np.bool_)
+    mask.flags.writeable = False
+    return mask
+
+
+class HostRuns:
+    """The keys and values appended so far for a batch of rows, as sorted runs on the host, and the
+    attention of one op over them (the interface of :class:`~slicedkern.engines.scan._decode.Runs`).
+
+    Parameters
+    ----------
+    profile : Profile
+        The op's kernel profile (float parameters, or arrays of the batch shape).
+    center : bool
+    normalizer : Normalizer
+    dv : int
+        Value columns.
+    """
+
+    def __init__(self, profile: Profile, *, center: bool, normalizer: Normalizer, dv: int):
+        self.profile, self.center, self.normalizer, self.dv = profile, center, normalizer, dv
+        self.runs: list[tuple[int, int]] = []      # [start, end) position ranges, sizes decreasing
+        self.n = 0
+        self._rows = None                           # per-row kernel profile, set at the first append
+
+    @property
+    def length(self) -> int:
+        return self.n
+
+    def _setup(self, batch: tuple, bsz: int, capacity: int) -> None:
+        p = self.profile
+        knots = tuple(float(t) if is_fixed(t) else to_numpy(t, "knots")[0] for t in p.knots)
+        coeffs = tuple(float(c) if is_fixed(c) else to_numpy(c, "coeffs")[0] for c in p.coeffs)
+        if not all(isinstance(t, float) for t in knots + coeffs):
+            knots = np.stack([np.broadcast_to(t, batch) for t in knots], axis=-1)
+            coeffs = np.stack([np.broadcast_to(c, batch) for c in coeffs], axis=-1)
+        rows, self._zero_knot, _ = sweep_profile(knots, coeffs, float(p.slope), float(p.intercept), batch, bsz,
+                                                 self.normalizer.name)
+        self._rows = rows[:4]
+        self._options = (bool(self.center), NORMALIZER_CODES[self.normalizer.name], self._zero_knot,
+                         float(self.normalizer.eps))
+        self._batch, self._bsz = batch, bsz
+        self._allocate(capacity)
+        self.totals = np.zeros((bsz, self.dv + 1))
+        self.bad = np.zeros(bsz, np.bool_)
+
+    def _allocate(self, capacity: int) -> None:
+        bsz, dv, old = self._bsz, self.dv, getattr(self, "keys", None)
+        fresh = (np.empty((bsz, capacity)), np.empty((bsz, capacity, dv)), np.empty((bsz, capacity), np.bool_),
+                 np.empty((bsz, capacity)), np.empty((bsz, capacity, 2 * (dv + 1))), np.empty((bsz, capacity)))
+        if old is not None:
+            for new, cur in zip(fresh, (self.keys, self.values, self.taken, self.sorted_keys, self.prefix,
+                                        self.shifts)):
+                new[:, :self.n] = cur[:, :self.n]
+        self.keys, self.values, self.taken, self.sorted_keys, self.prefix, self.shifts = fresh
+        self.capacity = capacity
+
+    def append(self, k, v, mask=None) -> None:
+        """Append keys ``k`` (..., t), values ``v`` (..., t, dv) and ``mask`` (..., t) bool (the keys
+        that take part; None: all), in position order."""
+        k, v = to_numpy(k, "k")[0], to_numpy(v, "v")[0]
+        batch, t = k.shape[:-1], k.shape[-1]
+        mask = _all_taken(k.shape) if mask is None else to_numpy(mask, "key_mask")[0]
+        bsz = math.prod(batch)
+        if self._rows is None:
+            self._setup(batch, bsz, max(16, 2 * t))
+        if self.n + t > self.capacity:
+            self._allocate(max(2 * self.capacity, self.n + t))
+        admit(k.reshape(bsz, t), v.reshape(bsz, t, self.dv), mask.reshape(bsz, t), self.n, self.keys,
+              self.values, self.taken, self.totals, self.bad)
+        start, end = self.n, self.n + t
+        while self.runs and self.runs[-1][1] - self.runs[-1][0] <= end - start:
+            start = self.runs.pop()[0]                 # the carries of a binary counter
+        build_run(start, end, self.keys, self.values, self.taken, self.sorted_keys, self.prefix, self.shifts)
+        self.runs.append((start, end))
+        self._starts = np.array([s for s, _ in self.runs], np.int64)
+        self._ends = np.array([e for _, e in self.runs], np.int64)
+        self.n = end
+
+    def attend(self, q):
+        """Attention of queries ``q`` (..., M) over every key appended so far, float64 (a tensor for
+        a torch ``q``)."""
+        host, tdt = to_numpy(q, "q")
+        m = host.shape[-1]
+        out = np.empty((self._bsz, m, self.dv))
+        attend_rows(host.reshape(self._bsz, m), self._starts, self._ends, self.sorted_keys, self.prefix, self.shifts,
+                    self.totals, self.bad, self._rows, self._options, out)
+        out = out.reshape(self._batch + (m, self.dv))
+        return out if tdt is None else wrap(out, [tdt])

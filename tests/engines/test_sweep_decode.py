@@ -1,0 +1,122 @@
+"""Decoding on the host (:class:`slicedkern.engines.sweep._decode.HostRuns`): what
+:class:`slicedkern.DecodeCache` runs on NumPy arrays and CPU torch tensors where numba is installed,
+held equal to the array-API runs (:class:`slicedkern.engines.scan._decode.Runs`) and to the causal
+op, with chunks, key masks, ties, per-row hat parameters and the NaN rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+import array_api_compat.numpy as xp  # noqa: E402
+
+import slicedkern  # noqa: E402
+from slicedkern._spec import Normalizer  # noqa: E402
+from slicedkern.engines.scan._decode import Runs  # noqa: E402
+from slicedkern.engines.sweep._decode import HostRuns  # noqa: E402
+from slicedkern.kernels import Hat, Profile, ReLU  # noqa: E402
+
+CHUNKS = (1, 1, 3, 1, 5, 2, 7, 1, 1, 4, 14)          # 40 keys: runs merge at every size
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(20261127)
+
+
+def _data(rng, n=40, dv=3, batch=(2, 3)):
+    q, k = rng.normal(size=batch + (n,)), rng.normal(size=batch + (n,))
+    k[..., 5] = k[..., 3]                              # tied keys
+    q[..., 7] = k[..., 2]                              # a query tied with a key
+    v = rng.normal(size=batch + (n, dv))
+    mask = rng.random(batch + (n,)) > 0.2
+    return q, k, v, mask
+
+
+def _decode(runs, q, k, v, mask):
+    """The last query of each chunk, after appending the chunk."""
+    rows, t = [], 0
+    for step in CHUNKS:
+        runs.append(k[..., t:t + step], v[..., t:t + step, :], mask[..., t:t + step])
+        rows.append(np.asarray(runs.attend(q[..., t + step - 1:t + step])))
+        t += step
+    return np.concatenate(rows, axis=-2)
+
+
+PROFILES = {
+    "relu": Profile.of(ReLU()),
+    "hat": Profile.of(Hat(0.7)),
+    "general": Profile((-0.5, 0.3), (1.5, -0.75), 0.25, -0.5),
+}
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+@pytest.mark.parametrize("normalize", ["abs", "relu", "count", None])
+@pytest.mark.parametrize("center", [False, True], ids=["plain", "centred"])
+def test_host_runs_equal_the_array_api_runs(rng, profile, normalize, center):
+    q, k, v, mask = _data(rng)
+    options = dict(center=center, normalizer=Normalizer(normalize, 1e-6), dv=v.shape[-1])
+    host = _decode(HostRuns(PROFILES[profile], **options), q, k, v, mask)
+    generic = _decode(Runs(xp, xp.float64, PROFILES[profile], **options), q, k, v, mask)
+    # the ReLU normaliser clamps to eps = 1e-6 (outputs up to 1e6): rounding scales with the output
+    np.testing.assert_allclose(host, generic, rtol=1e-12, atol=1e-12 * max(1.0, np.abs(generic).max()))
+
+
+def test_per_row_hat_parameters_and_the_causal_op(rng):
+    """A bandwidth per head (arrays of the batch shape), through DecodeCache, against the causal op."""
+    q, k, v, mask = _data(rng)
+    bandwidth = np.array([0.5, 1.0, 2.0])
+    cache = slicedkern.DecodeCache("hat", bandwidth=bandwidth, center=True, normalize="abs")
+    got = _decode(cache, q, k, v, mask)
+    assert isinstance(cache._runs, HostRuns)
+    ends = np.cumsum(CHUNKS) - 1
+    want = slicedkern.hat_attention(q, k, v, bandwidth, causal=True, key_mask=mask, center=True,
+                                    normalize="abs")[..., ends, :]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_nan_rule(rng):
+    """A non-finite key that takes part makes every later query of its row NaN; a masked one is not
+    read; a non-finite query is NaN alone."""
+    q, k, v, mask = _data(rng, batch=(2,))
+    mask[:] = True
+    k[0, 10] = np.nan
+    v[1, 12, 0] = np.inf
+    mask[1, 12] = False                                # masked: its value is not read
+    q[1, 20] = np.nan
+    options = dict(center=True, normalizer=Normalizer("abs", 1e-6), dv=v.shape[-1])
+    host = _decode(HostRuns(PROFILES["relu"], **options), q, k, v, mask)
+    generic = _decode(Runs(xp, xp.float64, PROFILES["relu"], **options), q, k, v, mask)
+    np.testing.assert_array_equal(np.isnan(host), np.isnan(generic))
+    np.testing.assert_allclose(np.nan_to_num(host), np.nan_to_num(generic), rtol=1e-12, atol=1e-12)
+    ends = np.cumsum(CHUNKS) - 1
+    assert np.isnan(host[0, ends >= 10]).all() and not np.isnan(host[0, ends < 10]).any()
+    assert np.isnan(host[1, ends == 20]).all() and np.isnan(host[1]).sum() == 3 * (ends == 20).sum()
+
+
+def test_storage_grows_and_keeps_the_keys(rng):
+    """Appending past the preallocated capacity copies what was stored (capacity doubles)."""
+    q, k, v, mask = _data(rng, n=300, batch=(1,))
+    runs = HostRuns(PROFILES["relu"], center=False, normalizer=Normalizer(None), dv=v.shape[-1])
+    runs.append(k[..., :1], v[..., :1, :], mask[..., :1])
+    first = runs.capacity
+    for t in range(1, 300):
+        runs.append(k[..., t:t + 1], v[..., t:t + 1, :], mask[..., t:t + 1])
+    assert runs.capacity > first and runs.length == 300
+    assert [e - s for s, e in runs.runs] == [256, 32, 8, 4]     # 300 in binary
+    want = slicedkern.relu_attention(q, k, v, causal=True, key_mask=mask, center=False, normalize=None)
+    np.testing.assert_allclose(runs.attend(q[..., -1:]), want[..., -1:, :], rtol=1e-12, atol=1e-12)
+
+
+def test_torch_tensors_come_back_as_tensors(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v, mask = _data(rng)
+    cache = slicedkern.DecodeCache("relu")
+    cache.append(torch.tensor(k, dtype=torch.float32), torch.tensor(v, dtype=torch.float32))
+    out = cache.attend(torch.tensor(q[..., -1:], dtype=torch.float32))
+    assert isinstance(cache._runs, HostRuns)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.shape == (2, 3, 1, 3)
+    want = slicedkern.relu_attention(q, k, v, causal=True)[..., -1:, :]
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)

@@ -54,8 +54,24 @@ def test_setup_answer_is_the_unmemoised_one(rng):
     again = _validate.setup(named, None, required=("q", "k", "v"))
     fresh = _validate._setup(named, None, ("q", "k", "v"), False)
     assert first == again == fresh
-    assert _validate._numpy_key({"q": np.float64(1.0)}, None, (), False) is None     # not an ndarray
-    assert _validate._numpy_key({"q": np.zeros(())}, None, (), False) is None         # 0-d: no memo
+    assert _validate._memo_key({"q": np.float64(1.0)}, None, (), False) is None     # not an ndarray
+    assert _validate._memo_key({"q": np.zeros(())}, None, (), False) is None         # 0-d: no memo
+
+
+def test_setup_answer_for_torch_is_the_unmemoised_one(rng):
+    """Plain CPU tensors are memoised by type, dtype and device; subclasses (parameters, tracers)
+    and 0-d tensors (which promote like scalars) are not."""
+    torch = pytest.importorskip("torch")
+    named = {"q": torch.zeros(3, 4, dtype=torch.float32), "k": torch.zeros(3, 4, dtype=torch.float64),
+             "v": torch.zeros(3, 4, 2, dtype=torch.float32), "key_mask": torch.ones(3, 4, dtype=torch.bool)}
+    first = _validate.setup(named, None, required=("q", "k", "v"))
+    assert first == _validate.setup(named, None, required=("q", "k", "v"))
+    assert first == _validate._setup(named, None, ("q", "k", "v"), False)
+    assert _validate._memo_key({"q": torch.nn.Parameter(torch.zeros(2))}, None, (), False) is None
+    assert _validate._memo_key({"q": torch.zeros(())}, None, (), False) is None
+    for _ in range(2):          # a bad dtype raises every time: nothing was kept
+        with pytest.raises(TypeError, match="argument 'k' must have a real floating dtype"):
+            _validate.setup({**named, "k": torch.zeros(3, 4, dtype=torch.int64)}, None, required=("q", "k", "v"))
 
 
 def test_broadcast_all_keeps_arrays_of_the_batch_shape(rng):

@@ -86,27 +86,28 @@ def setup(named: dict, xp, required=(), *, chunked: bool = False):
     ``required`` names the arguments that must be arrays (the others may be ``None``); ``chunked``
     says whether the op has a plan for lazy chunked (Dask) arrays.
     """
-    key = _numpy_key(named, xp, required, chunked)
+    key = _memo_key(named, xp, required, chunked)
     if key is None:
         return _setup(named, xp, required, chunked)
-    found = _NUMPY_SETUPS.get(key)
+    found = _SETUPS.get(key)
     if found is None:
         found = _setup(named, xp, required, chunked)     # raises (and keeps nothing) on bad arguments
-        if len(_NUMPY_SETUPS) >= 256:
-            _NUMPY_SETUPS.clear()
-        _NUMPY_SETUPS[key] = found
+        if len(_SETUPS) >= 256:
+            _SETUPS.clear()
+        _SETUPS[key] = found
     return found
 
 
-#: :func:`setup`'s answers for NumPy arguments, by :func:`_numpy_key`.
-_NUMPY_SETUPS: dict = {}
+#: :func:`setup`'s answers for NumPy arrays and plain torch tensors, by :func:`_memo_key`.
+_SETUPS: dict = {}
 
 
-def _numpy_key(named, xp, required, chunked):
-    """What :func:`setup`'s answer depends on when every argument is a NumPy array (of at least one
-    dimension: no value-based promotion), a Python scalar or ``None``: the types and dtypes, not the
-    values (a NumPy array is always on the CPU). ``None`` for any other argument, or a given
-    ``xp``: no memo."""
+def _memo_key(named, xp, required, chunked):
+    """What :func:`setup`'s answer depends on when every argument is a NumPy array or a plain torch
+    tensor (of at least one dimension: no value-based promotion), a Python scalar or ``None``: the
+    types, dtypes and (torch) devices, not the values. ``None`` for any other argument (a tensor
+    subclass, as tracers and parameters are), or a given ``xp``: no memo. Small calls in a loop
+    (decoding) pay microseconds for the answer, not the tens of a full check."""
     if xp is not None:
         return None
     parts = []
@@ -114,6 +115,8 @@ def _numpy_key(named, xp, required, chunked):
         kind = type(a)
         if kind is np.ndarray and a.ndim:
             parts.append((name, a.dtype))
+        elif kind.__name__ == "Tensor" and kind.__module__ == "torch" and a.ndim:
+            parts.append((name, "torch", a.dtype, a.device))
         elif a is None or kind in (int, float, bool):
             parts.append((name, kind))
         else:

@@ -270,13 +270,16 @@ def _causal_row(b, tree, mode, src, tgt, terms, profile, options, work, outs):
             norm_deriv = p0n[zero_knot, col]
             if normalizer == ABS_NORMALIZER:
                 norm_deriv = 2.0 * norm_deriv - t0[col]
+        # (the sums in the generic backward's order, so that what cancels there cancels here: a
+        # query that sees one key gives it exactly 0)
         if mode == BACKWARD_KEYS:
             vrow, orow = tgt_vec[b, t], rows_out[b, t]
-            dot = deriv[c] + norm_deriv
+            dot = 0.0
             for d in range(c):
                 orow[d] = value[d] - centring[d]
                 dot += np.float64(vrow[d]) * deriv[d]
-            scal_out[b, t] = -dot
+            dot += deriv[c]
+            scal_out[b, t] = -dot - norm_deriv
             continue
         if mode == BACKWARD_QUERIES:
             grad_norm = _query_cotangents(b, t, c, t0, tgt_vec, relu_counts, dens, fwd_out, query_terms,
@@ -286,9 +289,10 @@ def _causal_row(b, tree, mode, src, tgt, terms, profile, options, work, outs):
             for d in range(c):
                 zvec[d] = np.float64(zrow[d])
             grad_norm = 0.0
-        dot = grad_norm * norm_deriv
+        dot = 0.0
         for d in range(cw):
             dot += zvec[d] * deriv[d]
+        dot += grad_norm * norm_deriv
         if mode == PULL_KEYS:
             orow = rows_out[b, t]
             for d in range(c):
@@ -375,8 +379,8 @@ def _query_cotangents(b, t, c, t0, cot, relu_counts, dens, fwd_out, query_terms,
     for d in range(c):
         g = np.float64(grow[d]) * scale
         zvec[d] = g
-        grad_count -= g * t0[d]
-    grad_count = grad_count / count_c if center else 0.0
+        grad_count -= g * (t0[d] / count_c)
+    grad_count = grad_count if center else 0.0
     zvec[c] = grad_count
     grad_norm = 0.0
     if summed and den >= eps:

@@ -76,7 +76,7 @@ def _runs(xp, work, k, profile, *, center, normalizer, dv):
     """The runs of a cache: compiled on the host (:class:`slicedkern.engines.sweep._decode.HostRuns`)
     for NumPy arrays and CPU torch tensors where numba is installed, else the array-API runs."""
     if sweep.AVAILABLE and backend_of(k).host_readable(k):
-        return sweep.host_runs(profile, center=center, normalizer=normalizer, dv=dv)
+        return sweep.host_runs(profile, center=center, normalizer=normalizer, dv=dv, xp=xp)
     return Runs(xp, work, profile, center=center, normalizer=normalizer, dv=dv)
 
 
@@ -193,13 +193,13 @@ class DecodeCache:
             return
         # the runs keep no autograd history: an output that depends on k or v raises when differentiated
         k, v = without_gradient(k, _NO_GRADIENT), without_gradient(v, _NO_GRADIENT)
-        if not isinstance(self._runs, Runs):
-            self._guard = _gradient_guard(self._guard, k, v)
         if isinstance(self._runs, Runs):
             if key_mask is None:
                 key_mask = xp.ones(tuple(k.shape), dtype=xp.bool, device=array_device(k))
             k = xp.astype(k, work0)
-        self._runs.append(k, v, key_mask)         # the host runs read any float dtype, in float64
+        else:                                     # the host runs read any float dtype, in float64
+            self._guard = _gradient_guard(self._guard, k, v)
+        self._runs.append(k, v, key_mask)
 
     def attend(self, q):
         """Attention of queries ``q`` (..., M) over every key appended so far: (..., M, Dv).

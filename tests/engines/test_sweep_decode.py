@@ -15,6 +15,7 @@ import array_api_compat.numpy as xp  # noqa: E402
 import slicedkern  # noqa: E402
 from slicedkern._spec import Normalizer  # noqa: E402
 from slicedkern.engines.scan._decode import Runs  # noqa: E402
+from slicedkern.engines.sweep import host_runs  # noqa: E402
 from slicedkern.engines.sweep._decode import HostRuns  # noqa: E402
 from slicedkern.kernels import Hat, Profile, ReLU  # noqa: E402
 
@@ -58,7 +59,7 @@ PROFILES = {
 def test_host_runs_equal_the_array_api_runs(rng, profile, normalize, center):
     q, k, v, mask = _data(rng)
     options = dict(center=center, normalizer=Normalizer(normalize, 1e-6), dv=v.shape[-1])
-    host = _decode(HostRuns(PROFILES[profile], **options), q, k, v, mask)
+    host = _decode(host_runs(PROFILES[profile], xp=xp, **options), q, k, v, mask)
     generic = _decode(Runs(xp, xp.float64, PROFILES[profile], **options), q, k, v, mask)
     # the ReLU normaliser clamps to eps = 1e-6 (outputs up to 1e6): rounding scales with the output
     np.testing.assert_allclose(host, generic, rtol=1e-12, atol=1e-12 * max(1.0, np.abs(generic).max()))
@@ -87,7 +88,7 @@ def test_nan_rule(rng):
     mask[1, 12] = False                                # masked: its value is not read
     q[1, 20] = np.nan
     options = dict(center=True, normalizer=Normalizer("abs", 1e-6), dv=v.shape[-1])
-    host = _decode(HostRuns(PROFILES["relu"], **options), q, k, v, mask)
+    host = _decode(host_runs(PROFILES["relu"], xp=xp, **options), q, k, v, mask)
     generic = _decode(Runs(xp, xp.float64, PROFILES["relu"], **options), q, k, v, mask)
     np.testing.assert_array_equal(np.isnan(host), np.isnan(generic))
     np.testing.assert_allclose(np.nan_to_num(host), np.nan_to_num(generic), rtol=1e-12, atol=1e-12)
@@ -99,7 +100,7 @@ def test_nan_rule(rng):
 def test_storage_grows_and_keeps_the_keys(rng):
     """Appending past the preallocated capacity copies what was stored (capacity doubles)."""
     q, k, v, mask = _data(rng, n=300, batch=(1,))
-    runs = HostRuns(PROFILES["relu"], center=False, normalizer=Normalizer(None), dv=v.shape[-1])
+    runs = host_runs(PROFILES["relu"], xp=xp, center=False, normalizer=Normalizer(None), dv=v.shape[-1])
     runs.append(k[..., :1], v[..., :1, :], mask[..., :1])
     first = runs.capacity
     for t in range(1, 300):

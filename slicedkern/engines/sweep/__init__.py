@@ -86,10 +86,12 @@ def _host_profile(profile, batch, xp) -> dict:
     return build(params)
 
 
-def host_runs(profile, *, center: bool, normalizer, dv: int):
-    """Decoding runs compiled on the host (:class:`._decode.HostRuns`; numba imported on first use)."""
+def host_runs(profile, *, center: bool, normalizer, dv: int, xp):
+    """Decoding runs compiled on the host (:class:`._decode.HostRuns`; numba imported on first use)
+    for ``profile``, whose array parameters come from ``xp``."""
     from . import _decode as decode
-    return decode.HostRuns(profile, center=center, normalizer=normalizer, dv=dv)
+    return decode.HostRuns(lambda batch: _host_profile(profile, batch, xp), center=center, normalizer=normalizer,
+                           dv=dv)
 
 
 def _host_profile_of(profile, host: dict):

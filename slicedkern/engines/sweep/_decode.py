@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from ..._spec import Normalizer
-from ...kernels import Profile, is_fixed
 from ._convert import NORMALIZER_CODES, sweep_profile, to_numpy, wrap
 from ._kernels_decode import admit, attend_rows, build_run
 
@@ -36,16 +36,17 @@ class HostRuns:
 
     Parameters
     ----------
-    profile : Profile
-        The op's kernel profile (float parameters, or arrays of the batch shape).
+    host_profile : callable
+        ``host_profile(batch)``: the op's kernel profile as the kernels' host arguments (``knots``,
+        ``coeffs``, ``slope``, ``intercept``) for that batch shape (the engine's ``_host_profile``).
     center : bool
     normalizer : Normalizer
     dv : int
         Value columns.
     """
 
-    def __init__(self, profile: Profile, *, center: bool, normalizer: Normalizer, dv: int):
-        self.profile, self.center, self.normalizer, self.dv = profile, center, normalizer, dv
+    def __init__(self, host_profile: Callable[[tuple], dict], *, center: bool, normalizer: Normalizer, dv: int):
+        self.host_profile, self.center, self.normalizer, self.dv = host_profile, center, normalizer, dv
         self.runs: list[tuple[int, int]] = []      # [start, end) position ranges, sizes decreasing
         self.n = 0
         self._rows = None                           # per-row kernel profile, set at the first append
@@ -55,13 +56,8 @@ class HostRuns:
         return self.n
 
     def _setup(self, batch: tuple, bsz: int, capacity: int) -> None:
-        p = self.profile
-        knots = tuple(float(t) if is_fixed(t) else to_numpy(t, "knots")[0] for t in p.knots)
-        coeffs = tuple(float(c) if is_fixed(c) else to_numpy(c, "coeffs")[0] for c in p.coeffs)
-        if not all(isinstance(t, float) for t in knots + coeffs):
-            knots = np.stack([np.broadcast_to(t, batch) for t in knots], axis=-1)
-            coeffs = np.stack([np.broadcast_to(c, batch) for c in coeffs], axis=-1)
-        rows, self._zero_knot, _ = sweep_profile(knots, coeffs, float(p.slope), float(p.intercept), batch, bsz,
+        p = self.host_profile(batch)
+        rows, self._zero_knot, _ = sweep_profile(p["knots"], p["coeffs"], p["slope"], p["intercept"], batch, bsz,
                                                  self.normalizer.name)
         self._rows = rows[:4]
         self._options = (bool(self.center), NORMALIZER_CODES[self.normalizer.name], self._zero_knot,

@@ -55,24 +55,12 @@ from ._kernels_common import (
     divisor_of,
     exact_sum,
     normaliser_scale,
+    strict_rank,
 )
 
 __all__ = ["ATTENTION", "PULL_QUERIES", "PULL_KEYS", "BACKWARD_QUERIES", "BACKWARD_KEYS", "causal_rows"]
 
 ATTENTION, PULL_QUERIES, PULL_KEYS, BACKWARD_QUERIES, BACKWARD_KEYS = 0, 1, 2, 3, 4
-
-
-@njit(**JIT)
-def _strict_rank(vals, n, su, se):
-    """The number of ``vals[:n]`` (sorted) below ``su + se`` exactly."""
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if below(vals[mid], su, se, False):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 @njit(**JIT)
@@ -231,7 +219,7 @@ def _causal_row(b, tree, mode, src, tgt, terms, profile, options, work, outs):
             if coeffs[b, m] == 0.0 and not (want_params or (need_zero and m == zero_knot)):
                 continue
             su, se = exact_sum(xu, -tm)
-            rs = _strict_rank(sv, ns, su, se)
+            rs = strict_rank(sv, ns, su, se)
             _prefix(tree, rs, width, acc)
             p0m, p1m, pnm = p0s[m], p1s[m], p0n[m]
             for d in range(cw):

@@ -47,7 +47,8 @@ from numba.extending import intrinsic
 __all__ = ["SumOptions", "BackwardOptions", "CausalOptions",
            "NORMALIZER_CODES", "NO_NORMALIZER", "ABS_NORMALIZER", "RELU_NORMALIZER", "COUNT_NORMALIZER",
            "JIT", "INLINE", "PARALLEL", "PREFETCH_AHEAD", "allocate_sorted", "allocate_saved", "sort_row", "fetch_row",
-           "exact_sum", "below", "dot", "dot_pair", "claim", "divisor_of", "normaliser_scale", "value_totals"]
+           "exact_sum", "below", "dot", "dot_pair", "claim", "divisor_of", "normaliser_scale", "strict_rank",
+           "value_totals"]
 
 #: Normaliser codes as the compiled code receives them (``normalizer`` of the attention options).
 NO_NORMALIZER, ABS_NORMALIZER, RELU_NORMALIZER, COUNT_NORMALIZER = 0, 1, 2, 3
@@ -213,6 +214,19 @@ def dot_pair(a, b, c):
 def claim(counter):
     """The next task index for the calling worker (dynamic scheduling)."""
     return _fetch_add(counter)
+
+
+@njit(**JIT)
+def strict_rank(vals, n, su, se):
+    """The number of ``vals[:n]`` (sorted) below ``su + se`` exactly (:func:`below`, strict)."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if below(vals[mid], su, se, False):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 @njit(**INLINE)

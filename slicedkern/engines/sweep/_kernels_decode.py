@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._kernels_common import ABS_NORMALIZER, JIT, RELU_NORMALIZER, _sort, below, divisor_of, exact_sum
+from ._kernels_common import ABS_NORMALIZER, JIT, RELU_NORMALIZER, _sort, divisor_of, exact_sum, strict_rank
 
 __all__ = ["admit", "build_run", "attend_rows"]
 
@@ -83,19 +83,6 @@ def build_run(s, e, keys, values, taken, sorted_keys, prefix, shifts):
 
 
 @njit(**JIT)
-def _strict_rank(sorted_keys, b, s, e, su, se):
-    """The number of ``sorted_keys[b, s:e]`` below ``su + se`` exactly."""
-    lo, hi = s, e
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if below(sorted_keys[b, mid], su, se, False):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - s
-
-
-@njit(**JIT)
 def attend_rows(q, starts, ends, sorted_keys, prefix, shifts, totals, bad, profile, options, out):
     """Attention of the queries ``q`` (B, M) over the runs ``[starts[r], ends[r])`` into ``out`` (B, M, dv).
 
@@ -141,7 +128,7 @@ def attend_rows(q, starts, ends, sorted_keys, prefix, shifts, totals, bad, profi
                     if cm == 0.0 and not norm_knot:
                         continue
                     su, se = exact_sum(x, -knots[b, m])
-                    r = _strict_rank(sorted_keys, b, s, e, su, se)
+                    r = strict_rank(sorted_keys[b, s:e], e - s, su, se)
                     if r == 0:
                         continue
                     row = prefix[b, s + r - 1]

@@ -218,10 +218,12 @@ class DecodeCache:
             empty = xp.zeros(q.shape + (dv,), dtype=xp.result_type(out_dtype, q_dtype), device=array_device(q))
             return nan_rows_without_keys(xp, q, q[..., :0], empty)
         q = without_gradient(q, _NO_GRADIENT)
-        host = not isinstance(self._runs, Runs)
-        out = self._runs.attend(q if host else xp.astype(q, work))
-        guard = _gradient_guard(self._guard, q) if host else None
-        if guard is not None:
-            out = out + xp.astype(guard, out.dtype)
         dtype = xp.result_type(out_dtype, q_dtype)
+        if isinstance(self._runs, Runs):
+            out = self._runs.attend(xp.astype(q, work))
+        else:                                     # written in the output dtype where the kernel can
+            out = self._runs.attend(q, dtype)
+            guard = _gradient_guard(self._guard, q)
+            if guard is not None:
+                out = out + xp.astype(guard, out.dtype)
         return out if out.dtype == dtype else xp.astype(out, dtype)

@@ -121,3 +121,40 @@ def test_torch_tensors_come_back_as_tensors(rng):
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.shape == (2, 3, 1, 3)
     want = slicedkern.relu_attention(q, k, v, causal=True)[..., -1:, :]
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_strided_views_and_the_output_dtype(rng, library):
+    """Per-token slices of a longer array are read as they are (no contiguous copy), and a float32
+    output is written by the kernel directly: bit for bit the float64 result rounded once, and the
+    same as from contiguous copies; float16 arrays give float16 (computed in float64, rounded once)."""
+    q, k, v, _ = _data(rng, n=24, batch=(1, 4))
+    if library == "torch":
+        torch = pytest.importorskip("torch")
+        as32 = lambda a: torch.tensor(a, dtype=torch.float32)            # noqa: E731
+        as64, back = lambda a: torch.tensor(a, dtype=torch.float64), lambda a: a.numpy()   # noqa: E731
+        half = lambda a: torch.tensor(a, dtype=torch.float16)            # noqa: E731
+    else:
+        as32, as64, back = (lambda a: a.astype(np.float32)), (lambda a: a.astype(np.float64)), np.asarray
+        half = lambda a: a.astype(np.float16)                             # noqa: E731
+    q32, k32, v32 = as32(q), as32(k), as32(v)
+    strided, copied, wide = (slicedkern.DecodeCache("hat", bandwidth=0.8, center=True) for _ in range(3))
+    got, from_copies, rounded = [], [], []
+    for t in range(24):
+        strided.append(k32[..., t:t + 1], v32[..., t:t + 1, :])
+        copied.append(as32(back(k32[..., t:t + 1]).copy()), as32(back(v32[..., t:t + 1, :]).copy()))
+        wide.append(as64(back(k32[..., t:t + 1])), as64(back(v32[..., t:t + 1, :])))
+        got.append(back(strided.attend(q32[..., t:t + 1])))
+        from_copies.append(back(copied.attend(as32(back(q32[..., t:t + 1]).copy()))))
+        rounded.append(back(wide.attend(as64(back(q32[..., t:t + 1])))).astype(np.float32))
+    got = np.concatenate(got, axis=-2)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, np.concatenate(from_copies, axis=-2))
+    np.testing.assert_array_equal(got, np.concatenate(rounded, axis=-2))
+    halves, wide16 = slicedkern.DecodeCache("hat", bandwidth=0.8), slicedkern.DecodeCache("hat", bandwidth=0.8)
+    halves.append(half(k), half(v))
+    wide16.append(as64(back(half(k)).astype(np.float64)), as64(back(half(v)).astype(np.float64)))
+    out16 = back(halves.attend(half(q[..., -1:])))
+    assert out16.dtype == np.float16
+    want = back(wide16.attend(as64(back(half(q[..., -1:])).astype(np.float64))))
+    np.testing.assert_array_equal(out16, want.astype(np.float16))

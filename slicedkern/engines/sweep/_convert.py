@@ -53,6 +53,19 @@ def to_numpy(a, name):
     return np.asarray(a), None
 
 
+def host_view(a, name):
+    """(NumPy array, torch dtype or None) like :func:`to_numpy`, but a strided view of a CPU tensor
+    as it is, without a contiguous copy: for the small per-token arrays of decoding, where each
+    copy costs more than the kernel that reads it (a few microseconds; docs/benchmarks.rst,
+    "Decoding")."""
+    if type(a) is np.ndarray:
+        return (a.astype(np.float32) if a.dtype == np.float16 else a), None
+    if type(a).__module__.startswith("torch") and a.device.type == "cpu" and (
+            a.itemsize >= 4 or not a.dtype.is_floating_point):      # half precision is widened
+        return (a.detach() if a.requires_grad else a).numpy(), a.dtype
+    return to_numpy(a, name)
+
+
 def wrap(out, tdtypes, *, narrow=False):
     """Back to torch when any input was a tensor (``narrow``: in the inputs' half dtype, if any)."""
     tdtypes = [t for t in tdtypes if t is not None]

@@ -12,15 +12,39 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Callable
 
 import numpy as np
 
 from ..._spec import Normalizer
-from ._convert import NORMALIZER_CODES, sweep_profile, to_numpy, wrap
+from ._convert import NORMALIZER_CODES, host_view, sweep_profile, wrap
 from ._kernels_decode import admit, attend_rows, build_run
 
 __all__ = ["HostRuns"]
+
+def _out_dtypes() -> dict:
+    """The output dtypes the kernel writes directly (by NumPy dtype, and by torch dtype when torch
+    is imported), each to its NumPy dtype; every other output is written in float64 and cast."""
+    found = {np.dtype(np.float32): np.float32, np.dtype(np.float64): np.float64}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        found.update({torch.float32: np.float32, torch.float64: np.float64})
+    return found
+
+
+_OUT_DTYPES = _out_dtypes()
+
+
+def _written_dtype(dtype) -> type:
+    """The NumPy dtype the kernel writes an output of ``dtype`` in (torch may be imported after
+    this module: a miss looks again)."""
+    found = _OUT_DTYPES.get(dtype)
+    if found is None:
+        _OUT_DTYPES.update(_out_dtypes())
+        found = _OUT_DTYPES.setdefault(dtype, np.float64)
+    return found
+
 
 @functools.lru_cache(maxsize=16)
 def _all_taken(shape: tuple) -> np.ndarray:
@@ -47,7 +71,10 @@ class HostRuns:
 
     def __init__(self, host_profile: Callable[[tuple], dict], *, center: bool, normalizer: Normalizer, dv: int):
         self.host_profile, self.center, self.normalizer, self.dv = host_profile, center, normalizer, dv
-        self.runs: list[tuple[int, int]] = []      # [start, end) position ranges, sizes decreasing
+        # the runs as [start, end) position ranges, sizes decreasing: starts in bounds[0, :n_runs],
+        # ends in bounds[1, :n_runs] (at most 64: a binary counter of positions < 2^64)
+        self.bounds = np.zeros((2, 64), np.int64)
+        self.n_runs = 0
         self.n = 0
         self._rows = None                           # per-row kernel profile, set at the first append
 
@@ -81,9 +108,9 @@ class HostRuns:
     def append(self, k, v, mask=None) -> None:
         """Append keys ``k`` (..., t), values ``v`` (..., t, dv) and ``mask`` (..., t) bool (the keys
         that take part; None: all), in position order."""
-        k, v = to_numpy(k, "k")[0], to_numpy(v, "v")[0]
+        k, v = host_view(k, "k")[0], host_view(v, "v")[0]
         batch, t = k.shape[:-1], k.shape[-1]
-        mask = _all_taken(k.shape) if mask is None else to_numpy(mask, "key_mask")[0]
+        mask = _all_taken(k.shape) if mask is None else host_view(mask, "key_mask")[0]
         bsz = math.prod(batch)
         if self._rows is None:
             self._setup(batch, bsz, max(16, 2 * t))
@@ -92,21 +119,28 @@ class HostRuns:
         admit(k.reshape(bsz, t), v.reshape(bsz, t, self.dv), mask.reshape(bsz, t), self.n, self.keys,
               self.values, self.taken, self.totals, self.bad)
         start, end = self.n, self.n + t
-        while self.runs and self.runs[-1][1] - self.runs[-1][0] <= end - start:
-            start = self.runs.pop()[0]                 # the carries of a binary counter
+        starts, ends = self.bounds
+        while self.n_runs and ends[self.n_runs - 1] - starts[self.n_runs - 1] <= end - start:
+            self.n_runs -= 1                            # the carries of a binary counter
+            start = int(starts[self.n_runs])
         build_run(start, end, self.keys, self.values, self.taken, self.sorted_keys, self.prefix, self.shifts)
-        self.runs.append((start, end))
-        self._starts = np.array([s for s, _ in self.runs], np.int64)
-        self._ends = np.array([e for _, e in self.runs], np.int64)
+        starts[self.n_runs], ends[self.n_runs] = start, end
+        self.n_runs += 1
         self.n = end
 
-    def attend(self, q):
-        """Attention of queries ``q`` (..., M) over every key appended so far, float64 (a tensor for
-        a torch ``q``)."""
-        host, tdt = to_numpy(q, "q")
+    @property
+    def runs(self) -> list[tuple[int, int]]:
+        """The runs as ``[start, end)`` position ranges, sizes decreasing."""
+        return [(int(s), int(e)) for s, e in self.bounds[:, :self.n_runs].T]
+
+    def attend(self, q, dtype=None):
+        """Attention of queries ``q`` (..., M) over every key appended so far (a tensor for a torch
+        ``q``), written by the kernel in ``dtype`` when that is float32 or float64 (NumPy or torch),
+        else in float64."""
+        host, tdt = host_view(q, "q")
         m = host.shape[-1]
-        out = np.empty((self._bsz, m, self.dv))
-        attend_rows(host.reshape(self._bsz, m), self._starts, self._ends, self.sorted_keys, self.prefix, self.shifts,
-                    self.totals, self.bad, self._rows, self._options, out)
+        out = np.empty((self._bsz, m, self.dv), _written_dtype(dtype))
+        attend_rows(host.reshape(self._bsz, m), self.bounds[0, :self.n_runs], self.bounds[1, :self.n_runs],
+                    self.sorted_keys, self.prefix, self.shifts, self.totals, self.bad, self._rows, self._options, out)
         out = out.reshape(self._batch + (m, self.dv))
         return out if tdt is None else wrap(out, [tdt])

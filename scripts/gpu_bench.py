@@ -1,18 +1,24 @@
-"""GPU benchmark of the triton engine next to SDPA (FlashAttention), one command:
+"""GPU benchmark of the attention engines next to SDPA (FlashAttention); the timing part of the GPU
+check (``scripts/gpu_check.sh``, issue 26):
 
-    pip install -e ".[triton]" && python scripts/gpu_bench.py --accuracy --json gpu_bench.json
+    python scripts/gpu_bench.py --accuracy --json gpu_bench.json --budget 240
 
-Forward and forward+backward, float32 and bfloat16, B = 1, H = 8, D = 64, L = 1K ... 1M: time
-(median of ``--repeat`` CUDA-event timings after warm-up), peak memory
-(``torch.cuda.max_memory_allocated`` above the inputs) and the fraction of the memory-bandwidth
-floor (the bytes that must move, over the card's bandwidth, divided by the measured time).
-``--accuracy`` adds the normwise error of float32 / bfloat16 ReLU attention at L = 2^20 against the
-float64 scan engine on the same (rounded) inputs. Prints a Markdown table; ``--json PATH`` saves the
-rows. Targets (issue 15, here and never in a test): faster than SDPA from L <= 2048, >= 10x at 64K,
-fwd+bwd at 1M fits, within 2x of the bandwidth floor from 64K on.
+Per L (1K ... 1M): ``torch.sort`` of 8 x L float32 keys; a device copy of the forward+backward
+floor's byte count (the bandwidth this card achieves); then, float32 and bfloat16, B = 1, H = 8,
+D = 64, forward and forward+backward of our engines (``--engines``) and of SDPA (flash for bfloat16,
+memory-efficient for float32; timed up to ``--sdpa-max-length``, beyond it extrapolated by L^2 and
+marked "~"): time (median of ``--repeat`` CUDA-event timings after warm-up), peak memory
+(``torch.cuda.max_memory_allocated`` above the inputs) and the fraction of the memory-bandwidth floor
+(:func:`floor_bytes` over the vendor bandwidth, divided by the measured time). ``--causal-lengths``
+adds causal rows, ``--profile-length`` a torch.profiler kernel table, ``--accuracy`` the normwise
+error of float32 / bfloat16 ReLU attention at L = 2^20 against the float64 scan on the same (rounded)
+inputs. Every row names the card; ``--json PATH`` is rewritten after every row and ``--budget``
+skips the rows not started in time, so a time limit loses nothing already measured. Targets live in
+issue 26 (never in a test): faster than SDPA from 4K, >= 100x at 64K, within 2x (forward) and 2.5x
+(forward+backward) of the floor from 64K on, 1M forward+backward under 10 ms on an H100.
 
 ``--device cpu`` with ``TRITON_INTERPRET=1`` and small ``--lengths`` runs every code path under
-Triton's interpreter (a smoke test; its times mean nothing).
+Triton's interpreter (a smoke test, ``tests/test_bench.py``; its times mean nothing).
 """
 
 from __future__ import annotations
@@ -42,11 +48,15 @@ def card_bandwidth(device) -> float | None:
 
 
 def floor_bytes(L: int, D: int, H: int, itemsize: int, backward: bool) -> int:
-    """Bytes any implementation must move: read q, k (one score per token), v; write the output;
-    with the backward also read the output cotangent and write dq, dk, dv."""
-    fwd = H * (2 * L + 2 * L * D) * itemsize
-    bwd = H * (L * D + 2 * L + L * D) * itemsize if backward else 0
-    return fwd + bwd
+    """Bytes any sort-based implementation must move, in the inputs' dtype.
+
+    Forward: read q and k (one score per token) and v, write the output. Backward: read q, k, v again
+    (the forward's residuals), the output and its cotangent, write dq, dk and dv; so forward+backward
+    moves ``H (6 L + 6 L D)`` elements.
+    """
+    fwd = H * (2 * L + 2 * L * D)
+    bwd = H * (2 * L + L * D + L * D + L * D + 2 * L + L * D) if backward else 0
+    return (fwd + bwd) * itemsize
 
 
 def _sync(device):
@@ -89,9 +99,12 @@ def sdpa_inputs(L, D, H, dtype, device, grad):
             for _ in range(3)]
 
 
-def run_ours(args, engine):
+def run_ours(engine, causal=False):
+    """Our ReLU attention on ``engine`` ("auto": the automatic rule's pick)."""
+    chosen = None if engine == "auto" else engine
+
     def call(q, k, v):
-        return slicedkern.relu_attention(q, k, v, engine=engine)
+        return slicedkern.relu_attention(q, k, v, engine=chosen, causal=causal)
     return call
 
 
@@ -107,33 +120,73 @@ def run_sdpa(device):
     return call
 
 
+def _row(name, L, dtype, phase, **fields):
+    row = {"impl": name, "L": L, "dtype": str(dtype).split(".")[-1], "pass": phase, "ms": None, "peak_MiB": None,
+           "floor_frac": None, "note": ""}
+    row.update(fields)
+    return row
+
+
 def measure(name, call, make, L, D, H, dtype, device, backward, repeat, bandwidth):
-    inputs = make(L, D, H, dtype, device, backward)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    cot = None
-
-    def step():
-        nonlocal cot
-        out = call(*inputs)
-        if backward:
-            if cot is None:
-                cot = torch.ones_like(out)
-            torch.autograd.grad(out, inputs, cot)
-        return out
-
+    phase = "fwd+bwd" if backward else "fwd"
     try:
+        inputs = make(L, D, H, dtype, device, backward)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        cot = None
+
+        def step():
+            nonlocal cot
+            out = call(*inputs)
+            if backward:
+                if cot is None:
+                    cot = torch.ones_like(out)
+                torch.autograd.grad(out, inputs, cot)
+            return out
+
         seconds = timed(step, device, repeat)
     except torch.cuda.OutOfMemoryError:
-        return {"impl": name, "L": L, "dtype": str(dtype).split(".")[-1], "pass": "fwd+bwd" if backward else "fwd",
-                "ms": None, "peak_MiB": None, "floor_frac": None, "note": "out of memory"}
+        return _row(name, L, dtype, phase, note="out of memory")
+    except Exception as exc:          # a failing row is a finding, not the end of the check
+        return _row(name, L, dtype, phase, note=f"failed: {type(exc).__name__}: {str(exc)[:200]}")
     peak = (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20 if device.type == "cuda" else None
     floor = floor_bytes(L, D, H, torch.finfo(dtype).bits // 8, backward)
     frac = floor / (bandwidth * 1e9) / seconds if bandwidth else None
-    return {"impl": name, "L": L, "dtype": str(dtype).split(".")[-1], "pass": "fwd+bwd" if backward else "fwd",
-            "ms": seconds * 1e3, "peak_MiB": peak, "floor_frac": frac, "note": ""}
+    return _row(name, L, dtype, phase, ms=seconds * 1e3, peak_MiB=peak, floor_frac=frac)
+
+
+def copy_row(L, D, H, dtype, device, repeat):
+    """A device copy of the forward+backward floor's byte count: the bandwidth this card achieves."""
+    nbytes = floor_bytes(L, D, H, torch.finfo(dtype).bits // 8, True)
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), device, repeat)
+    # a copy reads and writes half the floor's bytes each
+    return _row("device copy", L, dtype, "copy", ms=seconds * 1e3, GBs=nbytes / seconds / 1e9)
+
+
+def sort_row(L, device, repeat, rows=8):
+    """``torch.sort`` of ``rows x L`` float32 keys (what every sort-based pass pays at least once)."""
+    keys = torch.randn(rows, L, device=device)
+    seconds = timed(lambda: torch.sort(keys, dim=-1), device, repeat)
+    return _row(f"torch.sort {rows} x L", L, torch.float32, "sort", ms=seconds * 1e3)
+
+
+def profile_table(call, L, D, H, dtype, device, top=15):
+    """The CUDA kernels of one forward+backward, by total device time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    q, k, v = ours_inputs(L, D, H, dtype, device, True)
+    for _ in range(2):
+        out = call(q, k, v)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = call(q, k, v)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        _sync(device)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
 
 
 def accuracy(device, L=2 ** 20, D=64, H=1):
@@ -150,49 +203,101 @@ def accuracy(device, L=2 ** 20, D=64, H=1):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", default="1024,4096,16384,65536,262144,1048576")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--sdpa-max-length", type=int, default=262144,
-                   help="skip SDPA above this L (quadratic time; 1M takes minutes per call)")
-    p.add_argument("--engines", default="triton", help="comma list of our engines to time (triton, scan)")
+    p.add_argument("--sdpa-max-length", type=int, default=65536,
+                   help="time SDPA up to this L; above it the time is extrapolated by L^2 (marked '~')")
+    p.add_argument("--engines", default="triton", help="comma list of our engines to time (triton, scan, auto)")
+    p.add_argument("--causal-engines", default="auto", help="comma list of our engines for the causal rows")
+    p.add_argument("--causal-lengths", default="",
+                   help="comma list of L at which to time our causal attention too (bfloat16 and float32)")
     p.add_argument("--bandwidth", type=float, default=None, help="card bandwidth in GB/s (default: by name)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--accuracy", action="store_true")
-    p.add_argument("--json", default=None)
+    p.add_argument("--profile-length", type=int, default=0,
+                   help="print a torch.profiler kernel table of one forward+backward at this L (bfloat16)")
+    p.add_argument("--budget", type=float, default=float("inf"),
+                   help="seconds: rows not started by then are skipped (and listed as skipped)")
+    p.add_argument("--json", default=None, help="write the rows here, rewritten after every row")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     bandwidth = a.bandwidth or card_bandwidth(device)
-    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else device}, "
-          f"bandwidth {bandwidth} GB/s, torch {torch.__version__}")
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    print(f"device: {card}, vendor bandwidth {bandwidth} GB/s, torch {torch.__version__}", flush=True)
     print("| impl | L | dtype | pass | time | peak memory above inputs | fraction of bandwidth floor | note")
-    rows = []
-    for L in (int(x) for x in a.lengths.split(",")):
-        for dt in (getattr(torch, d) for d in a.dtypes.split(",")):
-            for backward in (False, True):
-                for engine in a.engines.split(","):
-                    rows.append(measure(engine, run_ours(a, engine), ours_inputs, L, a.dim, a.heads, dt, device,
-                                        backward, a.repeat, bandwidth))
-                if L <= a.sdpa_max_length:
-                    name = "sdpa-flash" if dt != torch.float32 else "sdpa-efficient"
-                    rows.append(measure(name, run_sdpa(device), sdpa_inputs, L, a.dim, a.heads, dt, device,
-                                        backward, a.repeat, bandwidth))
-                for r in rows[-(len(a.engines.split(",")) + (L <= a.sdpa_max_length)):]:
-                    print(_fmt(r), flush=True)
-    if a.accuracy:
+    start, rows = time.perf_counter(), []
+
+    def emit(row):
+        row["card"] = card
+        rows.append(row)
+        print(_fmt(row), flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(rows, f, indent=1)
+
+    def plan():
+        lengths = [int(x) for x in a.lengths.split(",")]
+        dtypes = [getattr(torch, d) for d in a.dtypes.split(",")]
+        for L in lengths:
+            yield lambda L=L: sort_row(L, device, a.repeat)
+            for dt in dtypes:
+                if device.type == "cuda":
+                    yield lambda L=L, dt=dt: copy_row(L, a.dim, a.heads, dt, device, a.repeat)
+                for backward in (False, True):
+                    for engine in a.engines.split(","):
+                        yield lambda L=L, dt=dt, b=backward, e=engine: measure(
+                            e, run_ours(e), ours_inputs, L, a.dim, a.heads, dt, device, b, a.repeat, bandwidth)
+                    yield lambda L=L, dt=dt, b=backward: sdpa_row(a, L, dt, device, b, bandwidth, rows)
+        for L in (int(x) for x in a.causal_lengths.split(",") if x):
+            for dt in dtypes:
+                for backward in (False, True):
+                    for engine in a.causal_engines.split(","):
+                        yield lambda L=L, dt=dt, b=backward, e=engine: measure(
+                            f"{e} causal", run_ours(e, causal=True), ours_inputs, L, a.dim, a.heads, dt, device, b,
+                            a.repeat, bandwidth)
+
+    skipped = 0
+    for make_row in plan():
+        if time.perf_counter() - start > a.budget:
+            skipped += 1
+            continue
+        emit(make_row())
+    if skipped:
+        print(f"skipped {skipped} rows: the budget of {a.budget:.0f} s was spent", flush=True)
+    if a.accuracy and time.perf_counter() - start <= a.budget:
         for dtype, err in accuracy(device):
-            print(f"accuracy L=2^20 {dtype}: {err:.3g} normwise vs float64 scan")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            print(f"accuracy L=2^20 {dtype}: {err:.3g} normwise vs float64 scan", flush=True)
+    if a.profile_length:
+        engine = a.engines.split(",")[0]
+        print(f"\nkernels of one forward+backward, {engine}, L = {a.profile_length}, bfloat16, on {card}:")
+        print(profile_table(run_ours(engine), a.profile_length, a.dim, a.heads, torch.bfloat16, device), flush=True)
+
+
+def sdpa_row(a, L, dtype, device, backward, bandwidth, rows):
+    """SDPA (flash for half dtypes, memory-efficient for float32) up to ``--sdpa-max-length``; beyond
+    it the largest measured time scaled by ``L^2``, marked as extrapolated."""
+    name = "sdpa-flash" if dtype != torch.float32 else "sdpa-efficient"
+    if L <= a.sdpa_max_length:
+        return measure(name, run_sdpa(device), sdpa_inputs, L, a.dim, a.heads, dtype, device, backward, a.repeat,
+                       bandwidth)
+    phase = "fwd+bwd" if backward else "fwd"
+    measured = [r for r in rows if r["impl"] == name and r["dtype"] == str(dtype).split(".")[-1]
+                and r["pass"] == phase and r["ms"] is not None and not r["note"]]
+    if not measured:
+        return _row(name, L, dtype, phase, note="not measured")
+    base = max(measured, key=lambda r: r["L"])
+    return _row(name, L, dtype, phase, ms=base["ms"] * (L / base["L"]) ** 2,
+                note=f"~ extrapolated by L^2 from L = {base['L']}")
 
 
 def _fmt(r):
     def num(x, spec):
         return "-" if x is None else format(x, spec)
-    return (f"| {r['impl']:>14} | {r['L']:>8} | {r['dtype']:>8} | {r['pass']:>7} | {num(r['ms'], '10.3f')} ms "
-            f"| {num(r['peak_MiB'], '9.1f')} MiB | floor {num(r['floor_frac'], '6.3f')} | {r['note']}")
+    note = r["note"] or (f"{r['GBs']:.0f} GB/s" if "GBs" in r else "")
+    return (f"| {r['impl']:>16} | {r['L']:>8} | {r['dtype']:>8} | {r['pass']:>7} | {num(r['ms'], '10.3f')} ms "
+            f"| {num(r['peak_MiB'], '9.1f')} MiB | floor {num(r['floor_frac'], '6.3f')} | {note}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,106 @@
+"""What one call of the triton engine launches and allocates: kernel launches, sorts, and the
+intermediate tensors of at least ``n * D`` elements (issue 26's structural counts), for the
+forward and the forward+backward of ReLU attention, under Triton's interpreter on the CPU (the
+counts do not depend on the device; no GPU needed):
+
+    TRITON_INTERPRET=1 PYTHONPATH=. python scripts/triton_traffic.py [--length 256] [--dim 16]
+
+Counted with a ``TorchDispatchMode`` (every aten op the call runs: its name, and every output tensor
+with its size and dtype) and by wrapping the engine's Triton kernels (launches per kernel). The
+inputs, the output and the gradients themselves are not intermediates; everything else of
+``n * D`` elements or more is, with the bytes it holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import slicedkern  # noqa: E402
+
+
+class Recorder(TorchDispatchMode):
+    """Every aten op, and the new storages of at least ``big`` elements an op allocates (views
+    share their input's storage; ``set_`` / ``copy_`` are the interpreter moving kernel arguments)."""
+
+    def __init__(self, big: int, given):
+        super().__init__()
+        self.big, self.ops, self.large = big, collections.Counter(), []
+        self.seen = {t.untyped_storage().data_ptr() for t in given}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket.__name__)
+        self.ops[name] += 1
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if not isinstance(t, torch.Tensor) or name in ("set_", "copy_"):
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self.seen:
+                self.seen.add(ptr)
+                if t.numel() >= self.big:
+                    self.large.append((name, t.numel(), t.dtype, ptr))
+        return out
+
+
+def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32) -> dict:
+    from slicedkern.engines.triton import _sums
+    kernels = _sums.loaded()
+    launches = collections.Counter()
+    originals = {}
+    for name in ("block_scan", "query_combine"):
+        jitted = getattr(kernels, name)
+        originals[name] = jitted
+
+        class Counted:
+            def __init__(self, name, jitted):
+                self.name, self.jitted = name, jitted
+
+            def __getitem__(self, grid):
+                launches[self.name] += 1
+                return self.jitted[grid]
+        setattr(kernels, name, Counted(name, jitted))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, heads, length, generator=g, dtype=dtype).requires_grad_(backward)
+    k = torch.randn(1, heads, length, generator=g, dtype=dtype).requires_grad_(backward)
+    v = torch.randn(1, heads, length, dim, generator=g, dtype=dtype).requires_grad_(backward)
+    cot = torch.ones(1, heads, length, dim, dtype=dtype)
+    try:
+        with Recorder(length * dim * heads, (q, k, v)) as rec:
+            out = slicedkern.relu_attention(q, k, v, engine="triton")
+            grads = torch.autograd.grad(out, (q, k, v), cot) if backward else ()
+    finally:
+        for name, jitted in originals.items():
+            setattr(kernels, name, jitted)
+    kept = {t.untyped_storage().data_ptr() for t in (out, *grads)}
+    large = [(op, n, dt) for op, n, dt, ptr in rec.large if ptr not in kept]
+    return {"launches": dict(launches), "sorts": rec.ops["sort"] + rec.ops["argsort"],
+            "large intermediates": len(large),
+            "large float64": sum(dt == torch.float64 for _, _, dt in large),
+            "large bytes / (n D itemsize)": sum(n * dt.itemsize for _, n, dt in large)
+            / (length * dim * heads * dtype.itemsize),
+            "by op": dict(collections.Counter(op for op, _, _ in large))}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--length", type=int, default=256)
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--heads", type=int, default=2)
+    a = p.parse_args(argv)
+    for backward in (False, True):
+        found = count(a.length, a.dim, a.heads, backward)
+        print(f"{'forward+backward' if backward else 'forward'}, L = {a.length}, D = {a.dim}, H = {a.heads}, "
+              f"float32:")
+        for key, value in found.items():
+            print(f"  {key}: {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -28,6 +28,22 @@ if DEVICE == "cuda" and not torch.cuda.is_available():
 SHAPE_Q, SHAPE_K, DV = (2, 3, 17), (2, 3, 23), 4       # batch dims (2, 3), Lq != Lk
 
 
+def _tiles(monkeypatch, keys, queries, columns):
+    from slicedkern.engines.triton import _sums
+    monkeypatch.setattr(_sums, "BLOCK_M", keys)
+    monkeypatch.setattr(_sums, "BLOCK_N", queries)
+    monkeypatch.setattr(_sums, "BLOCK_C", columns)
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    """Tiles of 8 keys and blocks of 8 queries under the interpreter, so that these small cases cross
+    tiles and query blocks (L not a multiple of either); the compiled kernels keep the defaults
+    (``tl.dot`` needs 16 or more)."""
+    if DEVICE == "cpu":
+        _tiles(monkeypatch, 8, 8, 4)
+
+
 def _t(a, dtype=torch.float64):
     return torch.tensor(np.asarray(a), device=DEVICE).to(dtype)
 
@@ -156,3 +172,25 @@ def test_nan_policy_and_empty_rows(rng):
     np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
     assert np.isnan(out[0, 0, 3]).all() and np.isnan(out[1, 2]).all() and (out[0, 1] == 0).all()
     np.testing.assert_allclose(out, want, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.exhaustive            # under the interpreter a tile of 2 keys costs minutes; the default
+def test_many_tiles_and_column_blocks(rng, monkeypatch):   # profile crosses tiles with the 8-key ones
+    """Tiles of 2 keys, blocks of 4 queries, 2 columns: a query block reads several tiles, the
+    last tile and block are partial, D above the column block; a mixture of 3 hats with ties and a
+    key mask, forward and gradients against the dense reference."""
+    if DEVICE == "cpu":
+        _tiles(monkeypatch, 2, 4, 2)
+    levels = [-1.0, -0.5, 0.0, 0.25, 0.5, 1.0]           # dyadic: ties between queries, keys and knots
+    q, k = rng.choice(levels, size=(1, 13)), rng.choice(levels, size=(1, 11))
+    v, mask = rng.normal(size=(1, 11, 3)), rng.random((1, 11)) > 0.3
+    kernel = HatMixture([0.5, 1.0, 0.25], [1.0, -0.4, 0.3])
+    cot = _t(rng.normal(size=(1, 13, 3)))
+    results = []
+    for module, kw in ((slicedkern, {"engine": "triton"}), (reference, {})):
+        args = [_t(a).requires_grad_() for a in (q, k, v)]
+        out = module.kernel_attention(*args, kernel, key_mask=_t(mask, torch.bool), center=True, normalize="abs",
+                                      **kw)
+        results.append((out, *torch.autograd.grad((out * cot).sum(), args)))
+    for got, want, label in zip(*results, ("out", "q", "k", "v")):
+        np.testing.assert_allclose(_np(got), _np(want), rtol=1e-9, atol=1e-11, err_msg=label)

@@ -1,12 +1,12 @@
-"""The **triton** engine: the sort-scan as two fused Triton kernels, for torch tensors.
+"""The **triton** engine: the sort-scan as two Triton passes, for torch tensors.
 
-The keys are sorted with ``torch.sort``; everything after the sort runs in Triton kernels
-(:mod:`._kernels`): a blocked scan of the sorted value rows (float32 sums within a block of 64 rows
-for float32 / half values, float64 carries between blocks), and a query kernel that finds each
-query's rank by binary search, reads the prefix sums it needs and writes the combined output with
-the centring term and the per-query divisor (normaliser and NaN policy) folded in. Attention runs one
-query pass over the one-column indicator (the ``relu_count`` and normaliser sums) and one over the
-value columns (docs/architecture.rst, "Engines").
+The keys and the queries are sorted with ``torch.sort`` (int32 permutations); everything after the
+sorts runs in Triton kernels (:mod:`._kernels`): pass 1 sums the value rows per tile of sorted keys
+(float64 carries between tiles), pass 2 evaluates each block of sorted queries over the tiles its
+ranks span, re-reading the values rather than a stored prefix table, and writes the combined output
+with the centring term and the per-query divisor (normaliser and NaN policy) folded in, through the
+query permutation. Attention runs one evaluation over the one-column indicator (the ``relu_count``
+and normaliser sums) and one over the value columns (docs/architecture.rst, "Engines").
 
 It serves torch tensors: chosen automatically for CUDA tensors when Triton is installed, and on
 request (``engine="triton"`` / :func:`~slicedkern.use_engine`) for CPU tensors too, which Triton runs
@@ -24,7 +24,7 @@ from .._nanpolicy import screen
 from ..sortscan.pullback import ColumnSums, column_range, knot_grads
 from ..sortscan.sums import queries, sort_keys
 from ..sortscan.wide import arithmetic
-from ._sums import build_table, interpreted, profile_sum
+from ._sums import build_table, interpreted, profile_sum, sort_queries
 
 __all__ = ["TritonEngine"]
 
@@ -79,7 +79,7 @@ class TritonEngine(Engine):
         sc = screen(xp, x, y, w, None, defer=False)
         table = build_table(xp, _rows(xp, sc.y, 1), _rows(xp, w, 2), take=_rows(xp, sc.table_take, 1))
         divisor = _rows(xp, sc.divisor(xp, 1.0), 1)
-        out = profile_sum(xp, table, _rows(xp, sc.x, 1), profile, batch, column_range(profile, c),
+        out = profile_sum(xp, table, sort_queries(xp, _rows(xp, sc.x, 1)), profile, batch, column_range(profile, c),
                           strict=True, divisor=divisor)
         return xp.reshape(out, batch + (n, out.shape[-1]))
 
@@ -93,7 +93,7 @@ class TritonEngine(Engine):
         sc = screen(xp, q, k, v, key_mask, defer=False)
         table = build_table(xp, _rows(xp, sc.y, 1), _rows(xp, v, 2), take=_rows(xp, sc.table_take, 1),
                             ones=True)
-        xr = _rows(xp, sc.x, 1)
+        xr = sort_queries(xp, _rows(xp, sc.x, 1))
         valid = table.totals[:, dv:dv + 1]                          # (R, 1) valid keys
         count = clamp_min(xp, valid, 1.0)
         indicator = range(dv, dv + 1)
@@ -108,12 +108,11 @@ class TritonEngine(Engine):
         divisor = _rows(xp, sc.divisor(xp, den), 1)
         alpha = -(relu_count / count) if center else None
         out = profile_sum(xp, table, xr, profile, batch, range(0, dv), strict=True, alpha=alpha,
-                          divisor=divisor)
+                          divisor=divisor, dtype=dt)
         return xp.reshape(out, batch + (lq, dv)), tuple(residuals)
 
     def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
         batch, n, m, c = tuple(x.shape[:-1]), x.shape[-1], y.shape[-1], w.shape[-1]
-        xr, yr = _rows(xp, x, 1), _rows(xp, y, 1)
         if n == 0 or m == 0:
             dx = xp.zeros(x.shape, dtype=x.dtype, device=x.device)
             dy = xp.zeros(y.shape, dtype=x.dtype, device=x.device)
@@ -121,23 +120,25 @@ class TritonEngine(Engine):
             return dx, dy, dw, [(tuple(None for _ in p.knots), tuple(None for _ in p.coeffs))
                                 for p in profiles]
         # dx: derivative sums over the sorted keys, H(0) = 1 (the scan's convention)
-        keyed = build_table(xp, yr, _rows(xp, w, 2))
+        xr, yr = _rows(xp, x, 1), _rows(xp, y, 1)
+        xq, yq = sort_queries(xp, xr), sort_queries(xp, yr)      # each array sorted once
+        keyed = build_table(xp, yr, _rows(xp, w, 2), presorted=yq)
         dx = None
         for p, g in zip(profiles, cotangents):
-            d = profile_sum(xp, keyed, xr, p.with_(derivative=True), batch, column_range(p, c), strict=False)
+            d = profile_sum(xp, keyed, xq, p.with_(derivative=True), batch, column_range(p, c), strict=False)
             term = xp.sum(d * _rows(xp, g, 2), axis=-1)
             dx = term if dx is None else dx + term
         # dw and dy: the reflected profiles over one sort of the queries carrying every cotangent
         stacked = _rows(xp, xp.concat(list(cotangents), axis=-1), 2)
-        queried = build_table(xp, xr, stacked)
+        queried = build_table(xp, xr, stacked, presorted=xq)
         dw, dy = ColumnSums(c), None
         start = 0
         for p, g in zip(profiles, cotangents):
             span = range(start, start + g.shape[-1])
             start += g.shape[-1]
             r = p.reflect()
-            val = profile_sum(xp, queried, yr, r, batch, span, strict=True)
-            slope = profile_sum(xp, queried, yr, r.with_(derivative=True), batch, span, strict=True)
+            val = profile_sum(xp, queried, yq, r, batch, span, strict=True)
+            slope = profile_sum(xp, queried, yq, r.with_(derivative=True), batch, span, strict=True)
             cols = column_range(p, c)
             dw.add(val, cols)
             term = xp.sum(_rows(xp, w, 2)[..., cols.start:cols.stop] * slope, axis=-1)
@@ -158,6 +159,6 @@ class TritonEngine(Engine):
     def indicator_sums(self, q, k, ones, profiles, *, xp):
         batch, lq = tuple(q.shape[:-1]), q.shape[-1]
         table = build_table(xp, _rows(xp, k, 1), _rows(xp, ones, 2))
-        xr = _rows(xp, q, 1)
+        xr = sort_queries(xp, _rows(xp, q, 1))
         return [xp.reshape(profile_sum(xp, table, xr, p, batch, range(0, 1), strict=True), batch + (lq, 1))
                 for p in profiles]

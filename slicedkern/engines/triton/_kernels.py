@@ -1,5 +1,5 @@
-"""The Triton kernels of the triton engine: a blocked scan over the sorted value rows, and a query
-kernel that searches each query's rank and combines the gathered prefix sums.
+"""The Triton kernels of the triton engine: two passes over the sorted keys, nothing stored per key
+between them (issue 26's design; docs/architecture.rst, "Engines").
 
 This module imports Triton at its top: the engine loads it on the first call that runs on it, so
 ``import slicedkern`` never imports Triton (docs/architecture.rst, "Engines"). The functions are
@@ -7,18 +7,21 @@ jitted by :func:`build` on that first call, not at import, so that Triton's inte
 (``TRITON_INTERPRET``) is read when the kernels are first needed: importing this module (doctest
 collection does) fixes nothing.
 
-Layout (every tensor contiguous, the batch flattened to ``R`` rows):
+Layout (the batch flattened to ``R`` rows):
 
-* ``keys`` (R, m) the sorted keys in the work dtype (float64), ``perm`` (R, m) their original
-  positions, ``shift`` (R,) the median key (subtracted in the arithmetic, as in the scan engine);
-* ``w`` (R, m, c) the weights in their own order and dtype (read once, through ``perm``), ``take``
-  (R, m) int8 the keys that take part (the others weigh zero, whatever they hold);
-* ``table`` (R, m, 2 C) the *block-local* inclusive prefix sums ``[P0 | P1]`` of ``[w, (y - shift) w]``
-  over the sorted rows, ``C = c + ONES`` (``ONES`` appends the indicator column ``take``), in the
-  accumulator dtype (float32 for float32 / half weights, float64 for float64 ones);
-* ``carry`` (R, nb + 1, 2 C) float64: the exclusive prefix sums of the block totals, the last row
-  the grand total. A prefix sum at rank ``r`` is ``carry[(r - 1) // BLOCK_M] + table[r - 1]``:
-  float32 within a block, float64 between blocks (docs/mathematics.rst, "Numerics").
+* ``keys`` (R, m) the sorted keys (float32 for float32 / half scores, float64 for float64), ``perm``
+  (R, m) int32 their original positions, ``shift`` (R,) float64 the median key (subtracted in the
+  arithmetic, as in the scan engine);
+* ``w`` (R, m, c) the weights in their own order, dtype and strides (gathered through ``perm`` by
+  both passes), ``take`` (R, m) int8 the keys that take part (the others weigh zero, whatever they
+  hold);
+* pass 1, :func:`tile_sums`: per tile of ``BLOCK_M`` sorted keys the sums ``[w, (y - shift) w]``
+  (``C = c + ONES`` columns, ``ONES`` the indicator column ``take``), float64; their exclusive prefix
+  is the ``carry`` (R, nb + 1, 2 C), the last row the totals;
+* pass 2, :func:`merge_eval`: per block of sorted queries and per knot, the carry at the block's
+  first rank plus the masked sums of the tiles its ranks span, accumulated in the accumulator dtype
+  (float32 for float32 / half weights) within a tile and in float64 between tiles
+  (docs/mathematics.rst, "Numerics"); the output row is written through the query permutation.
 """
 
 from __future__ import annotations
@@ -30,26 +33,39 @@ try:
 except ImportError:      # imported without Triton (doctest collection): the engine declines before build()
     triton = tl = knobs = None
 
-__all__ = ["build", "interpreted", "block_scan", "query_combine"]
+__all__ = ["build", "interpreted", "tile_sums", "merge_eval"]
 
-_JITTED = ("_rank", "_prefix", "block_scan", "query_combine")
+_JITTED = ("_rank", "_tile", "tile_sums", "merge_eval")
 _mode: list = []     # [interpreted?] once built
 
 
-def block_scan(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, table_ptr, totals_ptr,
-               m, c, C, nb, sw_r, sw_m, sw_c,
-               HAS_TAKE: tl.constexpr, ONES: tl.constexpr, ACC: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
-    """One block of sorted rows x one block of columns: local inclusive sums and the block totals."""
+def tile_sums(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, agg_ptr,
+              m, c, C, nb, sw_r, sw_m, sw_c,
+              HAS_TAKE: tl.constexpr, ONES: tl.constexpr, ACC: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Pass 1: one tile of sorted keys x one block of columns: the tile's sums ``[w | (y - shift) w]``
+    (float64), nothing per key."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     cb = tl.program_id(2)
     j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    jm = j < m
     cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    p = tl.load(perm_ptr + row * m + j, mask=jm, other=0)
+    wv, y = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c,
+                  HAS_TAKE, ONES, ACC)
+    tot = row * nb * 2 * C + blk * 2 * C + cols
+    cm = cols < C
+    tl.store(agg_ptr + tot, tl.sum(wv.to(tl.float64), 0), mask=cm)
+    tl.store(agg_ptr + tot + C, tl.sum((wv * y[:, None]).to(tl.float64), 0), mask=cm)
+
+
+def _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c,
+          HAS_TAKE: tl.constexpr, ONES: tl.constexpr, ACC: tl.constexpr):
+    """The weight rows of the sorted keys ``j`` (gathered through ``perm``, zero for the keys that
+    take no part, the indicator in column ``c`` when ONES) and their shifted keys, in ACC."""
+    jm = j < m
+    p = tl.load(perm_ptr + row * m + j, mask=jm, other=0).to(tl.int64)
     shift = tl.load(shift_ptr + row)
-    y = (tl.load(keys_ptr + row * m + j, mask=jm, other=0.0) - shift).to(ACC)
+    y = (tl.load(keys_ptr + row * m + j, mask=jm, other=0.0).to(tl.float64) - shift).to(ACC)
     ok = jm
     if HAS_TAKE:
         ok = ok & (tl.load(take_ptr + row * m + p, mask=jm, other=0) != 0)
@@ -59,17 +75,7 @@ def block_scan(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, table_ptr, totals
     wv = tl.where(wm, wv.to(ACC), 0.0)
     if ONES:
         wv = tl.where(ok[:, None] & (cols[None, :] == c), 1.0, wv).to(ACC)
-    wy = wv * y[:, None]
-    p0 = tl.cumsum(wv, 0)
-    p1 = tl.cumsum(wy, 0)
-    out = row * m * 2 * C + j[:, None] * 2 * C + cols[None, :]
-    sm = jm[:, None] & (cols[None, :] < C)
-    tl.store(table_ptr + out, p0, mask=sm)
-    tl.store(table_ptr + out + C, p1, mask=sm)
-    tot = row * nb * 2 * C + blk * 2 * C + cols
-    cm = cols < C
-    tl.store(totals_ptr + tot, tl.sum(wv, 0).to(tl.float64), mask=cm)
-    tl.store(totals_ptr + tot + C, tl.sum(wy, 0).to(tl.float64), mask=cm)
+    return wv, tl.where(ok, y, 0.0)
 
 
 def _rank(keys_ptr, row, m, d, e, STRICT: tl.constexpr, LOG_M: tl.constexpr):
@@ -92,31 +98,22 @@ def _rank(keys_ptr, row, m, d, e, STRICT: tl.constexpr, LOG_M: tl.constexpr):
     return pos
 
 
-def _prefix(table_ptr, carry_ptr, row, m, C, nb, rank, cols, part, nm, cm, BLOCK_M: tl.constexpr):
-    """Exclusive prefix sums at ``rank`` (BLOCK_N,) of part ``part`` (0: P0, 1: P1), float64."""
-    has = nm & (rank > 0)
-    r1 = tl.where(has, rank - 1, 0)
-    blk = r1 // BLOCK_M
-    lm = has[:, None] & cm[None, :]
-    local = tl.load(table_ptr + row * m * 2 * C + r1[:, None] * 2 * C + part * C + cols[None, :],
-                    mask=lm, other=0.0).to(tl.float64)
-    carry = tl.load(carry_ptr + row * (nb + 1) * 2 * C + blk[:, None] * 2 * C + part * C + cols[None, :],
-                    mask=lm, other=0.0)
-    return local + carry
+def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, carry_ptr,
+               knots_ptr, coeffs_ptr, lin_ptr, alpha_ptr, div_ptr, out_ptr,
+               n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c,
+               K: tl.constexpr, STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_ALPHA: tl.constexpr,
+               HAS_DIV: tl.constexpr, HAS_TAKE: tl.constexpr, ONES: tl.constexpr, ACC: tl.constexpr,
+               LOG_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Pass 2: ``out[perm_i, :] = (profile sum over columns col0 .. col0 + width + alpha_i total P0) / div_i``
+    for one block of *sorted* queries.
 
-
-def query_combine(x_ptr, keys_ptr, shift_ptr, table_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr,
-                  alpha_ptr, div_ptr, out_ptr,
-                  n, m, C, nb, col0, width,
-                  K: tl.constexpr, STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_ALPHA: tl.constexpr,
-                  HAS_DIV: tl.constexpr, LOG_M: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``out[i, :] = (profile sum over columns col0 .. col0 + width + alpha_i * total P0) / div_i``.
-
+    Per knot the block's ranks are increasing (``x - t`` keeps the order of ``x``), so its queries
+    read one contiguous range of sorted keys: the carry (float64 sums of the tiles before it) plus,
+    tile by tile over the range, the sums of the keys below each query as a masked product
+    ``[j < rank_i] @ rows_j`` in ACC (float32 within a tile, float64 between tiles). The rows are
+    re-gathered from ``w`` through the key permutation: nothing per key is stored between the passes.
     The profile ``intercept + slope r + sum_k coeffs[k] ReLU(r - knots[k])`` (per batch row:
     ``knots``, ``coeffs`` (R, K), ``lin`` (R, 2) = slope, intercept), or its derivative when DERIV.
-    Value: ``sum_k c_k (s_k P0[r_k] - P1[r_k]) + (intercept + slope xs) P0[m] - slope P1[m]`` with
-    ``s_k = x - shift - t_k``; derivative: ``sum_k c_k P0[r_k] + slope P0[m]``. Float64 throughout.
     """
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -124,7 +121,7 @@ def query_combine(x_ptr, keys_ptr, shift_ptr, table_ptr, carry_ptr, knots_ptr, c
     nm = i < n
     cm = cl < width
     cols = col0 + cl
-    x = tl.load(x_ptr + row * n + i, mask=nm, other=0.0)
+    x = tl.load(xs_ptr + row * n + i, mask=nm, other=0.0)
     shift = tl.load(shift_ptr + row)
     xs = x - shift
     acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float64)
@@ -135,11 +132,24 @@ def query_combine(x_ptr, keys_ptr, shift_ptr, table_ptr, carry_ptr, knots_ptr, c
         bb = d - x
         e = (x - (d - bb)) + (-t - bb)          # x - t = d + e exactly (TwoSum)
         rank = _rank(keys_ptr, row, m, d, e, STRICT, LOG_M)
-        p0 = _prefix(table_ptr, carry_ptr, row, m, C, nb, rank, cols, 0, nm, cm, BLOCK_M)
+        lo = tl.min(tl.where(nm, rank, m))
+        hi = tl.max(tl.where(nm, rank, 0))
+        first = lo // BLOCK_M
+        base = row * (nb + 1) * 2 * C + first * 2 * C + cols
+        p0 = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float64) + tl.load(carry_ptr + base, mask=cm, other=0.0)[None, :]
+        p1 = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float64) + tl.load(carry_ptr + base + C, mask=cm,
+                                                                     other=0.0)[None, :]
+        for blk in range(first, tl.cdiv(hi, BLOCK_M)):
+            j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+            wv, y = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c,
+                          HAS_TAKE, ONES, ACC)
+            below = (j[None, :] < rank[:, None]).to(ACC)
+            p0 += tl.dot(below, wv, input_precision="ieee", out_dtype=ACC).to(tl.float64)
+            if not DERIV:
+                p1 += tl.dot(below, wv * y[:, None], input_precision="ieee", out_dtype=ACC).to(tl.float64)
         if DERIV:
             acc += cf * p0
         else:
-            p1 = _prefix(table_ptr, carry_ptr, row, m, C, nb, rank, cols, 1, nm, cm, BLOCK_M)
             s = xs - t
             acc += cf * (s[:, None] * p0 - p1)
     slope = tl.load(lin_ptr + row * 2)
@@ -151,12 +161,12 @@ def query_combine(x_ptr, keys_ptr, shift_ptr, table_ptr, carry_ptr, knots_ptr, c
         acc += slope * t0[None, :]
     else:
         acc += (intercept + slope * xs)[:, None] * t0[None, :] - slope * t1[None, :]
+    dest = tl.load(xperm_ptr + row * n + i, mask=nm, other=0).to(tl.int64)
     if HAS_ALPHA:
-        acc += tl.load(alpha_ptr + row * n + i, mask=nm, other=0.0)[:, None] * t0[None, :]
+        acc += tl.load(alpha_ptr + row * n + dest, mask=nm, other=0.0)[:, None] * t0[None, :]
     if HAS_DIV:
-        acc = acc / tl.load(div_ptr + row * n + i, mask=nm, other=1.0)[:, None]
-    tl.store(out_ptr + row * n * width + i[:, None] * width + cl[None, :], acc,
-             mask=nm[:, None] & cm[None, :])
+        acc = acc / tl.load(div_ptr + row * n + dest, mask=nm, other=1.0)[:, None]
+    tl.store(out_ptr + row * n * width + dest[:, None] * width + cl[None, :], acc, mask=nm[:, None] & cm[None, :])
 
 
 def build() -> None:

@@ -1,9 +1,11 @@
-"""Profile sums on the Triton kernels: the sorted-key table and the per-profile query launches.
+"""Profile sums on the Triton kernels: the sorted keys with their tile carries, the sorted queries,
+and one evaluation launch per profile and column range.
 
 The same sums as the scan engine's :func:`~slicedkern.engines.sortscan.sums.profile_sums` (the same
-shift by the median key, the same tie rules), computed by two kernels (:mod:`._kernels`): one
-blocked scan of the sorted value rows, one query pass per profile and column range. Arrays are
-torch tensors; the batch is flattened to rows here and restored by the caller.
+shift by the median key, the same tie rules), computed by two kernels (:mod:`._kernels`): the tile
+sums of the sorted keys (pass 1), and the evaluation at the sorted queries (pass 2), which re-reads
+the weights instead of a stored prefix table. Arrays are torch tensors; the batch is flattened to
+rows here and restored by the caller.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from typing import Any, NamedTuple
 
 from ...kernels import Profile, is_fixed
 
-__all__ = ["Table", "build_table", "profile_sum", "loaded", "interpreted"]
+__all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "loaded", "interpreted"]
 
-#: Rows per scan block: the float32 local sums run over at most this many rows before a float64 carry.
+#: Keys per tile (float32 sums run over at most this many keys before a float64 carry), queries per
+#: block and columns per block.
 BLOCK_M = 64
 BLOCK_N = 64
 BLOCK_C = 32
@@ -41,11 +44,15 @@ def interpreted() -> bool:
 
 
 class Table(NamedTuple):
-    keys: Any    # (R, m) sorted keys, work dtype
-    shift: Any   # (R,) the median key
-    local: Any   # (R, m, 2C) block-local inclusive sums [P0 | P1], accumulator dtype
-    carry: Any   # (R, nb + 1, 2C) float64 exclusive block carries; the last row the totals
-    C: int       # columns of the table (the weight columns, plus the indicator column)
+    """Sorted keys and the float64 carries between tiles; the weights stay where they are."""
+    keys: Any    # (R, m) sorted keys (float32 for float32 / half scores, float64 for float64 ones)
+    perm: Any    # (R, m) int32: the original position of each sorted key
+    shift: Any   # (R,) float64: the median key
+    carry: Any   # (R, nb + 1, 2 C) float64 exclusive prefix sums of the tile sums; the last row the totals
+    w: Any       # (R, m, c) the weights in their own order, dtype and strides (re-read by pass 2)
+    take: Any    # (R, m) int8 the keys that take part, or None
+    C: int       # columns of the sums (the weight columns, plus the indicator column)
+    ones: bool   # whether column c is the indicator
 
     @property
     def totals(self):
@@ -53,36 +60,55 @@ class Table(NamedTuple):
         return self.carry[:, -1, :]
 
 
+class Queries(NamedTuple):
+    """Queries sorted once per call and shared by every profile sum of the call."""
+    sorted: Any  # (R, n) float64 sorted queries
+    perm: Any    # (R, n) int32: the original position of each sorted query
+
+
 def _acc_dtype(xp, w):
     return xp.float64 if w.dtype == xp.float64 else xp.float32
 
 
-def build_table(xp, y, w, *, take=None, ones=False) -> Table:
-    """Sort the keys ``y`` (R, m) and scan ``[w, (y - shift) w]`` (R, m, c) in blocks.
+def _sort(xp, a):
+    """Sorted values (float32 for float32 / half inputs, float64 for float64) and an int32 permutation."""
+    work = xp.float64 if a.dtype == xp.float64 else xp.float32
+    values, perm = xp.astype(a, work).sort(dim=-1, stable=True)
+    return values.contiguous(), xp.astype(perm, xp.int32).contiguous()
 
-    ``take`` (R, m) bool zeroes the weights of the keys that take no part; ``ones`` appends the
-    indicator column (``take``, or ones) to the table without a concatenated copy of ``w``.
+
+def sort_queries(xp, x) -> Queries:
+    """The queries ``x`` (R, n), sorted once (float64 values: the knots' arithmetic runs in float64)."""
+    values, perm = _sort(xp, x)
+    return Queries(xp.astype(values, xp.float64).contiguous(), perm)
+
+
+def build_table(xp, y, w, *, take=None, ones=False, presorted: Queries | None = None) -> Table:
+    """Sort the keys ``y`` (R, m) and sum ``[w, (y - shift) w]`` (R, m, c) per tile of sorted keys
+    (pass 1); the tile sums' float64 prefix is the carry.
+
+    ``take`` (R, m) bool zeroes the weights of the keys that take no part; ``ones`` adds the
+    indicator column (``take``, or ones) without a concatenated copy of ``w``; ``presorted``: ``y``
+    sorted already (:func:`sort_queries` of it), so that an array is sorted once per call.
     """
     rows, m = y.shape
     c = w.shape[-1]
-    keys, perm = y.sort(dim=-1, stable=True)
-    keys = keys.contiguous()
-    shift = keys[:, m // 2].contiguous()
+    keys, perm = _sort(xp, y) if presorted is None else presorted
+    shift = xp.astype(keys[:, m // 2], xp.float64).contiguous()
     C = c + (1 if ones else 0)
     nb = triton_cdiv(m, BLOCK_M)
     dev = y.device
-    local = xp.empty((rows, m, 2 * C), dtype=_acc_dtype(xp, w), device=dev)
-    totals = xp.empty((rows, nb, 2 * C), dtype=xp.float64, device=dev)
-    take_arg = xp.astype(take, xp.int8).contiguous() if take is not None else keys
+    sums = xp.empty((rows, nb, 2 * C), dtype=xp.float64, device=dev)
+    take_arg = xp.astype(take, xp.int8).contiguous() if take is not None else None
     grid = (rows, nb, triton_cdiv(C, BLOCK_C))
     k = loaded()
-    k.block_scan[grid](keys, shift, perm.contiguous(), w, take_arg, local, totals,
-                       m, c, C, nb, w.stride(0), w.stride(1), w.stride(2),
-                       HAS_TAKE=take is not None, ONES=ones, ACC=_tl_dtype(k, local.dtype, xp),
-                       BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C)
+    k.tile_sums[grid](keys, shift, perm, w, take_arg if take is not None else perm, sums,
+                      m, c, C, nb, w.stride(0), w.stride(1), w.stride(2),
+                      HAS_TAKE=take is not None, ONES=ones, ACC=_tl_dtype(k, _acc_dtype(xp, w), xp),
+                      BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C)
     zero = xp.zeros((rows, 1, 2 * C), dtype=xp.float64, device=dev)
-    carry = xp.concat([zero, xp.cumulative_sum(totals, axis=1)], axis=1)
-    return Table(keys, shift, local, carry, C)
+    carry = xp.concat([zero, xp.cumulative_sum(sums, axis=1)], axis=1)
+    return Table(keys, perm, shift, carry, w, take_arg, C, ones)
 
 
 def _tl_dtype(k, dtype, xp):
@@ -101,18 +127,21 @@ def _per_row(xp, value, batch, rows, dev):
     return xp.reshape(value, (rows,))
 
 
-def profile_sum(xp, table: Table, x, profile: Profile, batch, cols: range, *, strict: bool,
-                alpha=None, divisor=None):
+def profile_sum(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, *, strict: bool,
+                alpha=None, divisor=None, dtype=None):
     """``(sum over the profile of table columns cols + alpha * totals) / divisor``, (R, n, len(cols)).
 
-    ``x`` (R, n) float64 queries; ``alpha``, ``divisor`` (R, n) float64 or None; ``batch`` the batch
-    shape the profile's array parameters broadcast to. Float64 result.
+    ``queries``: :func:`sort_queries` of the (R, n) queries; ``alpha``, ``divisor`` (R, n) float64
+    or None, in the queries' original order; ``batch`` the batch shape the profile's array parameters
+    broadcast to. The result in the queries' original order (pass 2, one launch), written in
+    ``dtype`` (float64 when None) from float64 sums.
     """
+    x = queries.sorted
     rows, n = x.shape
     m = table.keys.shape[-1]
     dev = x.device
     width = len(cols)
-    out = xp.empty((rows, n, width), dtype=xp.float64, device=dev)
+    out = xp.empty((rows, n, width), dtype=xp.float64 if dtype is None else dtype, device=dev)
     if width == 0 or rows == 0 or n == 0:
         return out
     pairs = [(t, cf) for t, cf in zip(profile.knots, profile.coeffs) if not (is_fixed(cf) and cf == 0)]
@@ -125,12 +154,17 @@ def profile_sum(xp, table: Table, x, profile: Profile, batch, cols: range, *, st
     lin = xp.stack([_per_row(xp, profile.slope, batch, rows, dev),
                     _per_row(xp, profile.intercept, batch, rows, dev)], axis=-1).contiguous()
     nb = table.carry.shape[1] - 1
+    w = table.w
+    c = w.shape[-1]
     grid = (rows, triton_cdiv(n, BLOCK_N), triton_cdiv(width, BLOCK_C))
-    loaded().query_combine[grid](
-        x, table.keys, table.shift, table.local, table.carry, knots, coeffs, lin,
+    k = loaded()
+    k.merge_eval[grid](
+        x, queries.perm, table.keys, table.shift, table.perm, w,
+        table.take if table.take is not None else table.perm, table.carry, knots, coeffs, lin,
         alpha if alpha is not None else x, divisor if divisor is not None else x, out,
-        n, m, table.C, nb, cols.start, width,
+        n, m, c, table.C, nb, cols.start, width, w.stride(0), w.stride(1), w.stride(2),
         K=K, STRICT=strict, DERIV=bool(profile.derivative), HAS_ALPHA=alpha is not None,
-        HAS_DIV=divisor is not None, LOG_M=max(1, math.ceil(math.log2(m + 1))), BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C)
+        HAS_DIV=divisor is not None, HAS_TAKE=table.take is not None, ONES=table.ones,
+        ACC=_tl_dtype(k, _acc_dtype(xp, w), xp), LOG_M=max(1, math.ceil(math.log2(m + 1))),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C)
     return out

@@ -100,7 +100,27 @@ html_title = f"slicedkern {release}"
 html_static_path = ["_static"]
 html_css_files = ["slicedkern.css"]
 html_show_sourcelink = False
+# The header shows the first pages of index.rst's table of contents (getting started, the gallery,
+# the API reference, ...) and the rest under "More"; its icons link to the project's URLs of
+# pyproject.toml ([project.urls]: the paper, and the repository and package index once listed).
+_ICONS = {"paper": "fa-solid fa-file-lines", "repository": "fa-brands fa-github",
+          "source": "fa-brands fa-github", "pypi": "fa-brands fa-python",
+          "package index": "fa-brands fa-python"}
+
+
+def _project_urls() -> dict[str, str]:
+    try:
+        import tomllib
+    except ImportError:  # pragma: no cover - Python 3.10 builds without the icons
+        return {}
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f).get("project", {}).get("urls", {})
+
+
 html_theme_options = {
+    "header_links_before_dropdown": 5,
+    "icon_links": [{"name": name, "url": url, "icon": _ICONS.get(name.lower(), "fa-solid fa-link")}
+                   for name, url in _project_urls().items()],
     "navigation_with_keys": False,
     "show_toc_level": 2,
     "secondary_sidebar_items": ["page-toc"],

@@ -42,11 +42,14 @@ extensions = [
     "sphinx-mathjax-offline",          # MathJax ships with the pages: formulas render offline too
     "numpydoc",
     "sphinx_gallery.gen_gallery",
+    "doc_links",                       # docstrings' "docs/page.rst, 'Section'" and "paper eq. 3" as links
 ]
 
 templates_path = ["_templates"]
 exclude_patterns = ["_build", "examples", "**.ipynb_checkpoints"]
 default_role = "literal"
+# Every page may cite the paper as `paper`_.
+rst_epilog = "\n.. _paper: https://arxiv.org/abs/2512.11411\n"
 pygments_style = "sphinx"
 
 # -- autodoc / autosummary / numpydoc ------------------------------------------------------------

@@ -314,8 +314,8 @@ class SlicedTransformerEncoderLayer(nn.Module):
     --------
     >>> import torch
     >>> from slicedkern.nn.torch import SlicedTransformerEncoderLayer
-    >>> layer = SlicedTransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True, norm_first=True,
-    ...                                       kernel="hat")
+    >>> layer = SlicedTransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True,
+    ...                                       norm_first=True, kernel="hat")
     >>> layer(torch.randn(2, 12, 32)).shape
     torch.Size([2, 12, 32])
     """

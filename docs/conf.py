@@ -121,7 +121,7 @@ def _project_urls() -> dict[str, str]:
 
 
 html_theme_options = {
-    "header_links_before_dropdown": 5,
+    "header_links_before_dropdown": 4,
     "icon_links": [{"name": name, "url": url, "icon": _ICONS.get(name.lower(), "fa-solid fa-link")}
                    for name, url in _project_urls().items()],
     "navigation_with_keys": False,

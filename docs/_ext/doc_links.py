@@ -20,7 +20,7 @@ PAPER_URL = "https://arxiv.org/abs/2512.11411"
 # Titled paragraphs (bold run-in titles, not sections) that carry an explicit label, and short names
 # of sections.
 PARAGRAPH_LABELS = {
-    ("scaling", "Dask"): "scaling:dask: the sliced statistics",
+    ("scaling", "Dask"): "scaling-dask",
     ("backends", "Threads"): "threads",
     ("backends", "JAX on the CPU"): "jax-cpu",
     ("backends", "First call"): "first-call",

@@ -13,7 +13,7 @@ Examples
 >>> attn = SlicedAttention(16, 4, kernel="hat", batch_first=True)
 >>> x = torch.randn(2, 10, 16)
 >>> pad = torch.zeros(2, 10, dtype=torch.bool)
->>> pad[1, 7:] = True                     # the last three tokens of the second sequence are padding
+>>> pad[1, 7:] = True       # the last three tokens of the second sequence are padding
 >>> out, weights = attn(x, x, x, key_padding_mask=pad)
 >>> out.shape, weights
 (torch.Size([2, 10, 16]), None)

@@ -45,11 +45,13 @@ diff = dense - scan
 scale = max(np.abs(diff).max(), 1e-300)
 im2 = axes[2].imshow(diff, cmap="RdBu_r", vmin=-scale, vmax=scale)
 axes[2].set_title("difference")
-for ax, im in zip(axes, (im0, im1, im2)):
+labels = ("K_ij = f(q_i - k_j)", "K_ij = f(q_i - k_j)", "dense - sort-scan")
+for ax, im, label in zip(axes, (im0, im1, im2), labels):
     ax.set_xlabel("key j")
-    fig.colorbar(im, ax=ax, shrink=0.8)
+    fig.colorbar(im, ax=ax, shrink=0.8, label=label)
 axes[0].set_ylabel("query i")
 fig.tight_layout()
+plt.show()
 
 # %%
 # The same for the attention itself

@@ -28,7 +28,7 @@ k = np.cos(2 * np.pi * t / L) + 0.1 * rng.standard_normal(L)
 kernel = Hat(0.5)
 
 dense = reference.kernel_matrix(q, k, kernel)            # (Lq, Lk), K_ij = f(q_i - k_j)
-scan = slicedkern.kernel_sum(q, k, np.eye(L), kernel)    # (Lq, Lk): the columns of K = K @ I
+scan = slicedkern.kernel_sum(q, k, np.eye(L), kernel)    # (Lq, Lk): K = K @ I
 
 print("shape:", scan.shape)
 print("max |dense - sort-scan| =", np.abs(dense - scan).max())

@@ -84,7 +84,8 @@ def sample_shape(rng, label, n):
         return np.stack((0.6 * np.cos(angle), 0.6 * np.sin(angle), z), axis=1)
     tube = rng.uniform(0, 2 * np.pi, n)                   # torus
     ring = 0.75 + 0.3 * np.cos(tube)
-    return np.stack((ring * np.cos(angle), ring * np.sin(angle), 0.3 * np.sin(tube)), axis=1)
+    height = 0.3 * np.sin(tube)
+    return np.stack((ring * np.cos(angle), ring * np.sin(angle), height), axis=1)
 
 
 def batch_of_clouds(rng, batch, points):
@@ -96,7 +97,8 @@ def batch_of_clouds(rng, batch, points):
         x = sample_shape(rng, label, points)
         rotation, r = np.linalg.qr(rng.normal(size=(3, 3)))
         rotation *= np.sign(np.diag(r))                   # uniformly random orthogonal
-        x = (x * rng.uniform(0.7, 1.3, 3)) @ rotation.T + rng.normal(scale=0.02, size=x.shape)
+        x = (x * rng.uniform(0.7, 1.3, 3)) @ rotation.T          # rotated, stretched
+        x = x + rng.normal(scale=0.02, size=x.shape)
         drop = rng.random(points) < rng.uniform(0.0, 0.5)
         drop[0] = False                                   # at least one point stays
         x = x - x[~drop].mean(axis=0)
@@ -154,7 +156,8 @@ def train_and_test(attention, seed):
     rng = np.random.default_rng(seed)
     model = PointCloudClassifier(attention)
     optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, max_lr=3e-3, total_steps=STEPS)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, max_lr=3e-3,
+                                                   total_steps=STEPS)
     start = time.perf_counter()
     for _ in range(STEPS):
         points, padding, labels = batch_of_clouds(rng, BATCH, POINTS)

@@ -88,15 +88,16 @@ class CharLM(nn.Module):
         if attention == "softmax":
             layers = [nn.TransformerEncoderLayer(WIDTH, HEADS, **kw) for _ in range(LAYERS)]
         else:
-            layers = [SlicedTransformerEncoderLayer(WIDTH, HEADS, kernel=attention, rope=True,
-                                                    **kw) for _ in range(LAYERS)]
+            layers = [SlicedTransformerEncoderLayer(WIDTH, HEADS, kernel=attention,
+                                                    rope=True, **kw)
+                      for _ in range(LAYERS)]
         self.layers = nn.ModuleList(layers)
         self.norm = nn.LayerNorm(WIDTH)
         self.out = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, tokens, offset=0, caches=None):
-        """Logits (N, L, VOCAB) of ``tokens`` (N, L) at positions ``offset, offset + 1, ...``;
-        with ``caches`` (one per layer), ``tokens`` are the new ones only."""
+        """Logits (N, L, VOCAB) of ``tokens`` (N, L) at positions ``offset, ...``; with
+        ``caches`` (one per layer), ``tokens`` are the new ones only."""
         length = tokens.shape[1]
         x = self.embed(tokens) + self.position(torch.arange(offset, offset + length))
         for i, layer in enumerate(self.layers):
@@ -169,7 +170,8 @@ class Table:
 
 trained = {name: train(name) for name in MODELS}
 Table(["attention", "validation bits / char", "training step (ms)"],
-      [[name, f"{bpc:.3f}", f"{1e3 * step:.1f}"] for name, (_, bpc, step) in trained.items()])
+      [[name, f"{bpc:.3f}", f"{1e3 * step:.1f}"]
+       for name, (_, bpc, step) in trained.items()])
 
 # %%
 # Generation with the cache equals full recomputation

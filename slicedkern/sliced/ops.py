@@ -316,7 +316,8 @@ def sliced_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, d
     >>> rng = np.random.default_rng(0)
     >>> q, k = rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 7, 4))
     >>> v = rng.normal(size=(2, 7, 3))
-    >>> out = sliced_attention(q, k, v, ReLU(), directions=8, seed=0, center=True, normalize="abs")
+    >>> out = sliced_attention(q, k, v, ReLU(), directions=8, seed=0, center=True,
+    ...                        normalize="abs")
     >>> out.shape
     (2, 5, 3)
     """

@@ -181,7 +181,9 @@ class Table:
         self.header, self.rows = header, rows
 
     def _repr_html_(self):
-        cells = lambda row, tag: "".join(f"<{tag}>{c}</{tag}>" for c in row)  # noqa: E731
+        def cells(row, tag):
+            return "".join(f"<{tag}>{c}</{tag}>" for c in row)
+
         body = "".join(f"<tr>{cells(row, 'td')}</tr>" for row in self.rows)
         return f"<table><tr>{cells(self.header, 'th')}</tr>{body}</table>"
 

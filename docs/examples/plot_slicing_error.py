@@ -62,6 +62,7 @@ methods = ["random", "orthogonal", "sobol"]
 slices = [8, 16, 32, 64, 128, 256]
 seeds = range(16)
 errors = {}
+print("relative error" + "".join(f"{f'P = {P}':>11s}" for P in slices))
 for method in methods:
     estimates = np.empty((len(seeds), len(slices)))
     for row, seed in enumerate(seeds):
@@ -70,8 +71,7 @@ for method in methods:
                                                (y @ theta.T).T[..., None])
         estimates[row] = [per_slice[:P].mean() / kappa for P in slices]
     errors[method] = np.sqrt(np.mean((estimates - exact) ** 2, axis=0)) / exact
-    cells = "  ".join(f"P={P}: {e:.1e}" for P, e in zip(slices, errors[method]))
-    print(f"{method:>10s}: {cells}")
+    print(f"{method:>14s}" + "".join(f"{e:11.1e}" for e in errors[method]))
 
 ratio = errors["random"][-1] / errors["orthogonal"][-1]
 print(f"at P = {slices[-1]}, orthogonal frames are {ratio:.1f}x more accurate than i.i.d. "

@@ -22,8 +22,8 @@ Run from the repository root::
     PYTHONPATH=. python scripts/attention_training.py --size ci               # seconds: what CI runs
     PYTHONPATH=. python scripts/attention_training.py --tasks recall --seeds 0 --timing-lengths 1024,4096
 
-The docs gallery example ``docs/examples/plot_attention_training.py`` runs this code at a reduced
-size (``SLICEDKERN_EXAMPLE_SIZE=full`` runs the full one).
+The docs gallery example ``docs/examples/plot_attention_training.py`` is a self-contained, smaller
+version of the shapes task (four shapes, one seed) with the same kind of model.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ whole text so far.
 
 Run from the repository root::
 
-    PYTHONPATH=. python scripts/char_lm.py --size ci        # a few minutes on CPU: what the docs build runs
+    PYTHONPATH=. python scripts/char_lm.py --size ci        # a few minutes on CPU (the size of the gallery example)
     PYTHONPATH=. python scripts/char_lm.py --size full --seeds 0,1,2 --context 256
     PYTHONPATH=. python scripts/char_lm.py --size full --seeds 0,1,2 --context 2048
 """

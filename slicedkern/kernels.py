@@ -151,7 +151,11 @@ class PiecewiseLinear:
         return (-1.0) * self
 
     def reflect(self) -> PiecewiseLinear:
-        """The profile ``r -> f(-r)``, again piecewise linear (see :func:`_reflected`)."""
+        """The profile ``r -> f(-r)``, again piecewise linear.
+
+        ``ReLU(-r - t) = ReLU(r + t) - (r + t)``: the knots change sign, the coefficients stay, and
+        the slope and intercept absorb the linear terms.
+        """
         return PiecewiseLinear(*_reflected(self._knots, self._coeffs, self._slope, self._intercept))
 
     def derivative_at(self, r):

@@ -10,7 +10,8 @@ Examples
 >>> import numpy as np
 >>> from slicedkern import reference
 >>> from slicedkern.kernels import ReLU
->>> reference.kernel_sum(np.array([0.0, 2.0]), np.array([0.0, 1.0, 3.0]), np.ones(3), ReLU())
+>>> x, y = np.array([0.0, 2.0]), np.array([0.0, 1.0, 3.0])
+>>> reference.kernel_sum(x, y, np.ones(3), ReLU())
 array([0., 3.])
 """
 

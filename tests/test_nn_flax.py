@@ -259,3 +259,14 @@ def test_bad_arguments_name_the_argument():
         module(x, x, x, need_weights=True)
     with pytest.raises(ValueError, match="attn_mask"):
         module(x, x, x, attn_mask=jnp.zeros((5, 5), dtype=bool))
+
+
+def test_signatures_are_the_constructors():
+    """help() and the API pages show the constructors' parameters (NNX's metaclass hid them)."""
+    import inspect
+
+    layer = inspect.signature(sk_flax.SlicedAttention)
+    assert list(layer.parameters)[:2] == ["embed_dim", "num_heads"]
+    assert list(layer.parameters) == list(inspect.signature(sk_torch.SlicedAttention).parameters)[
+        :len(layer.parameters) - 2] + ["param_dtype", "rngs"]
+    assert "value" in inspect.signature(sk_flax.FixedBandwidth).parameters

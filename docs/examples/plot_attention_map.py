@@ -28,7 +28,7 @@ k = np.cos(2 * np.pi * t / L) + 0.1 * rng.standard_normal(L)
 kernel = Hat(0.5)
 
 dense = reference.kernel_matrix(q, k, kernel)            # (Lq, Lk), K_ij = f(q_i - k_j)
-scan = slicedkern.kernel_sum(q, k, np.eye(L), kernel)    # (Lq, Lk): the columns of K = K @ I
+scan = slicedkern.kernel_sum(q, k, np.eye(L), kernel)    # (Lq, Lk): K = K @ I
 
 print("shape:", scan.shape)
 print("max |dense - sort-scan| =", np.abs(dense - scan).max())
@@ -45,11 +45,13 @@ diff = dense - scan
 scale = max(np.abs(diff).max(), 1e-300)
 im2 = axes[2].imshow(diff, cmap="RdBu_r", vmin=-scale, vmax=scale)
 axes[2].set_title("difference")
-for ax, im in zip(axes, (im0, im1, im2)):
+labels = ("K_ij = f(q_i - k_j)", "K_ij = f(q_i - k_j)", "dense - sort-scan")
+for ax, im, label in zip(axes, (im0, im1, im2), labels):
     ax.set_xlabel("key j")
-    fig.colorbar(im, ax=ax, shrink=0.8)
+    fig.colorbar(im, ax=ax, shrink=0.8, label=label)
 axes[0].set_ylabel("query i")
 fig.tight_layout()
+plt.show()
 
 # %%
 # The same for the attention itself

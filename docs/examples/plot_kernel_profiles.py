@@ -32,6 +32,7 @@ for ax, (name, f) in zip(axes, kernels.items()):
 axes[0].set_ylabel("f(r)")
 axes[0].legend(loc="upper left", fontsize=8)
 fig.tight_layout()
+plt.show()
 
 # %%
 # The representation
@@ -40,7 +41,8 @@ fig.tight_layout()
 # intercept ``a``. The number of knots is what a sort-scan pays for: one binary search each.
 
 for name, f in kernels.items():
-    print(f"{name:38s} knots={f.knots}  coeffs={f.coeffs}  slope={f.slope}  intercept={f.intercept}")
+    print(f"{name}\n    knots={f.knots}  coeffs={f.coeffs}\n"
+          f"    slope={f.slope}  intercept={f.intercept}")
 
 # %%
 # The kernel algebra

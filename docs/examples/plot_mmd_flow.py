@@ -35,7 +35,8 @@ n = 400
 # start: a tight Gaussian blob off to the side; target: a noisy ring
 start = 0.4 * rng.standard_normal((n, 2)) + np.array([-2.5, -1.5])
 angle = rng.uniform(0.0, 2.0 * math.pi, n)
-target = 1.5 * np.stack([np.cos(angle), np.sin(angle)], axis=1) + 0.08 * rng.standard_normal((n, 2))
+ring = 1.5 * np.stack([np.cos(angle), np.sin(angle)], axis=1)
+target = ring + 0.08 * rng.standard_normal((n, 2))
 
 kernel = -Abs()            # the profile -|r|: sliced MMD^2 = kappa_d * energy distance
 n_slices = 64
@@ -48,9 +49,10 @@ step_size = 1.0 * n        # the gradient of a mean over points carries a factor
 
 theta = slicedkern.directions(n_slices, 2, seed=0)
 kappa_2 = 2.0 / math.pi
-print("mmd(x, y, -Abs())          =", float(slicedkern.mmd(start, target, kernel, directions=theta)))
-print("kappa_2 * energy_distance  =", kappa_2 * float(slicedkern.energy_distance(start, target,
-                                                                                  directions=theta)))
+mmd = float(slicedkern.mmd(start, target, kernel, directions=theta))
+energy = float(slicedkern.energy_distance(start, target, directions=theta))
+print("mmd(x, y, -Abs())          =", mmd)
+print("kappa_2 * energy_distance  =", kappa_2 * energy)
 
 # %%
 # The flow: plain gradient descent on the positions of ``x``.
@@ -64,7 +66,8 @@ def gradient_torch(x, y, seed):
 
 
 def gradient_vjp(x, y, seed):
-    loss, pullback = slicedkern.vjp(slicedkern.mmd, x, y, kernel, directions=n_slices, seed=seed)
+    loss, pullback = slicedkern.vjp(slicedkern.mmd, x, y, kernel, directions=n_slices,
+                                    seed=seed)
     grad = pullback(np.ones_like(loss))[0]
     return float(loss), grad
 
@@ -93,7 +96,8 @@ print(f"sliced MMD^2: {losses[0]:.4f} at the start, {final:.2e} after {steps} st
 # %%
 # Start, two intermediate states, and the end of the flow, over the target ring; and the loss.
 
-fig, axes = plt.subplots(1, 5, figsize=(16, 3.6), gridspec_kw={"width_ratios": [1, 1, 1, 1, 1.2]})
+fig, axes = plt.subplots(1, 5, figsize=(16, 3.6),
+                         gridspec_kw={"width_ratios": [1, 1, 1, 1, 1.2]})
 for ax, (step, points) in zip(axes, snapshots.items()):
     ax.scatter(target[:, 0], target[:, 1], s=4, color="0.75", label="target y")
     ax.scatter(points[:, 0], points[:, 1], s=4, color="C0", label="x")
@@ -108,3 +112,4 @@ axes[-1].semilogy(np.arange(steps), losses)
 axes[-1].set_xlabel("step")
 axes[-1].set_title("sliced MMD$^2$ (-|r| kernel)")
 fig.tight_layout()
+plt.show()

@@ -47,7 +47,9 @@ kappa = math.gamma(d / 2) / (math.sqrt(math.pi) * math.gamma((d + 1) / 2))
 sliced = float(slicedkern.energy_distance(x, y, directions=theta))
 
 # the same number from 64 one-dimensional problems, batched: shape (P, n, 1) -> (P,)
-per_slice = slicedkern.energy_distance((x @ theta.T).T[..., None], (y @ theta.T).T[..., None])
+# one 1-D problem per direction: (P, n, 1) and (P, m, 1)
+per_slice = slicedkern.energy_distance((x @ theta.T).T[..., None],
+                                       (y @ theta.T).T[..., None])
 print(f"sliced estimate, P = 64: {sliced:.6f}   mean of the 1-D distances / kappa_d: "
       f"{per_slice.mean() / kappa:.6f}")
 
@@ -60,17 +62,20 @@ methods = ["random", "orthogonal", "sobol"]
 slices = [8, 16, 32, 64, 128, 256]
 seeds = range(16)
 errors = {}
+print("relative error" + "".join(f"{f'P = {P}':>11s}" for P in slices))
 for method in methods:
     estimates = np.empty((len(seeds), len(slices)))
     for row, seed in enumerate(seeds):
         theta = slicedkern.directions(slices[-1], d, method=method, seed=seed)
-        per_slice = slicedkern.energy_distance((x @ theta.T).T[..., None], (y @ theta.T).T[..., None])
+        per_slice = slicedkern.energy_distance((x @ theta.T).T[..., None],
+                                               (y @ theta.T).T[..., None])
         estimates[row] = [per_slice[:P].mean() / kappa for P in slices]
     errors[method] = np.sqrt(np.mean((estimates - exact) ** 2, axis=0)) / exact
-    print(f"{method:>10s}: " + "  ".join(f"P={P}: {e:.1e}" for P, e in zip(slices, errors[method])))
+    print(f"{method:>14s}" + "".join(f"{e:11.1e}" for e in errors[method]))
 
 ratio = errors["random"][-1] / errors["orthogonal"][-1]
-print(f"at P = {slices[-1]}, orthogonal frames are {ratio:.1f}x more accurate than i.i.d. directions")
+print(f"at P = {slices[-1]}, orthogonal frames are {ratio:.1f}x more accurate than i.i.d. "
+      "directions")
 
 # %%
 # Relative RMS error against ``P``, on log-log axes; the dotted line has slope ``-1/2``.
@@ -79,9 +84,11 @@ P = np.asarray(slices, dtype=float)
 fig, ax = plt.subplots(figsize=(6.5, 4.5))
 for method, marker in zip(methods, "osd"):
     ax.loglog(P, errors[method], marker=marker, label=method)
-ax.loglog(P, errors["random"][0] * np.sqrt(P[0] / P), "k:", lw=1, label=r"$\propto P^{-1/2}$")
+guide = errors["random"][0] * np.sqrt(P[0] / P)
+ax.loglog(P, guide, "k:", lw=1, label=r"$\propto P^{-1/2}$")
 ax.set_xlabel("number of slices P")
 ax.set_ylabel("relative RMS error")
 ax.set_title(f"sliced energy distance, d = {d}, n = m = {n}")
 ax.legend(fontsize=8)
 fig.tight_layout()
+plt.show()

@@ -38,7 +38,8 @@ D = 32
 
 
 def best_time(fn, repeats=3, budget=0.5):
-    """Best wall-clock time of ``fn()`` over at most ``repeats`` calls (fewer past ``budget`` s)."""
+    """Best wall-clock time of ``fn()`` over at most ``repeats`` calls (fewer past ``budget``
+    seconds)."""
     fn()                                # warm-up: first-call costs (imports, compilation)
     best, spent = float("inf"), 0.0
     for _ in range(repeats):
@@ -57,7 +58,8 @@ def numpy_softmax_attention(q, k, v):
     return (scores / scores.sum(axis=-1, keepdims=True)) @ v
 
 
-# One thread for every torch call: a like-for-like comparison, and stable timings on a busy machine.
+# One thread for every torch call: a like-for-like comparison, and stable timings on a busy
+# machine.
 threads = torch.get_num_threads() if torch is not None else None
 if torch is not None:
     torch.set_num_threads(1)
@@ -65,22 +67,28 @@ if torch is not None:
 rng = np.random.default_rng(0)
 results = {"sliced ReLU attention": [], "softmax attention": [], "dense reference": []}
 for L in SIZES:
-    q, k = rng.standard_normal((1, L)).astype(np.float32), rng.standard_normal((1, L)).astype(np.float32)
+    q = rng.standard_normal((1, L)).astype(np.float32)
+    k = rng.standard_normal((1, L)).astype(np.float32)
     v = rng.standard_normal((1, L, D)).astype(np.float32)
     Q, K, V = (rng.standard_normal((L, D)).astype(np.float32) for _ in range(3))
     if torch is not None:
         qs, ks, vs = (torch.from_numpy(a) for a in (q, k, v))
         Qt, Kt, Vt = (torch.from_numpy(a)[None, None] for a in (Q, K, V))
         sliced = best_time(lambda: slicedkern.relu_attention(qs, ks, vs))
-        softmax = best_time(lambda: torch.nn.functional.scaled_dot_product_attention(Qt, Kt, Vt))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        softmax = best_time(lambda: sdpa(Qt, Kt, Vt))
     else:
         sliced = best_time(lambda: slicedkern.relu_attention(q, k, v))
         softmax = best_time(lambda: numpy_softmax_attention(Q, K, V))
-    dense = best_time(lambda: reference.relu_attention(q, k, v), repeats=2) if L <= DENSE_MAX else np.nan
+    if L <= DENSE_MAX:
+        dense = best_time(lambda: reference.relu_attention(q, k, v), repeats=2)
+    else:                               # an L x L matrix: skipped past DENSE_MAX
+        dense = np.nan
     for name, value in zip(results, (sliced, softmax, dense)):
         results[name].append(value)
+    dense_text = f"{dense * 1e3:8.2f} ms" if L <= DENSE_MAX else "(skipped: L > DENSE_MAX)"
     print(f"L = {L:5d}   sliced {sliced * 1e3:8.2f} ms   softmax {softmax * 1e3:8.2f} ms   "
-          f"dense {dense * 1e3:8.2f} ms")
+          f"dense {dense_text}")
 
 if torch is not None:
     torch.set_num_threads(threads)
@@ -94,7 +102,8 @@ fig, ax = plt.subplots(figsize=(6.5, 4.5))
 for (name, times), marker in zip(results.items(), "osd"):
     ax.loglog(sizes, np.asarray(times) * 1e3, marker=marker, label=name)
 t0, L0 = results["sliced ReLU attention"][-1] * 1e3, sizes[-1]
-ax.loglog(sizes, t0 * sizes * np.log(sizes) / (L0 * np.log(L0)), "k:", lw=1, label=r"$\propto L \log L$")
+guide = t0 * sizes * np.log(sizes) / (L0 * np.log(L0))
+ax.loglog(sizes, guide, "k:", lw=1, label=r"$\propto L \log L$")
 last = SIZES.index(DENSE_MAX)
 t1, L1 = results["dense reference"][last] * 1e3, sizes[last]
 ax.loglog(sizes, t1 * (sizes / L1) ** 2, "k--", lw=1, label=r"$\propto L^2$")
@@ -106,3 +115,4 @@ backend = "torch CPU" if torch is not None else "NumPy"
 ax.set_title(f"forward pass, D = {D}, float32 ({backend})")
 ax.legend(fontsize=8)
 fig.tight_layout()
+plt.show()

@@ -3,7 +3,7 @@
 Each process holds a contiguous shard of the sequence and gets its shard of the output, equal to the
 one-process op on the whole sequence (docs/scaling.rst). torch and JAX are imported only when their
 arrays arrive. Modules: ``attention`` (the ops: validation, the ranks' agreement, then
-:class:`slicedkern.engines.ShardedEngine` through the adapters, as every op runs), ``volume``
+the engine wrapper ``slicedkern.engines.ShardedEngine`` through the adapters, as every op runs), ``volume``
 (communication volumes), ``_torch`` / ``_jax`` (the communicators; the agreement check).
 """
 

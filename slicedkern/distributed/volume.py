@@ -66,8 +66,10 @@ def sequence_parallel_bytes(ranks: int, batch: int, n: int, dv: int, itemsize: i
     Examples
     --------
     >>> from slicedkern.distributed.volume import ring_attention_bytes, sequence_parallel_bytes
-    >>> sequence_parallel_bytes(4, 8, 1024, 64, agreement=False), ring_attention_bytes(4, 8, 1024, 64)
-    (26357952, 19169280)
+    >>> sequence_parallel_bytes(4, 8, 1024, 64, agreement=False)
+    26357952
+    >>> ring_attention_bytes(4, 8, 1024, 64)
+    19169280
     """
     p, row = ranks, batch * itemsize
     cols = dv + 1 + int(profile_normalizer)
@@ -96,7 +98,8 @@ def ring_attention_bytes(ranks: int, batch: int, n: int, dv: int, itemsize: int 
     Examples
     --------
     >>> from slicedkern.distributed.volume import ring_attention_bytes
-    >>> ring_attention_bytes(2, 1, 4, 3, backward=False)   # 1 step of 4 keys and 4 x 3 values, float32
+    >>> # 1 step of 4 keys and 4 x 3 values, float32
+    >>> ring_attention_bytes(2, 1, 4, 3, backward=False)
     64
     """
     per_step = batch * n * (key_width + dv) * itemsize

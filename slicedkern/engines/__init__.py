@@ -58,8 +58,9 @@ def use_engine(name: str):
     Examples
     --------
     >>> import numpy as np, slicedkern
+    >>> q, k, v = np.zeros((1, 3)), np.ones((1, 3)), np.ones((1, 3, 2))
     >>> with slicedkern.use_engine("scan"):
-    ...     out = slicedkern.relu_attention(np.zeros((1, 3)), np.ones((1, 3)), np.ones((1, 3, 2)))
+    ...     out = slicedkern.relu_attention(q, k, v)
     """
     _check_name(name, "name")
     if name == "sweep" and not SweepEngine.installed():

@@ -53,8 +53,8 @@ class AttentionCache(Generation):
     >>> x = torch.randn(3, 6, 16, dtype=torch.float64)
     >>> full, _ = attn(x, x, x, is_causal=True)
     >>> cache = attn.init_cache()
-    >>> steps = [attn(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], is_causal=True, cache=cache)[0]
-    ...          for t in range(6)]
+    >>> tokens = [x[:, t:t + 1] for t in range(6)]
+    >>> steps = [attn(xt, xt, xt, is_causal=True, cache=cache)[0] for xt in tokens]
     >>> torch.allclose(torch.cat(steps, dim=1), full)
     True
     """

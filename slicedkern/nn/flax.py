@@ -22,6 +22,7 @@ Examples
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -343,3 +344,16 @@ def _has_keys(key_mask, batch, q_len, k_len, causal):
         return jnp.broadcast_to(jnp.asarray(sees), (batch, q_len))[..., None]
     counts = jnp.cumsum(key_mask, axis=-1)[..., rows][:, 0]                      # (N, Lq)
     return ((counts > 0) & sees)[..., None]
+
+
+def _constructor_signature(cls) -> inspect.Signature:
+    """The signature of ``cls(...)``: its ``__init__``'s parameters after ``self``."""
+    signature = inspect.signature(cls.__init__)
+    return signature.replace(parameters=list(signature.parameters.values())[1:],
+                             return_annotation=inspect.Signature.empty)
+
+
+# NNX's metaclasses define __call__(*args, **kwargs), which is all that inspect (help(), the API
+# pages) would show of these classes: show their constructors' parameters instead.
+SlicedAttention.__signature__ = _constructor_signature(SlicedAttention)
+FixedBandwidth.__signature__ = _constructor_signature(FixedBandwidth)

@@ -13,7 +13,7 @@ Examples
 >>> attn = SlicedAttention(16, 4, kernel="hat", batch_first=True)
 >>> x = torch.randn(2, 10, 16)
 >>> pad = torch.zeros(2, 10, dtype=torch.bool)
->>> pad[1, 7:] = True                     # the last three tokens of the second sequence are padding
+>>> pad[1, 7:] = True       # the last three tokens of the second sequence are padding
 >>> out, weights = attn(x, x, x, key_padding_mask=pad)
 >>> out.shape, weights
 (torch.Size([2, 10, 16]), None)
@@ -314,8 +314,8 @@ class SlicedTransformerEncoderLayer(nn.Module):
     --------
     >>> import torch
     >>> from slicedkern.nn.torch import SlicedTransformerEncoderLayer
-    >>> layer = SlicedTransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True, norm_first=True,
-    ...                                       kernel="hat")
+    >>> layer = SlicedTransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True,
+    ...                                       norm_first=True, kernel="hat")
     >>> layer(torch.randn(2, 12, 32)).shape
     torch.Size([2, 12, 32])
     """

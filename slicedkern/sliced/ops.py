@@ -314,8 +314,11 @@ def sliced_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, d
     >>> from slicedkern.kernels import ReLU
     >>> from slicedkern.sliced import sliced_attention
     >>> rng = np.random.default_rng(0)
-    >>> q, k, v = rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 7, 4)), rng.normal(size=(2, 7, 3))
-    >>> sliced_attention(q, k, v, ReLU(), directions=8, seed=0, center=True, normalize="abs").shape
+    >>> q, k = rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 7, 4))
+    >>> v = rng.normal(size=(2, 7, 3))
+    >>> out = sliced_attention(q, k, v, ReLU(), directions=8, seed=0, center=True,
+    ...                        normalize="abs")
+    >>> out.shape
     (2, 5, 3)
     """
     return _plan_attention(q, k, v, kernel, directions=directions, key_mask=key_mask, center=center,

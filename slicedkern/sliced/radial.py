@@ -117,7 +117,8 @@ def radial_profile(kernel: PiecewiseLinear, dim: int) -> RadialProfile:
 
     ``E_theta f(<theta, z>) = Phi(|z|)`` for ``theta`` uniform on the unit sphere of R^d::
 
-        Phi(r) = c_d int_0^1 f_s(t r) (1 - t^2)^((d-3)/2) dt,   c_d = 2 Gamma(d/2) / (sqrt(pi) Gamma((d-1)/2))
+        Phi(r) = c_d int_0^1 f_s(t r) (1 - t^2)^((d-3)/2) dt,
+        c_d = 2 Gamma(d/2) / (sqrt(pi) Gamma((d-1)/2))
 
     with ``f_s(u) = (f(u) + f(-u)) / 2`` the even part of ``f`` (the expectation over the sphere only
     sees it; ``f_s = f`` for hats, mixtures and ``|r|``). For ``d = 1`` (``theta = +-1``)

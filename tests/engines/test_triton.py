@@ -194,3 +194,16 @@ def test_many_tiles_and_column_blocks(rng, monkeypatch):   # profile crosses til
         results.append((out, *torch.autograd.grad((out * cot).sum(), args)))
     for got, want, label in zip(*results, ("out", "q", "k", "v")):
         np.testing.assert_allclose(_np(got), _np(want), rtol=1e-9, atol=1e-11, err_msg=label)
+
+
+def test_strided_values_in_the_b_t_h_d_layout(rng):
+    """Values as a (B, H, T, D) view of a (B, T, H, D) tensor (the layout of the projections) are
+    read through their strides: the same output as from a contiguous copy, and as the reference."""
+    q, k = rng.normal(size=(1, 3, 19)), rng.normal(size=(1, 3, 19))
+    base = _t(rng.normal(size=(1, 19, 3, 5)))
+    v = base.transpose(1, 2)
+    assert not v.is_contiguous()
+    out = slicedkern.relu_attention(_t(q), _t(k), v, engine="triton")
+    np.testing.assert_array_equal(_np(out), _np(slicedkern.relu_attention(_t(q), _t(k), v.contiguous(),
+                                                                          engine="triton")))
+    np.testing.assert_allclose(_np(out), reference.relu_attention(q, k, _np(v)), rtol=1e-9, atol=1e-11)

@@ -31,12 +31,18 @@ __all__ = ["TritonEngine"]
 
 def _rows(xp, a, core: int):
     """``a`` with its batch dims flattened to one: (R, *core dims), contiguous."""
+    return _row_view(xp, a, core).contiguous()
+
+
+def _row_view(xp, a, core: int):
+    """``a`` as (R, *core dims) without a copy where its strides allow it (a (B, T, H, D) layout
+    permuted to (B, H, T, D) with B = 1, say): the kernels read the weights through their strides."""
     shape = tuple(a.shape)
     batch = shape[:len(shape) - core]
     rows = 1
     for s in batch:
         rows *= s
-    return xp.reshape(a, (rows,) + shape[len(shape) - core:]).contiguous()
+    return xp.reshape(a, (rows,) + shape[len(shape) - core:])
 
 
 class TritonEngine(Engine):
@@ -77,7 +83,7 @@ class TritonEngine(Engine):
         if n == 0 or y.shape[-1] == 0:
             return xp.zeros(x.shape + (c,), dtype=x.dtype, device=x.device)
         sc = screen(xp, x, y, w, None, defer=False)
-        table = build_table(xp, _rows(xp, sc.y, 1), _rows(xp, w, 2), take=_rows(xp, sc.table_take, 1))
+        table = build_table(xp, _rows(xp, sc.y, 1), _row_view(xp, w, 2), take=_rows(xp, sc.table_take, 1))
         divisor = _rows(xp, sc.divisor(xp, 1.0), 1)
         out = profile_sum(xp, table, sort_queries(xp, _rows(xp, sc.x, 1)), profile, batch, column_range(profile, c),
                           strict=True, divisor=divisor)
@@ -91,7 +97,7 @@ class TritonEngine(Engine):
             zeros = xp.zeros(q.shape + (1,), dtype=dt, device=dev)
             return xp.zeros(q.shape + (dv,), dtype=dt, device=dev), (take, zeros, zeros)
         sc = screen(xp, q, k, v, key_mask, defer=False)
-        table = build_table(xp, _rows(xp, sc.y, 1), _rows(xp, v, 2), take=_rows(xp, sc.table_take, 1),
+        table = build_table(xp, _rows(xp, sc.y, 1), _row_view(xp, v, 2), take=_rows(xp, sc.table_take, 1),
                             ones=True)
         xr = sort_queries(xp, _rows(xp, sc.x, 1))
         valid = table.totals[:, dv:dv + 1]                          # (R, 1) valid keys
@@ -122,7 +128,7 @@ class TritonEngine(Engine):
         # dx: derivative sums over the sorted keys, H(0) = 1 (the scan's convention)
         xr, yr = _rows(xp, x, 1), _rows(xp, y, 1)
         xq, yq = sort_queries(xp, xr), sort_queries(xp, yr)      # each array sorted once
-        keyed = build_table(xp, yr, _rows(xp, w, 2), presorted=yq)
+        keyed = build_table(xp, yr, _row_view(xp, w, 2), presorted=yq)
         dx = None
         for p, g in zip(profiles, cotangents):
             d = profile_sum(xp, keyed, xq, p.with_(derivative=True), batch, column_range(p, c), strict=False)

@@ -145,9 +145,12 @@ def sliced_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, 
         The 1-D profile ``f``.
     directions : int or array, shape (P, d)
         The directions ``theta_p`` (unit vectors), or their number ``P``: then
-        ``slicedkern.directions(P, d, method="orthogonal", seed=seed)`` (fresh ones at every call when
-        ``seed`` is None). A NumPy array is accepted with samples of any library and moved to their
-        device.
+        ``slicedkern.directions(P, d, method=default_method(P, d), seed=seed)`` (fresh ones at every
+        call when ``seed`` is None), the family measured the most accurate at that ``(P, d)``: a QMC
+        slicing design (``"design"``, a fixed antipodal point set, randomly rotated) where it is,
+        ``"orthogonal"`` frames elsewhere (see :func:`slicedkern.sliced.directions.default_method`
+        and docs/directions.rst). A NumPy array is accepted with samples of any library and moved to
+        their device.
     chunk_size : int, optional
         Number of slices per 1-D call. Default: as many as keep each intermediate array below about
         8 Mi elements.
@@ -276,7 +279,9 @@ def sliced_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, d
     kernel : slicedkern.kernels.PiecewiseLinear
         The 1-D profile ``f``.
     directions : int or array, shape (P, d)
-        As in :func:`sliced_kernel_sum`.
+        As in :func:`sliced_kernel_sum`: an integer ``P`` draws the family of
+        ``default_method(P, d)``, a QMC slicing design where it measured the most accurate (for the
+        ReLU profile its antipodal pairs cancel the odd part exactly).
     key_mask : bool array, shape (..., Lk), optional
         True where the key takes part (in every slice).
     center : bool, default False

@@ -43,8 +43,8 @@ TASKS = ("energy", "mmd", "attention")
 SIZES = {
     # dims, slices, seeds, n (energy), n (mmd), L (attention)
     "ci": dict(dims=(3, 10), slices=(16, 64), seeds=2, n_energy=400, n_mmd=300, length=128),
-    "full": dict(dims=(2, 3, 5, 10, 20, 50, 100), slices=(16, 64, 256, 1024), seeds=8, n_energy=5000,
-                 n_mmd=2000, length=512),
+    "full": dict(dims=(2, 3, 5, 10, 20, 50, 100), slices=(16, 64, 256, 1024), seeds=8, n_energy=10000,
+                 n_mmd=1000, length=512),
 }
 #: Adam steps of the shipped designs (the on-the-fly descent takes ``_design._STEPS``).
 SHIPPED_STEPS = 1500

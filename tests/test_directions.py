@@ -125,12 +125,28 @@ def test_design_errors_name_the_argument():
 # ------------------------------------------------------------------------------ the ops' default
 def test_default_family_of_the_ops():
     assert default_method(256, 3) == "design" and default_method(256, DESIGN_MAX_DIM) == "design"
-    assert default_method(256, DESIGN_MAX_DIM + 1) == "orthogonal"
+    assert default_method(1024, DESIGN_MAX_DIM + 1) == "orthogonal"
+    # an even profile: a design only with more than 2 d slices (P / 2 distinct ones)
+    assert default_method(20, 10) == "orthogonal" and default_method(21, 10) == "design"
+    # a profile with an odd part: always a design (its antipodal pairs cancel the odd part)
+    assert all(default_method(p, d, even=False) == "design" for p, d in ((1, 3), (8, 10), (64, 100)))
     import array_api_compat.numpy as xp
-    for n_slices, dim in ((16, 3), (64, 50)):
-        drawn = resolve_directions(n_slices, dim, xp=xp, device="cpu", work=np.float64, seed=5)
-        np.testing.assert_array_equal(drawn, directions(n_slices, dim, method=default_method(n_slices, dim),
-                                                        seed=5))
+    for n_slices, dim, even in ((16, 3, True), (64, 50, True), (8, 10, False), (8, 10, True)):
+        drawn = resolve_directions(n_slices, dim, xp=xp, device="cpu", work=np.float64, seed=5, even=even)
+        method = default_method(n_slices, dim, even=even)
+        np.testing.assert_array_equal(drawn, directions(n_slices, dim, method=method, seed=5))
+
+
+def test_ops_pick_the_family_by_the_profile():
+    """At P <= 2 d an integer P gives a design for ReLU (odd part) and frames for a hat (even)."""
+    rng = np.random.default_rng(3)
+    q, k, v = rng.normal(size=(5, 10)), rng.normal(size=(6, 10)), rng.normal(size=(6, 2))
+    for kernel, method in ((ReLU(), "design"), (Hat(2.0), "orthogonal")):
+        theta = directions(8, 10, method=method, seed=1)
+        np.testing.assert_allclose(sliced_attention(q, k, v, kernel, directions=8, seed=1),
+                                   sliced_attention(q, k, v, kernel, directions=theta), rtol=1e-13, atol=1e-15)
+        np.testing.assert_allclose(sliced_kernel_sum(q, k, v, kernel, directions=8, seed=1),
+                                   sliced_kernel_sum(q, k, v, kernel, directions=theta), rtol=1e-13, atol=1e-15)
 
 
 def test_design_like_every_backend(xp):

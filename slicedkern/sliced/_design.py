@@ -26,8 +26,8 @@ __all__ = ["unrotated_design", "build_half_design", "SHIPPED_SLICES", "SHIPPED_D
 
 #: Seed of the start of the descent: a constant, so that one (P, d) always gives one design.
 _DESIGN_SEED = 28_2410_01316
-#: Adam steps and step-size scale of the descent (docs/directions.rst: converged energies to ~1e-5
-#: relative at these settings for the shipped sizes).
+#: Adam steps and step-size scale of the on-the-fly descent (docs/directions.rst, "How the designs
+#: are built"); the shipped designs ran 1500 steps (scripts/directions_bench.py --write-designs).
 _STEPS = 300
 _LEARNING_RATE = 0.5
 #: Sizes shipped in ``designs.npz`` (float32 up to d = 20, float16 above): P = 256, 512, 1024 and the

@@ -27,8 +27,8 @@ Seed = int | np.random.Generator | None
 
 _METHODS = ("random", "orthogonal", "sobol", "design")
 
-#: Largest dimension at which the sliced ops draw ``"design"`` directions for an integer ``P``; above
-#: it they draw ``"orthogonal"`` ones (docs/directions.rst: measured no better there).
+#: Largest dimension at which the sliced ops draw ``"design"`` directions for an integer ``P`` and an
+#: even profile; above it ``"orthogonal"`` ones (docs/directions.rst: as good or better there).
 DESIGN_MAX_DIM = 20
 
 
@@ -103,8 +103,9 @@ def directions(n_slices: int, dim: int, *, method: str = "orthogonal", seed: See
         from the seed; built once per ``(P, d)`` and cached, or read from the package data for
         common sizes (docs/directions.rst). Each family is uniform on the sphere marginally, so
         every sliced estimate is unbiased; the structured ones have a markedly smaller
-        Monte-Carlo error than i.i.d. directions, and ``"design"`` the smallest for ``d <= 20``
-        (docs/directions.rst has the table).
+        Monte-Carlo error than i.i.d. directions, and ``"design"`` the smallest in most cases
+        for ``P > 2 d`` (up to 1000x below ``"orthogonal"`` at ``d = 3``, 2x to 16x at ``d = 10``;
+        docs/directions.rst has the table and :func:`default_method` the rule of the sliced ops).
     seed : None, int or numpy.random.Generator, optional
         Seed of ``numpy.random.default_rng``. The same seed gives the same directions on every backend.
     like : array, optional
@@ -130,8 +131,10 @@ def directions(n_slices: int, dim: int, *, method: str = "orthogonal", seed: See
     Directions are drawn on the host (NumPy) and then copied to ``like``'s device: they are data, not
     a differentiable function of anything. The designs follow the "QMC slicing" of Hertrich, Jahn
     and Quellmalz, *Fast summation of radial kernels via QMC slicing* (ICLR 2025, arXiv:2410.01316).
-    Building a design that is not shipped costs about ``1.5e-6 P^2`` seconds on one core (the
-    first time in a process only).
+    A design is built once per ``(P, d)`` and process: read from the package data for
+    ``P = 256, 512, 1024`` and ``d`` in 3-10, 12, 16, 20, 32, 50, 64, 100 (milliseconds), else by a
+    descent of 300 steps of ``O(P^2 d)`` each (up to 0.3 s for ``P <= 256``, 1 to 2.6 s for ``P = 1024`` on one
+    core).
 
     Examples
     --------
@@ -174,35 +177,59 @@ def directions(n_slices: int, dim: int, *, method: str = "orthogonal", seed: See
     return space.asarray(theta, dtype=dtype, device=device)
 
 
-def default_method(n_slices: int, dim: int) -> str:
+def default_method(n_slices: int, dim: int, *, even: bool = True) -> str:
     """The family the sliced ops draw for an integer number of slices ``P`` in R^d.
 
-    ``"design"`` for ``d <= DESIGN_MAX_DIM``, ``"orthogonal"`` above, where the designs measured no
-    better (docs/directions.rst, "Choosing directions").
+    The rule follows the measured errors of docs/directions.rst ("Choosing directions"):
+
+    * a profile with an odd part (``even=False``, e.g. ``ReLU``): ``"design"``, whose antipodal
+      pairs cancel the odd part exactly (it measured the most accurate at every ``P`` and ``d``);
+    * an even profile (the statistics, ``Abs``, hats): ``"design"`` when ``P > 2 d`` and
+      ``d <= DESIGN_MAX_DIM``, ``"orthogonal"`` otherwise. With ``P <= 2 d`` a design has only
+      ``P / 2`` distinct slices (an antipodal pair is one slice twice for an even profile), fewer
+      than the ``d`` of a frame; above ``d = 20`` frames were as good or better for the MMD.
+
+    Parameters
+    ----------
+    n_slices : int
+        Number of directions ``P >= 1``.
+    dim : int
+        Dimension ``d >= 1``.
+    even : bool, default True
+        Whether the 1-D profile the directions serve is even (its odd part is zero).
+
+    Returns
+    -------
+    str
+        ``"design"`` or ``"orthogonal"``, a ``method`` of :func:`directions`.
 
     Examples
     --------
     >>> from slicedkern.sliced.directions import default_method
-    >>> default_method(256, 3), default_method(256, 100)
-    ('design', 'orthogonal')
+    >>> default_method(256, 3), default_method(16, 10), default_method(256, 100)
+    ('design', 'orthogonal', 'orthogonal')
+    >>> default_method(16, 10, even=False)
+    'design'
     """
-    return "design" if dim <= DESIGN_MAX_DIM else "orthogonal"
+    if not even:
+        return "design"
+    return "design" if dim <= DESIGN_MAX_DIM and n_slices > 2 * dim else "orthogonal"
 
 
 def resolve_directions(value: int | Array | None, dim: int, *, xp: Namespace, device: object, work: object,
-                       seed: Seed) -> Array:
+                       seed: Seed, even: bool = True) -> Array:
     """The ``directions=`` argument of the sliced ops as a (P, d) array of ``xp`` in the work dtype.
 
-    An integer ``P`` draws ``directions(P, dim, method=default_method(P, dim), seed=seed)``; a host
-    (NumPy) array is moved to the samples' namespace and device; any other array must already live
-    there.
+    An integer ``P`` draws ``directions(P, dim, method=default_method(P, dim, even=even), seed=seed)``
+    (``even``: whether the op's 1-D profile is even); a host (NumPy) array is moved to the samples'
+    namespace and device; any other array must already live there.
     """
     if value is None:
         raise ValueError(f"argument 'directions' is required for {dim}-dimensional samples: pass a number "
                          "of slices P or a (P, d) array of unit vectors (see slicedkern.directions)")
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         n_slices = positive_int(value, "directions")
-        theta = directions(n_slices, dim, method=default_method(n_slices, dim), seed=seed)
+        theta = directions(n_slices, dim, method=default_method(n_slices, dim, even=even), seed=seed)
         return xp.asarray(theta, dtype=work, device=device)
     if isinstance(value, bool) or isinstance(value, numbers.Number):
         raise TypeError(f"argument 'directions' must be a positive integer or a (P, d) array, got "

@@ -107,10 +107,10 @@ def _plan_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, d
     if is_chunked(xp):                  # Dask: a lazy plan over whole projected columns
         block = functools.partial(_kernel_sum_block, kernel=kernel)
         return chunked_kernel_sum(xp, chunked_points(x, "x", False), chunked_points(y, "y", False), w, block,
-                                  theta=host_directions(directions, dim, seed),
+                                  theta=host_directions(directions, dim, seed, even=kernel.is_even),
                                   per_point=kernel_sum_floats(1 if vector else w.shape[-1]), chunk_size=chunk_size,
                                   out_dtype=out_dtype, work=work)
-    theta = resolve_directions(directions, dim, xp=xp, device=device, work=work, seed=seed)
+    theta = resolve_directions(directions, dim, xp=xp, device=device, work=work, seed=seed, even=kernel.is_even)
 
     rank = len(batch)
     w = lift(xp, w, w_core, rank)
@@ -145,12 +145,13 @@ def sliced_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, 
         The 1-D profile ``f``.
     directions : int or array, shape (P, d)
         The directions ``theta_p`` (unit vectors), or their number ``P``: then
-        ``slicedkern.directions(P, d, method=default_method(P, d), seed=seed)`` (fresh ones at every
-        call when ``seed`` is None), the family measured the most accurate at that ``(P, d)``: a QMC
-        slicing design (``"design"``, a fixed antipodal point set, randomly rotated) where it is,
-        ``"orthogonal"`` frames elsewhere (see :func:`slicedkern.sliced.directions.default_method`
-        and docs/directions.rst). A NumPy array is accepted with samples of any library and moved to
-        their device.
+        ``slicedkern.directions(P, d, method=default_method(P, d, even=kernel.is_even), seed=seed)``
+        (fresh ones at every call when ``seed`` is None), the family measured the most accurate for
+        that ``(P, d)`` and profile: a QMC slicing design (``"design"``, a fixed antipodal point set,
+        randomly rotated) for a profile with an odd part, and for an even one when ``P > 2 d`` and
+        ``d <= 20``; ``"orthogonal"`` frames otherwise
+        (:func:`slicedkern.sliced.directions.default_method`, docs/directions.rst). A NumPy array
+        is accepted with samples of any library and moved to their device.
     chunk_size : int, optional
         Number of slices per 1-D call. Default: as many as keep each intermediate array below about
         8 Mi elements.
@@ -240,7 +241,7 @@ def _plan_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, di
     eps = check_eps(eps)
     causal = check_bool(causal, "causal")
     chunk_size = check_chunk(chunk_size)
-    theta = resolve_directions(directions, dim, xp=xp, device=device, work=work, seed=seed)
+    theta = resolve_directions(directions, dim, xp=xp, device=device, work=work, seed=seed, even=kernel.is_even)
 
     rank = len(batch)
     v = lift(xp, v, 2, rank)[..., None, :, :]                 # shared by every slice
@@ -280,8 +281,8 @@ def sliced_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, d
         The 1-D profile ``f``.
     directions : int or array, shape (P, d)
         As in :func:`sliced_kernel_sum`: an integer ``P`` draws the family of
-        ``default_method(P, d)``, a QMC slicing design where it measured the most accurate (for the
-        ReLU profile its antipodal pairs cancel the odd part exactly).
+        ``default_method(P, d, even=kernel.is_even)``, a QMC slicing design where it measured the
+        most accurate (always for the ReLU profile, whose odd part its antipodal pairs cancel).
     key_mask : bool array, shape (..., Lk), optional
         True where the key takes part (in every slice).
     center : bool, default False

@@ -62,6 +62,25 @@ def test_design_is_one_point_set_up_to_rotation(n_slices, dim):
         np.testing.assert_allclose(gram, base @ base.T, rtol=0, atol=1e-12)
 
 
+def test_design_beyond_one_block():
+    """``P > MAX_BLOCK``: blocks of MAX_BLOCK rows, each the design of its size under a fixed rotation."""
+    block, dim = _design.MAX_BLOCK, 3
+    n_slices = 2 * block + 7
+    base = _design.unrotated_design(n_slices, dim)
+    assert base.shape == (n_slices, dim)
+    np.testing.assert_allclose(np.linalg.norm(base, axis=1), 1.0, rtol=0, atol=1e-14)
+    np.testing.assert_allclose(base[0:n_slices - 1:2], -base[1:n_slices - 1:2], rtol=0, atol=1e-15)
+    first = _design.unrotated_design(block, dim)
+    np.testing.assert_array_equal(base[:block], first)
+    second = base[block:2 * block]
+    np.testing.assert_allclose(second @ second.T, first @ first.T, rtol=0, atol=1e-12)
+    assert np.max(np.abs(second - first)) > 0.1                      # rotated, not repeated
+    np.testing.assert_allclose(base[2 * block:] @ base[2 * block:].T,
+                               _design.unrotated_design(7, dim) @ _design.unrotated_design(7, dim).T, atol=1e-12)
+    np.testing.assert_array_equal(directions(n_slices, dim, method="design", seed=2),
+                                  directions(n_slices + 1, dim, method="design", seed=2)[:n_slices])
+
+
 def test_design_is_rebuilt_identically():
     """The descent starts from a fixed seed: clearing the cache gives the same design bit for bit."""
     before = np.array(_design.unrotated_design(40, 4))

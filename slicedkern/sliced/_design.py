@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-__all__ = ["unrotated_design", "build_half_design", "SHIPPED_SLICES", "SHIPPED_DIMS"]
+__all__ = ["unrotated_design", "build_half_design", "MAX_BLOCK", "SHIPPED_SLICES", "SHIPPED_DIMS"]
 
 #: Seed of the start of the descent: a constant, so that one (P, d) always gives one design.
 _DESIGN_SEED = 28_2410_01316
@@ -106,8 +106,13 @@ def _shipped() -> dict[str, np.ndarray]:
         return {}
 
 
-@functools.lru_cache(maxsize=32)
-def _cached_design(n_slices: int, dim: int) -> np.ndarray:
+#: Largest design built as one point set: the descent costs O(P^2 d) memory and time a step, so a
+#: larger P is made of blocks of this size (docs/directions.rst, "Cost, cache and shipped designs").
+MAX_BLOCK = 1024
+
+
+def _one_design(n_slices: int, dim: int) -> np.ndarray:
+    """One point set of ``n_slices <= MAX_BLOCK`` rows ``u_1, -u_1, ...`` (shipped or descended)."""
     n_half = -(-n_slices // 2)
     half = _shipped().get(f"P{2 * n_half}_d{dim}")
     if half is None:
@@ -116,7 +121,27 @@ def _cached_design(n_slices: int, dim: int) -> np.ndarray:
     half = half / np.linalg.norm(half, axis=1, keepdims=True)   # float32 storage: exact unit norms again
     full = np.empty((2 * n_half, dim))
     full[0::2], full[1::2] = half, -half
-    full = full[:n_slices]
+    return full[:n_slices]
+
+
+def _block_rotation(block: int, dim: int) -> np.ndarray:
+    """A fixed Haar-random rotation per block after the first (fixed seed: part of the design)."""
+    rng = np.random.default_rng((_DESIGN_SEED, dim, block))
+    q, r = np.linalg.qr(rng.standard_normal((dim, dim)))
+    return q * np.where(np.diag(r) < 0, -1.0, 1.0)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_design(n_slices: int, dim: int) -> np.ndarray:
+    if n_slices <= MAX_BLOCK:
+        full = _one_design(n_slices, dim)
+    else:
+        # blocks of MAX_BLOCK rows and one of the rest, each a design of its size under a fixed
+        # rotation: bounded cost for any P, and antipodal pairs within every block
+        blocks, rest = divmod(n_slices, MAX_BLOCK)
+        sizes = [MAX_BLOCK] * blocks + ([rest] if rest else [])
+        full = np.concatenate([_one_design(size, dim) if b == 0 else _one_design(size, dim) @ _block_rotation(b, dim)
+                               for b, size in enumerate(sizes)])
     full.setflags(write=False)          # shared by every caller through the cache
     return full
 
@@ -125,6 +150,7 @@ def unrotated_design(n_slices: int, dim: int) -> np.ndarray:
     """The un-rotated design of ``n_slices`` directions in R^d, float64, read-only, shape (P, d).
 
     Rows ``u_1, -u_1, u_2, -u_2, ...`` of :func:`build_half_design` (or the shipped set), truncated
-    to ``P``; the last 32 sizes used are kept in memory.
+    to ``P``. Beyond ``MAX_BLOCK`` rows: consecutive blocks of ``MAX_BLOCK`` rows (the last one
+    shorter), each such a design under a fixed rotation. The last 32 sizes used are kept in memory.
     """
     return _cached_design(int(n_slices), int(dim))

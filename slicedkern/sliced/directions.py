@@ -99,9 +99,10 @@ def directions(n_slices: int, dim: int, *, method: str = "orthogonal", seed: See
         Sobol' points (``scipy.stats.qmc.Sobol``, needs SciPy) mapped to Gaussians with the inverse
         normal CDF, then normalised. ``"design"``: a QMC slicing design, a fixed antipodal point set
         of large distance sum (rows ``u_1, -u_1, u_2, -u_2, ...``; for odd ``P`` the design of
-        ``P + 1`` without its last row), the same for every seed up to a Haar-random rotation drawn
-        from the seed; built once per ``(P, d)`` and cached, or read from the package data for
-        common sizes (docs/directions.rst). Each family is uniform on the sphere marginally, so
+        ``P + 1`` without its last row; beyond ``P = 1024``, blocks of 1024 rows and one of the
+        rest, each such a set under a fixed rotation), the same for every seed up to a Haar-random
+        rotation drawn from the seed; built once per ``(P, d)`` and cached, or read from the
+        package data for common sizes (docs/directions.rst). Each family is uniform on the sphere marginally, so
         every sliced estimate is unbiased; the structured ones have a markedly smaller
         Monte-Carlo error than i.i.d. directions, and ``"design"`` the smallest in most cases
         for ``P > 2 d`` (up to 1000x below ``"orthogonal"`` at ``d = 3``, 2x to 16x at ``d = 10``;

@@ -1,6 +1,6 @@
 """Accuracy of the direction families of ``slicedkern.directions`` (docs/directions.rst).
 
-For every family (``random``, ``orthogonal``, ``sobol``, ``design``), dimension ``d`` and number of
+For every family (``random``, ``orthogonal``, ``sobol``, ``design``, ``projective``), dimension ``d`` and number of
 slices ``P``: the RMS over seeds of the relative error of three sliced estimates against their dense
 exact values:
 
@@ -38,7 +38,7 @@ import numpy as np
 from slicedkern.kernels import HatMixture, ReLU
 from slicedkern.sliced import _design, directions, energy_distance, mmd, sliced_attention
 
-FAMILIES = ("random", "orthogonal", "sobol", "design")
+FAMILIES = ("random", "orthogonal", "sobol", "design", "projective")
 TASKS = ("energy", "mmd", "attention")
 SIZES = {
     # dims, slices, seeds, n (energy), n (mmd), L (attention)
@@ -126,6 +126,7 @@ def print_table(errors, size, tasks, families):
         print(f"\n{name}: RMS relative error over {size['seeds']} seeds")
         header = f"{'d':>4} {'P':>5} | " + " | ".join(f"{f:>10}" for f in families)
         header += " | orth/design" if gain else ""
+        header += " | orth/proj" if "projective" in families and gain else ""
         print(header)
         print("-" * len(header))
         for dim in size["dims"]:
@@ -135,6 +136,9 @@ def print_table(errors, size, tasks, families):
                 if gain:
                     ratio = errors[name, dim, n_slices, "orthogonal"] / errors[name, dim, n_slices, "design"]
                     line += f" | {ratio:>10.1f}x"
+                    if "projective" in families:
+                        ratio = errors[name, dim, n_slices, "orthogonal"] / errors[name, dim, n_slices, "projective"]
+                        line += f" | {ratio:>8.1f}x"
                 print(line)
 
 
@@ -171,7 +175,7 @@ def plot(errors, size, tasks, families, path):
     for row, name in enumerate(tasks):
         for col, dim in enumerate(dims):
             ax = axes[row][col]
-            for family, marker in zip(families, "osd^"):
+            for family, marker in zip(families, "osd^v"):
                 ax.loglog(slices, [errors[name, dim, p, family] for p in size["slices"]], marker=marker,
                           label=family)
             ax.set_title(f"{name}, d = {dim}", fontsize=9)

@@ -12,7 +12,7 @@ from _helpers import assert_meta, names_argument, to_numpy
 
 from slicedkern.kernels import Abs, Hat, ReLU
 from slicedkern.sliced import _design, directions, energy_distance, mmd, sliced_attention, sliced_kernel_sum
-from slicedkern.sliced.directions import DESIGN_MAX_DIM, default_method, resolve_directions
+from slicedkern.sliced.directions import default_method, resolve_directions
 
 #: (P, d): closed forms (d = 1, 2, P <= 2 d), odd P, a descent, shipped sizes.
 SIZES = [(6, 1), (9, 2), (5, 4), (8, 3), (7, 3), (33, 5), (64, 3), (256, 10), (1024, 3)]
@@ -143,12 +143,10 @@ def test_design_errors_name_the_argument():
 
 # ------------------------------------------------------------------------------ the ops' default
 def test_default_family_of_the_ops():
-    assert default_method(256, 3) == "design" and default_method(256, DESIGN_MAX_DIM) == "design"
-    assert default_method(1024, DESIGN_MAX_DIM + 1) == "orthogonal"
-    # an even profile: a design only with more than 2 d slices (P / 2 distinct ones)
-    assert default_method(20, 10) == "orthogonal" and default_method(21, 10) == "design"
-    # a profile with an odd part: always a design (its antipodal pairs cancel the odd part)
+    # a profile with an odd part: the antipodal design (its pairs cancel the odd part)
     assert all(default_method(p, d, even=False) == "design" for p, d in ((1, 3), (8, 10), (64, 100)))
+    # an even profile: the projective set (the design of 2 P at the cost of P)
+    assert all(default_method(p, d) == "projective" for p, d in ((1, 3), (8, 10), (256, 3), (1024, 100)))
     import array_api_compat.numpy as xp
     for n_slices, dim, even in ((16, 3, True), (64, 50, True), (8, 10, False), (8, 10, True)):
         drawn = resolve_directions(n_slices, dim, xp=xp, device="cpu", work=np.float64, seed=5, even=even)
@@ -156,11 +154,18 @@ def test_default_family_of_the_ops():
         np.testing.assert_array_equal(drawn, directions(n_slices, dim, method=method, seed=5))
 
 
+def test_projective_at_most_d_slices_is_one_frame():
+    """``P <= d``: the design of 2P is the cross-polytope, so the projective set is P orthonormal
+    directions, as the first frame of ``"orthogonal"``."""
+    theta = directions(7, 10, method="projective", seed=0)
+    np.testing.assert_allclose(theta @ theta.T, np.eye(7), rtol=0, atol=1e-14)
+
+
 def test_ops_pick_the_family_by_the_profile():
-    """At P <= 2 d an integer P gives a design for ReLU (odd part) and frames for a hat (even)."""
+    """An integer P gives the antipodal design for ReLU (odd part), the projective set for a hat."""
     rng = np.random.default_rng(3)
     q, k, v = rng.normal(size=(5, 10)), rng.normal(size=(6, 10)), rng.normal(size=(6, 2))
-    for kernel, method in ((ReLU(), "design"), (Hat(2.0), "orthogonal")):
+    for kernel, method in ((ReLU(), "design"), (Hat(2.0), default_method(8, 10))):
         theta = directions(8, 10, method=method, seed=1)
         np.testing.assert_allclose(sliced_attention(q, k, v, kernel, directions=8, seed=1),
                                    sliced_attention(q, k, v, kernel, directions=theta), rtol=1e-13, atol=1e-15)
@@ -175,29 +180,48 @@ def test_design_like_every_backend(xp):
     np.testing.assert_array_equal(to_numpy(theta), directions(10, 3, method="design", seed=4))
 
 
-@pytest.mark.parametrize("family", ["default", "design"])
-def test_every_sliced_op_takes_the_design(xp, family):
-    """``directions=P`` (the default family, a design at d = 3) and a design array give the same
+@pytest.mark.parametrize("family", ["default", "design", "projective"])
+def test_every_sliced_op_takes_the_designs(xp, family):
+    """``directions=P`` (the default family of the op's profile) and design arrays give the same
     values on every backend, equal to the NumPy results with the same directions."""
     rng = np.random.default_rng(1)
     x, y, w = rng.normal(size=(9, 3)), rng.normal(size=(11, 3)), rng.normal(size=(11,))
     v = rng.normal(size=(11, 2))
-    theta = directions(12, 3, method="design", seed=7)
-    given = {"directions": 12, "seed": 7} if family == "default" else {"directions": xp.asarray(theta)}
     X, Y, W, V = (xp.asarray(a) for a in (x, y, w, v))
-    cases = [
-        (lambda **kw: sliced_kernel_sum(X, Y, W, Hat(1.0), **kw), lambda: sliced_kernel_sum(x, y, w, Hat(1.0),
-                                                                                          directions=theta)),
-        (lambda **kw: sliced_attention(X, Y, V, ReLU(), normalize="count", **kw),
-         lambda: sliced_attention(x, y, v, ReLU(), normalize="count", directions=theta)),
-        (lambda **kw: energy_distance(X, Y, method="sliced", **kw),
-         lambda: energy_distance(x, y, method="sliced", directions=theta)),
-        (lambda **kw: mmd(X, Y, Hat(1.5), method="sliced", **kw),
-         lambda: mmd(x, y, Hat(1.5), method="sliced", directions=theta)),
+    cases = [   # (op, its profile is even, the NumPy op)
+        (lambda **kw: sliced_kernel_sum(X, Y, W, Hat(1.0), **kw), True,
+         lambda theta: sliced_kernel_sum(x, y, w, Hat(1.0), directions=theta)),
+        (lambda **kw: sliced_attention(X, Y, V, ReLU(), normalize="count", **kw), False,
+         lambda theta: sliced_attention(x, y, v, ReLU(), normalize="count", directions=theta)),
+        (lambda **kw: energy_distance(X, Y, method="sliced", **kw), True,
+         lambda theta: energy_distance(x, y, method="sliced", directions=theta)),
+        (lambda **kw: mmd(X, Y, Hat(1.5), method="sliced", **kw), True,
+         lambda theta: mmd(x, y, Hat(1.5), method="sliced", directions=theta)),
     ]
-    for op, expected in cases:
-        out = op(**given)
-        np.testing.assert_allclose(to_numpy(out), expected(), rtol=1e-10, atol=1e-12)
+    for op, even, expected in cases:
+        method = default_method(12, 3, even=even) if family == "default" else family
+        assert method in ("design", "projective")
+        theta = directions(12, 3, method=method, seed=7)
+        given = {"directions": 12, "seed": 7} if family == "default" else {"directions": xp.asarray(theta)}
+        np.testing.assert_allclose(to_numpy(op(**given)), expected(theta), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("n_slices, dim", [(6, 3), (7, 4), (40, 5), (600, 3)])
+def test_projective_is_half_of_the_design_of_twice_as_many(n_slices, dim):
+    """One of each antipodal pair of the design of 2P, rotated alike: for an even profile the
+    estimate of the design of 2P exactly, at the cost of P slices; every P up to rotation alike."""
+    half = directions(n_slices, dim, method="projective", seed=4)
+    full = directions(2 * n_slices, dim, method="design", seed=4)
+    assert half.shape == (n_slices, dim)
+    np.testing.assert_allclose(np.linalg.norm(half, axis=1), 1.0, rtol=0, atol=1e-14)
+    np.testing.assert_allclose(half, full[0::2], rtol=0, atol=1e-15)
+    other = directions(n_slices, dim, method="projective", seed=5)
+    np.testing.assert_allclose(other @ other.T, half @ half.T, rtol=0, atol=1e-12)
+    assert np.max(np.abs(other - half)) > 0.1
+    rng = np.random.default_rng(6)
+    x, y, w = rng.normal(size=(5, dim)), rng.normal(size=(8, dim)), rng.normal(size=(8,))
+    np.testing.assert_allclose(sliced_kernel_sum(x, y, w, Hat(1.3), directions=half),
+                               sliced_kernel_sum(x, y, w, Hat(1.3), directions=full), rtol=1e-12, atol=1e-14)
 
 
 def test_dask_path_takes_the_design():
@@ -205,7 +229,7 @@ def test_dask_path_takes_the_design():
     rng = np.random.default_rng(2)
     x, y = rng.normal(size=(40, 3)), rng.normal(size=(30, 3)) + 0.5
     lazy = energy_distance(da.from_array(x, chunks=16), da.from_array(y, chunks=16), directions=24, seed=9)
-    theta = directions(24, 3, method="design", seed=9)
+    theta = directions(24, 3, method=default_method(24, 3), seed=9)         # the statistics are even
     np.testing.assert_allclose(float(lazy.compute()), float(energy_distance(x, y, directions=theta,
                                                                              method="sliced")), rtol=1e-12)
     ones = da.from_array(np.ones(30), chunks=16)

@@ -25,11 +25,7 @@ __all__ = ["directions", "resolve_directions", "default_method", "positive_int",
 #: What ``numpy.random.default_rng`` accepts as a seed (a fresh one at every call when None).
 Seed = int | np.random.Generator | None
 
-_METHODS = ("random", "orthogonal", "sobol", "design")
-
-#: Largest dimension at which the sliced ops draw ``"design"`` directions for an integer ``P`` and an
-#: even profile; above it ``"orthogonal"`` ones (docs/directions.rst: as good or better there).
-DESIGN_MAX_DIM = 20
+_METHODS = ("random", "orthogonal", "sobol", "design", "projective")
 
 
 def positive_int(value: object, name: str) -> int:
@@ -92,7 +88,7 @@ def directions(n_slices: int, dim: int, *, method: str = "orthogonal", seed: See
         Number of directions ``P >= 1``.
     dim : int
         Dimension ``d >= 1``.
-    method : {"orthogonal", "random", "sobol", "design"}, default "orthogonal"
+    method : {"orthogonal", "random", "sobol", "design", "projective"}, default "orthogonal"
         ``"random"``: i.i.d. uniform on the sphere (normalised Gaussians). ``"orthogonal"``: stacked
         random orthonormal frames (QR of ``d x d`` Gaussian matrices with the sign fix that makes them
         Haar-distributed), ``ceil(P / d)`` frames, truncated to ``P`` rows. ``"sobol"``: scrambled
@@ -102,11 +98,14 @@ def directions(n_slices: int, dim: int, *, method: str = "orthogonal", seed: See
         ``P + 1`` without its last row; beyond ``P = 1024``, blocks of 1024 rows and one of the
         rest, each such a set under a fixed rotation), the same for every seed up to a Haar-random
         rotation drawn from the seed; built once per ``(P, d)`` and cached, or read from the
-        package data for common sizes (docs/directions.rst). Each family is uniform on the sphere marginally, so
-        every sliced estimate is unbiased; the structured ones have a markedly smaller
-        Monte-Carlo error than i.i.d. directions, and ``"design"`` the smallest in most cases
-        for ``P > 2 d`` (up to 1000x below ``"orthogonal"`` at ``d = 3``, 2x to 16x at ``d = 10``;
-        docs/directions.rst has the table and :func:`default_method` the rule of the sliced ops).
+        package data for common sizes (docs/directions.rst). ``"projective"``: the rows
+        ``u_1, u_2, ...`` of the design of ``2 P``, one of each antipodal pair, under the same
+        kind of rotation; for an even profile, where ``theta`` and ``-theta`` give the same slice,
+        it gives exactly the estimate of the design of ``2 P`` at the cost of ``P`` slices. Each
+        family is uniform on the sphere marginally, so every sliced estimate is unbiased; the
+        structured ones have a markedly smaller Monte-Carlo error than i.i.d. directions, and the
+        two designs the smallest in most cases (docs/directions.rst has the table and
+        :func:`default_method` the rule of the sliced ops).
     seed : None, int or numpy.random.Generator, optional
         Seed of ``numpy.random.default_rng``. The same seed gives the same directions on every backend.
     like : array, optional
@@ -147,6 +146,8 @@ def directions(n_slices: int, dim: int, *, method: str = "orthogonal", seed: See
     >>> a, b = directions(8, 3, method="design", seed=0), directions(8, 3, method="design", seed=1)
     >>> np.allclose(a[0::2], -a[1::2]), np.allclose(a @ a.T, b @ b.T)   # antipodal; one design, rotated
     (True, True)
+    >>> np.allclose(directions(4, 3, method="projective", seed=0), directions(8, 3, method="design", seed=0)[0::2])
+    True
     """
     n_slices = positive_int(n_slices, "n_slices")
     dim = positive_int(dim, "dim")
@@ -164,9 +165,12 @@ def directions(n_slices: int, dim: int, *, method: str = "orthogonal", seed: See
         g = _gaussian_frames(rng, n_slices, dim)
     elif method == "sobol":
         g = _sobol_points(rng, n_slices, dim)
-    else:
+    elif method == "design":
         # a Haar-random rotation of the fixed design: each row uniform on the sphere (unbiased)
         g = unrotated_design(n_slices, dim) @ _gaussian_frames(rng, dim, dim)
+    else:
+        # one of each antipodal pair of the design of 2P (rows u_1, u_2, ...), the same rotation
+        g = unrotated_design(2 * n_slices, dim)[0::2] @ _gaussian_frames(rng, dim, dim)
     theta = g / np.linalg.norm(g, axis=1, keepdims=True)
     if like is None:
         return theta
@@ -184,11 +188,11 @@ def default_method(n_slices: int, dim: int, *, even: bool = True) -> str:
     The rule follows the measured errors of docs/directions.rst ("Choosing directions"):
 
     * a profile with an odd part (``even=False``, e.g. ``ReLU``): ``"design"``, whose antipodal
-      pairs cancel the odd part exactly (it measured the most accurate at every ``P`` and ``d``);
-    * an even profile (the statistics, ``Abs``, hats): ``"design"`` when ``P > 2 d`` and
-      ``d <= DESIGN_MAX_DIM``, ``"orthogonal"`` otherwise. With ``P <= 2 d`` a design has only
-      ``P / 2`` distinct slices (an antipodal pair is one slice twice for an even profile), fewer
-      than the ``d`` of a frame; above ``d = 20`` frames were as good or better for the MMD.
+      pairs cancel the odd part exactly;
+    * an even profile (the statistics, ``Abs``, hats): ``"projective"``, one of each antipodal pair
+      of the design of ``2 P``: for an even profile ``theta`` and ``-theta`` give the same slice, so
+      it is the design of ``2 P`` at the cost of ``P`` slices (and at ``P <= d`` the same as one
+      orthogonal frame).
 
     Parameters
     ----------
@@ -202,19 +206,15 @@ def default_method(n_slices: int, dim: int, *, even: bool = True) -> str:
     Returns
     -------
     str
-        ``"design"`` or ``"orthogonal"``, a ``method`` of :func:`directions`.
+        ``"design"`` or ``"projective"``, a ``method`` of :func:`directions`.
 
     Examples
     --------
     >>> from slicedkern.sliced.directions import default_method
-    >>> default_method(256, 3), default_method(16, 10), default_method(256, 100)
-    ('design', 'orthogonal', 'orthogonal')
-    >>> default_method(16, 10, even=False)
-    'design'
+    >>> default_method(256, 3), default_method(256, 3, even=False)
+    ('projective', 'design')
     """
-    if not even:
-        return "design"
-    return "design" if dim <= DESIGN_MAX_DIM and n_slices > 2 * dim else "orthogonal"
+    return "projective" if even else "design"
 
 
 def resolve_directions(value: int | Array | None, dim: int, *, xp: Namespace, device: object, work: object,

@@ -147,9 +147,10 @@ def sliced_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, 
         The directions ``theta_p`` (unit vectors), or their number ``P``: then
         ``slicedkern.directions(P, d, method=default_method(P, d, even=kernel.is_even), seed=seed)``
         (fresh ones at every call when ``seed`` is None), the family measured the most accurate for
-        that ``(P, d)`` and profile: a QMC slicing design (``"design"``, a fixed antipodal point set,
-        randomly rotated) for a profile with an odd part, and for an even one when ``P > 2 d`` and
-        ``d <= 20``; ``"orthogonal"`` frames otherwise
+        the profile: the antipodal QMC slicing design (``"design"``, a fixed point set, randomly
+        rotated) for a profile with an odd part, whose odd part its pairs cancel; for an even profile
+        ``"projective"``, one of each antipodal pair of the design of ``2 P``, which gives that
+        design's estimate at the cost of ``P`` slices
         (:func:`slicedkern.sliced.directions.default_method`, docs/directions.rst). A NumPy array
         is accepted with samples of any library and moved to their device.
     chunk_size : int, optional
@@ -281,8 +282,8 @@ def sliced_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, d
         The 1-D profile ``f``.
     directions : int or array, shape (P, d)
         As in :func:`sliced_kernel_sum`: an integer ``P`` draws the family of
-        ``default_method(P, d, even=kernel.is_even)``, a QMC slicing design where it measured the
-        most accurate (always for the ReLU profile, whose odd part its antipodal pairs cancel).
+        ``default_method(P, d, even=kernel.is_even)``, a QMC slicing design (the antipodal one for
+        the ReLU profile, whose odd part its pairs cancel).
     key_mask : bool array, shape (..., Lk), optional
         True where the key takes part (in every slice).
     center : bool, default False

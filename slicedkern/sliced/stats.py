@@ -222,10 +222,10 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
         Second sample, laid out like ``x``, with the same ``d``.
     directions : int or array, shape (P, d), optional
         Required when ``d > 1`` (unless ``method="exact"``), as in :func:`sliced_kernel_sum`: an
-        integer ``P`` draws the family of ``default_method(P, d)`` (the statistics' profiles are
-        even): a QMC slicing design when ``P > 2 d`` and ``d <= 20``, where it measured the most
-        accurate, orthogonal frames otherwise (docs/directions.rst); ignored when ``d == 1``
-        (exact).
+        integer ``P`` draws the family of ``default_method(P, d)``: the statistics' profiles are
+        even, so ``"projective"``, one of each antipodal pair of the QMC slicing design of ``2 P``,
+        which gives the design's estimate at the cost of ``P`` slices (docs/directions.rst);
+        ignored when ``d == 1`` (exact).
     x_weights : array, shape (..., n), optional
         Non-negative probability weights of ``x`` (normalised to sum 1, like ``u_weights`` of
         ``scipy.stats.energy_distance``); uniform when omitted.
@@ -377,10 +377,10 @@ def mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | Array 
         are used as they are. ``-Abs()`` gives the energy distance (times ``kappa_d`` in R^d).
     directions : int or array, shape (P, d), optional
         Required when ``d > 1`` (unless ``method="exact"``), as in :func:`sliced_kernel_sum`: an
-        integer ``P`` draws the family of ``default_method(P, d)`` (the statistics' profiles are
-        even): a QMC slicing design when ``P > 2 d`` and ``d <= 20``, where it measured the most
-        accurate, orthogonal frames otherwise (docs/directions.rst); ignored when ``d == 1``
-        (exact).
+        integer ``P`` draws the family of ``default_method(P, d)``: the statistics' profiles are
+        even, so ``"projective"``, one of each antipodal pair of the QMC slicing design of ``2 P``,
+        which gives the design's estimate at the cost of ``P`` slices (docs/directions.rst);
+        ignored when ``d == 1`` (exact).
     estimator : {"v", "u"}, default "v"
         Biased V-statistic or unbiased U-statistic (needs ``n, m >= 2``).
     chunk_size : int, optional

@@ -141,6 +141,6 @@ html_theme_options = {
 html_context = {"default_mode": "auto"}
 # The hand-written pages have no sub-pages, so their primary sidebar would be an empty column: the
 # API reference and the gallery keep theirs (their pages' list).
-html_sidebars = {page: [] for page in ("index", "getting_started", "mathematics", "backends",
+html_sidebars = {page: [] for page in ("index", "getting_started", "mathematics", "directions", "backends",
                                        "benchmarks", "scaling", "porting", "architecture",
                                        "changelog")}

@@ -13,6 +13,7 @@ import pytest
 from slicedkern import reference
 from slicedkern.kernels import Abs, Hat, HatMixture, PiecewiseLinear, ReLU
 from slicedkern.sliced import directions, energy_distance, mmd, radial_profile, sliced_attention, sliced_kernel_sum
+from slicedkern.sliced.directions import default_method
 
 #: Backends of the value tests. JAX compiles the sort-scan for every new shape (about 2 s each), so it
 #: runs the cheap metadata tests here and a few shape-sharing checks in ``test_jax_*`` below.
@@ -233,7 +234,8 @@ def test_sliced_kernel_sum_matches_dense(bk, kernel, rng):
 def test_sliced_kernel_sum_integer_directions_and_chunks(bk, rng):
     x, y, w = rng.normal(size=(6, 4)), rng.normal(size=(8, 4)), rng.random(8)
     X, Y, W = bk.asarray(x), bk.asarray(y), bk.asarray(w)
-    theta = directions(10, 4, method="orthogonal", seed=2)
+    # an integer P draws the ops' default family for (P, d) with that seed (docs/directions.rst)
+    theta = directions(10, 4, method=default_method(10, 4), seed=2)
     expected = dense_sliced_matrix(x, y, theta, Hat(1.0)) @ w
     for chunk in (None, 1, 3, 10, 50):
         out = sliced_kernel_sum(X, Y, W, Hat(1.0), directions=10, seed=2, chunk_size=chunk)
@@ -245,7 +247,7 @@ def test_sliced_kernel_sum_float32_keeps_dtype(bk, rng):
     X, Y, W = (bk.asarray(a, dtype="float32") for a in (x, y, w))
     out = sliced_kernel_sum(X, Y, W, Abs(), directions=16, seed=0)
     assert_meta(out, X, (5,))
-    expected = dense_sliced_matrix(x, y, directions(16, 3, seed=0), Abs()) @ w
+    expected = dense_sliced_matrix(x, y, directions(16, 3, method=default_method(16, 3), seed=0), Abs()) @ w
     close(out, expected, rtol=1e-5)
 
 

@@ -75,12 +75,12 @@ def chunked_points(a: Array, name: str, one_d: bool) -> Array:
     return a
 
 
-def host_directions(value: int | Array | None, dim: int, seed: Seed) -> np.ndarray:
+def host_directions(value: int | Array | None, dim: int, seed: Seed, *, even: bool = True) -> np.ndarray:
     """The ``directions=`` argument as a float64 NumPy (P, d) array: the block functions receive them
     with the graph, and the projection is blockwise against them."""
     if value is not None and not isinstance(value, (numbers.Number, np.ndarray)):
         value = to_host(value)                     # e.g. a (P, d) Dask array: small, computed now
-    return resolve_directions(value, dim, xp=host_xp, device="cpu", work=host_xp.float64, seed=seed)
+    return resolve_directions(value, dim, xp=host_xp, device="cpu", work=host_xp.float64, seed=seed, even=even)
 
 
 def chunked_weights(w: Array | None, name: str, n: int) -> Array | None:

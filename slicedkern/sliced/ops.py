@@ -107,10 +107,10 @@ def _plan_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, d
     if is_chunked(xp):                  # Dask: a lazy plan over whole projected columns
         block = functools.partial(_kernel_sum_block, kernel=kernel)
         return chunked_kernel_sum(xp, chunked_points(x, "x", False), chunked_points(y, "y", False), w, block,
-                                  theta=host_directions(directions, dim, seed),
+                                  theta=host_directions(directions, dim, seed, even=kernel.is_even),
                                   per_point=kernel_sum_floats(1 if vector else w.shape[-1]), chunk_size=chunk_size,
                                   out_dtype=out_dtype, work=work)
-    theta = resolve_directions(directions, dim, xp=xp, device=device, work=work, seed=seed)
+    theta = resolve_directions(directions, dim, xp=xp, device=device, work=work, seed=seed, even=kernel.is_even)
 
     rank = len(batch)
     w = lift(xp, w, w_core, rank)
@@ -145,9 +145,14 @@ def sliced_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, 
         The 1-D profile ``f``.
     directions : int or array, shape (P, d)
         The directions ``theta_p`` (unit vectors), or their number ``P``: then
-        ``slicedkern.directions(P, d, method="orthogonal", seed=seed)`` (fresh ones at every call when
-        ``seed`` is None). A NumPy array is accepted with samples of any library and moved to their
-        device.
+        ``slicedkern.directions(P, d, method=default_method(P, d, even=kernel.is_even), seed=seed)``
+        (fresh ones at every call when ``seed`` is None), the family measured the most accurate for
+        the profile: the antipodal QMC slicing design (``"design"``, a fixed point set, randomly
+        rotated) for a profile with an odd part, whose odd part its pairs cancel; for an even profile
+        ``"projective"``, one of each antipodal pair of the design of ``2 P``, which gives that
+        design's estimate at the cost of ``P`` slices
+        (:func:`slicedkern.sliced.directions.default_method`, docs/directions.rst). A NumPy array
+        is accepted with samples of any library and moved to their device.
     chunk_size : int, optional
         Number of slices per 1-D call. Default: as many as keep each intermediate array below about
         8 Mi elements.
@@ -237,7 +242,7 @@ def _plan_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, di
     eps = check_eps(eps)
     causal = check_bool(causal, "causal")
     chunk_size = check_chunk(chunk_size)
-    theta = resolve_directions(directions, dim, xp=xp, device=device, work=work, seed=seed)
+    theta = resolve_directions(directions, dim, xp=xp, device=device, work=work, seed=seed, even=kernel.is_even)
 
     rank = len(batch)
     v = lift(xp, v, 2, rank)[..., None, :, :]                 # shared by every slice
@@ -276,7 +281,9 @@ def sliced_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, d
     kernel : slicedkern.kernels.PiecewiseLinear
         The 1-D profile ``f``.
     directions : int or array, shape (P, d)
-        As in :func:`sliced_kernel_sum`.
+        As in :func:`sliced_kernel_sum`: an integer ``P`` draws the family of
+        ``default_method(P, d, even=kernel.is_even)``, a QMC slicing design (the antipodal one for
+        the ReLU profile, whose odd part its pairs cancel).
     key_mask : bool array, shape (..., Lk), optional
         True where the key takes part (in every slice).
     center : bool, default False

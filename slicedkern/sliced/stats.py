@@ -127,6 +127,8 @@ def _method(method: str, directions, n: int, m: int, dim: int, *, values_only: b
         return "sliced"                  # given directions: the caller asked for these slices
     if values_only or traced:
         return "sliced"
+    # the cost of the P slices asked for: their family (docs/directions.rst) changes their accuracy,
+    # not their cost, and the exact statistic is at least as accurate as any P
     size = n + m
     sliced = (SLICE_COST_COMPILED if compiled else SLICE_COST) * int(directions) * size * (math.log2(size) + dim)
     return "exact" if dense_cost(n, m, dim, compiled=compiled) <= sliced else "sliced"
@@ -219,7 +221,11 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
     y : array, shape (m,) or (..., m, d)
         Second sample, laid out like ``x``, with the same ``d``.
     directions : int or array, shape (P, d), optional
-        Required when ``d > 1``, as in :func:`sliced_kernel_sum`; ignored when ``d == 1`` (exact).
+        Required when ``d > 1`` (unless ``method="exact"``), as in :func:`sliced_kernel_sum`: an
+        integer ``P`` draws the family of ``default_method(P, d)``: the statistics' profiles are
+        even, so ``"projective"``, one of each antipodal pair of the QMC slicing design of ``2 P``,
+        which gives the design's estimate at the cost of ``P`` slices (docs/directions.rst);
+        ignored when ``d == 1`` (exact).
     x_weights : array, shape (..., n), optional
         Non-negative probability weights of ``x`` (normalised to sum 1, like ``u_weights`` of
         ``scipy.stats.energy_distance``); uniform when omitted.
@@ -242,8 +248,11 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
         both constants measured on NumPy (docs/mathematics.rst, "Exact statistics in R^d"). Else,
         and with a directions array, it is ``"sliced"``. For example ``d = 3``, NumPy: exact up
         to ``n = m`` of about 3500 at ``P = 256``, 750 at ``P = 64``; torch under autograd: 560
-        at ``P = 256``. For Dask arrays ``"exact"`` in R^d is refused (all ``n m`` pairs) and
-        ``"auto"`` is ``"sliced"``.
+        at ``P = 256``. The rule prices the ``P`` slices asked for, whatever their family: a QMC
+        design makes those ``P`` slices more accurate, not cheaper, and where the exact sums cost
+        less they are also exact (docs/directions.rst, "The method='auto' of the statistics"). For
+        Dask arrays ``"exact"`` in R^d is refused (all ``n m`` pairs) and ``"auto"`` is
+        ``"sliced"``.
         Ignored for 1-D samples (always exact).
     xp : array namespace, optional
 
@@ -367,7 +376,11 @@ def mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | Array 
         symmetric (e.g. ``ReLU()`` acts as ``|r| / 2``); the even kernels ``Hat``, ``HatMixture``, ``Abs``
         are used as they are. ``-Abs()`` gives the energy distance (times ``kappa_d`` in R^d).
     directions : int or array, shape (P, d), optional
-        Required when ``d > 1``, as in :func:`sliced_kernel_sum`; ignored when ``d == 1`` (exact).
+        Required when ``d > 1`` (unless ``method="exact"``), as in :func:`sliced_kernel_sum`: an
+        integer ``P`` draws the family of ``default_method(P, d)``: the statistics' profiles are
+        even, so ``"projective"``, one of each antipodal pair of the QMC slicing design of ``2 P``,
+        which gives the design's estimate at the cost of ``P`` slices (docs/directions.rst);
+        ignored when ``d == 1`` (exact).
     estimator : {"v", "u"}, default "v"
         Biased V-statistic or unbiased U-statistic (needs ``n, m >= 2``).
     chunk_size : int, optional

@@ -1,0 +1,91 @@
+"""Directions for slicing (docs/directions.rst): the cost of a QMC slicing design, and the error of
+the sliced energy distance with orthogonal frames and the two designs at a few (P, d).
+
+The errors are RMS relative errors over 8 seeds against the dense energy distance (n = m = 2000,
+``y`` shifted by 0.5 along the first axis), as in ``scripts/directions_bench.py`` at a smaller size.
+Commits without ``method="design"`` skip it (``NotImplementedError``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .common import public
+
+_EXACT: dict = {}
+
+
+def _design_module():
+    try:
+        from slicedkern.sliced import _design
+    except ImportError as exc:
+        raise NotImplementedError("this commit has no QMC slicing designs") from exc
+    return _design
+
+
+def _mean_distance(a, b, block=500):
+    total = 0.0
+    bb = np.sum(b * b, axis=1)
+    for start in range(0, len(a), block):
+        blk = a[start:start + block]
+        sq = np.sum(blk * blk, axis=1)[:, None] + bb[None, :] - 2.0 * blk @ b.T
+        total += float(np.sqrt(np.maximum(sq, 0.0)).sum())
+    return total / (len(a) * len(b))
+
+
+def _samples(dim, n=2000):
+    """The samples of dimension ``dim`` and their dense energy distance (computed once per process)."""
+    if dim not in _EXACT:
+        rng = np.random.default_rng(dim)
+        x, y = rng.standard_normal((n, dim)), rng.standard_normal((n, dim))
+        y[:, 0] += 0.5
+        exact = 2 * _mean_distance(x, y) - _mean_distance(x, x) - _mean_distance(y, y)
+        _EXACT[dim] = x, y, exact
+    return _EXACT[dim]
+
+
+class DesignBuild:
+    """Building a design by the descent (what an unshipped size costs once per process), and the
+    first use of a size (shipped ones are read from the package data)."""
+
+    params = [[64, 256, 1024], [3, 10, 100]]
+    param_names = ["P", "d"]
+    timeout = 120
+
+    def setup(self, n_slices, dim):
+        self.design = _design_module()
+
+    def time_descent(self, n_slices, dim):
+        self.design.build_half_design(-(-n_slices // 2), dim)
+
+    def time_first_use(self, n_slices, dim):
+        self.design._cached_design.cache_clear()
+        self.design._shipped.cache_clear()
+        self.design.unrotated_design(n_slices, dim)
+
+
+class SlicedEnergyError:
+    """RMS relative error of the sliced energy distance over 8 seeds, per family."""
+
+    params = [["orthogonal", "design", "projective"], [3, 10], [64, 256, 1024]]
+    param_names = ["family", "d", "P"]
+    timeout = 300
+
+    def setup(self, family, dim, n_slices):
+        try:
+            public("directions", "sliced")(2, 2, method=family, seed=0)
+        except ValueError as exc:                       # a commit without this family
+            raise NotImplementedError(str(exc)) from exc
+        self.x, self.y, self.exact = _samples(dim)
+
+    def track_rms_relative_error(self, family, dim, n_slices):
+        directions, energy_distance = public("directions", "sliced"), public("energy_distance", "sliced")
+        errs = []
+        for seed in range(8):
+            theta = directions(n_slices, dim, method=family, seed=seed)
+            errs.append(float(energy_distance(self.x, self.y, directions=theta)) / self.exact - 1.0)
+        return math.sqrt(float(np.mean(np.square(errs))))
+
+    track_rms_relative_error.unit = "relative error"

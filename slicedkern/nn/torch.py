@@ -6,6 +6,13 @@ and computes sliced ReLU / hat attention in ``O(L log L)`` with slicedkern's sor
 ``SlicedTransformerEncoderLayer`` takes ``torch.nn.TransformerEncoderLayer``'s arguments, and
 ``SlicedTransformerEncoder`` stacks it as ``torch.nn.TransformerEncoder`` does, keeping boolean masks.
 
+To try it in an existing model, ``convert_attention(model, **options)`` replaces every
+``nn.MultiheadAttention`` of ``model`` in place by a ``SlicedAttention`` with its shapes and its query,
+key, value and output projections; the score map (and any bandwidth) is new and needs training.
+``nn.Transformer`` and the encoder and decoder layers of ``torch.nn`` then run sliced attention in
+training and in evaluation (their float padding masks and causal masks are accepted, their fused
+softmax fast path is switched off).
+
 Examples
 --------
 >>> import torch
@@ -17,6 +24,14 @@ Examples
 >>> out, weights = attn(x, x, x, key_padding_mask=pad)
 >>> out.shape, weights
 (torch.Size([2, 10, 16]), None)
+
+An existing model with its attention converted (the score maps then need training):
+
+>>> from slicedkern.nn.torch import convert_attention
+>>> model = torch.nn.Transformer(16, 4, 1, 1, 32, batch_first=True)
+>>> model = convert_attention(model, kernel="hat")
+>>> model(torch.randn(2, 10, 16), torch.randn(2, 6, 16)).shape
+torch.Size([2, 6, 16])
 """
 
 from __future__ import annotations

@@ -510,7 +510,7 @@ def test_bad_forward_arguments():
     with pytest.raises(ValueError, match="'key_padding_mask' must have shape"):
         layer(x, k, value, key_padding_mask=good[:, :5])
     with pytest.raises(TypeError, match="'key_padding_mask' must be a boolean mask"):
-        layer(x, k, value, key_padding_mask=good.float())
+        layer(x, k, value, key_padding_mask=torch.full((2, 6), -1.0))   # additive, not torch's 0 / -inf form
     with pytest.raises(ValueError, match="need_weights=True"):
         layer(x, k, value, need_weights=True)
     with pytest.raises(ValueError, match="attn_mask"):

@@ -3,8 +3,8 @@
 Two framework modules share one configuration, kept here:
 
 * :mod:`slicedkern.nn.torch` -- ``SlicedAttention``, a drop-in for ``torch.nn.MultiheadAttention``,
-  and ``SlicedTransformerEncoderLayer`` / ``SlicedTransformerEncoder``, drop-ins for their
-  ``torch.nn`` namesakes;
+  ``SlicedTransformerEncoderLayer`` / ``SlicedTransformerEncoder``, drop-ins for their ``torch.nn``
+  namesakes, and ``convert_attention``, which converts the attention of an existing model;
 * :mod:`slicedkern.nn.flax` -- ``SlicedAttention`` as a Flax NNX module with the same parameters,
   the same parameter names and the same semantics (its weights load from a torch ``state_dict``).
 

@@ -6,6 +6,13 @@ and computes sliced ReLU / hat attention in ``O(L log L)`` with slicedkern's sor
 ``SlicedTransformerEncoderLayer`` takes ``torch.nn.TransformerEncoderLayer``'s arguments, and
 ``SlicedTransformerEncoder`` stacks it as ``torch.nn.TransformerEncoder`` does, keeping boolean masks.
 
+To try it in an existing model, ``convert_attention(model, **options)`` replaces every
+``nn.MultiheadAttention`` of ``model`` in place by a ``SlicedAttention`` with its shapes and its query,
+key, value and output projections; the score map (and any bandwidth) is new and needs training.
+``nn.Transformer`` and the encoder and decoder layers of ``torch.nn`` then run sliced attention in
+training and in evaluation (their float padding masks and causal masks are accepted, their fused
+softmax fast path is switched off).
+
 Examples
 --------
 >>> import torch
@@ -17,6 +24,14 @@ Examples
 >>> out, weights = attn(x, x, x, key_padding_mask=pad)
 >>> out.shape, weights
 (torch.Size([2, 10, 16]), None)
+
+An existing model with its attention converted (the score maps then need training):
+
+>>> from slicedkern.nn.torch import convert_attention
+>>> model = torch.nn.Transformer(16, 4, 1, 1, 32, batch_first=True)
+>>> model = convert_attention(model, kernel="hat")
+>>> model(torch.randn(2, 10, 16), torch.randn(2, 6, 16)).shape
+torch.Size([2, 6, 16])
 """
 
 from __future__ import annotations
@@ -34,7 +49,8 @@ from ..kernels import PiecewiseLinear
 from . import attention_op, check_forward, layer_config, op_arguments
 from ._torch_generate import AttentionCache, generate_step, rotary_embedding
 
-__all__ = ["SlicedAttention", "AttentionCache", "SlicedTransformerEncoderLayer", "SlicedTransformerEncoder"]
+__all__ = ["SlicedAttention", "AttentionCache", "SlicedTransformerEncoderLayer", "SlicedTransformerEncoder",
+           "convert_attention"]
 
 # the tensor types memoised before any forward, which torch.compile may trace first: it warns about
 # every functools.lru_cache it meets, and array-api-compat's type tests are such caches
@@ -96,7 +112,9 @@ class SlicedAttention(nn.Module):
     -----
     Parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` (``nn.Linear``), ``score_hidden``
     (``score="mlp"`` only) and ``score_out`` (``nn.Linear``, no bias), ``log_bandwidth`` (``(H,)`` for
-    "hat", ``(H, K)`` for "hat_mixture") and ``mixture_weight`` (``(H, K)``).
+    "hat", ``(H, K)`` for "hat_mixture") and ``mixture_weight`` (``(H, K)``). ``in_proj_weight`` and
+    ``in_proj_bias`` are None: torch's transformer layers then never take their fused fast path,
+    which would compute softmax attention from them.
 
     Padding never reaches the real tokens: ``Pi`` reads one token at a time, and padded keys count
     in no sum, mean or normaliser. A query whose keys are all padded gets an output of zeros.
@@ -113,6 +131,11 @@ class SlicedAttention(nn.Module):
     >>> out.shape
     torch.Size([5, 2, 32])
     """
+
+    #: No packed input projection, as in ``nn.MultiheadAttention`` with ``bias=False`` / separate
+    #: projections: torch's fused fast paths read these and, finding None, call :meth:`forward`.
+    in_proj_weight: None = None
+    in_proj_bias: None = None
 
     def __init__(self, embed_dim: int, num_heads: int, *, kernel: str | PiecewiseLinear = "relu",
                  score: str = "mlp", bandwidth: float | tuple[float, ...] | None = None,
@@ -155,6 +178,53 @@ class SlicedAttention(nn.Module):
         self._op = attention_op(cfg)
         self.reset_parameters()
 
+    @classmethod
+    def from_multihead_attention(cls, attention: nn.MultiheadAttention, **options) -> SlicedAttention:
+        """A sliced layer with the projections of ``attention``, an ``nn.MultiheadAttention``.
+
+        The layer takes ``attention``'s ``embed_dim``, ``num_heads``, ``kdim``, ``vdim``,
+        ``batch_first``, ``dropout``, ``bias``, device, dtype and training mode, and copies of its
+        query, key, value and output projections (``in_proj_weight`` / ``in_proj_bias`` split in three,
+        or ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``; ``out_proj``). The score map
+        ``Pi`` (and the bandwidths) are new, initialised as :meth:`reset_parameters` does: they need
+        training. ``options`` are this class's own keyword arguments (``kernel``, ``score``,
+        ``bandwidth``, ``center``, ``normalize``, ``rope``, ...), validated as the constructor does.
+        Note that ``dropout`` drops the heads' outputs here, not attention weights.
+
+        Raises
+        ------
+        TypeError
+            ``attention`` is not an ``nn.MultiheadAttention``, or an option is unknown or is one of
+            the arguments taken from ``attention``.
+        ValueError
+            ``attention`` has ``add_bias_kv`` or ``add_zero_attn``, which sliced attention lacks.
+        """
+        if not isinstance(attention, nn.MultiheadAttention):
+            raise TypeError(f"argument 'attention' must be a torch.nn.MultiheadAttention, got "
+                            f"{type(attention).__name__}")
+        _check_options(options)
+        if attention.bias_k is not None or attention.add_zero_attn:
+            raise ValueError("argument 'attention': add_bias_kv and add_zero_attn have no sliced counterpart")
+        weight = attention.out_proj.weight
+        layer = cls(attention.embed_dim, attention.num_heads, dropout=attention.dropout,
+                    bias=attention.in_proj_bias is not None, kdim=attention.kdim, vdim=attention.vdim,
+                    batch_first=attention.batch_first, device=weight.device, dtype=weight.dtype, **options)
+        embed = attention.embed_dim
+        if attention._qkv_same_embed_dim:
+            weights = attention.in_proj_weight.split(embed)
+        else:
+            weights = (attention.q_proj_weight, attention.k_proj_weight, attention.v_proj_weight)
+        biases = (None,) * 3 if attention.in_proj_bias is None else attention.in_proj_bias.split(embed)
+        with torch.no_grad():
+            for linear, w, b in zip((layer.q_proj, layer.k_proj, layer.v_proj), weights, biases):
+                linear.weight.copy_(w)
+                if b is not None:
+                    linear.bias.copy_(b)
+            layer.out_proj.weight.copy_(attention.out_proj.weight)
+            if attention.out_proj.bias is not None:
+                layer.out_proj.bias.copy_(attention.out_proj.bias)
+        return layer.train(attention.training)
+
     def reset_parameters(self) -> None:
         """Initialise as ``nn.MultiheadAttention`` does, and the bandwidths to their initial values.
 
@@ -188,9 +258,9 @@ class SlicedAttention(nn.Module):
         """An empty :class:`AttentionCache` for generating with this layer (``forward(..., cache=)``)."""
         return AttentionCache(self)
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, *, key_padding_mask: Tensor | None = None,
-                need_weights: bool = False, attn_mask: Tensor | None = None,
-                is_causal: bool = False, cache: AttentionCache | None = None) -> tuple[Tensor, None]:
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
+                need_weights: bool = False, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False, *, cache: AttentionCache | None = None) -> tuple[Tensor, None]:
         """Attend from ``query`` to ``key`` / ``value``.
 
         Parameters
@@ -200,12 +270,18 @@ class SlicedAttention(nn.Module):
         value : Tensor, shape (Lk, N, vdim), (N, Lk, vdim) with ``batch_first``, or (Lk, vdim)
         key_padding_mask : bool Tensor, shape (N, Lk) or (Lk,), optional
             True where the key is padding and must be ignored (``torch.nn.MultiheadAttention``'s
-            convention). Float masks are an error.
+            convention). A float mask is accepted only in the form torch's transformer layers make
+            of a boolean one (``0`` keep, ``-inf`` ignore); any other float mask is an error.
         need_weights : bool, default False
             Must be False: the attention weights are never formed.
         attn_mask : Tensor, optional
-            Accepted only with ``is_causal=True``, as the causal mask it stands for; a general
-            ``Lq x Lk`` mask cannot be applied and is an error.
+            Accepted with ``is_causal=True``, as the causal mask it stands for, or without it when it
+            is the square causal mask itself (boolean, True above the diagonal, or float, ``-inf``
+            there and ``0`` elsewhere: what ``nn.Transformer.generate_square_subsequent_mask``
+            makes), as torch's encoder detects it; any other ``Lq x Lk`` mask cannot be applied and
+            is an error.
+        average_attn_weights : bool, default True
+            Ignored, as ``nn.MultiheadAttention`` ignores it without weights; here for its signature.
         is_causal : bool, default False
             Query ``i`` attends to keys ``j <= i + Lk - Lq`` only (``j <= i`` in self-attention): the
             ops' ``causal=True``, bottom-right aligned when ``Lq != Lk``. A query that sees no
@@ -223,6 +299,11 @@ class SlicedAttention(nn.Module):
             Shaped like ``query`` with ``E`` features; zeros for a row whose keys are all padded.
         weights : None
         """
+        if key_padding_mask is not None and key_padding_mask.is_floating_point():
+            key_padding_mask = _boolean_padding(key_padding_mask)
+        if attn_mask is not None and is_causal is False and _is_square_causal(attn_mask, self._length(query),
+                                                                               self._length(key)):
+            is_causal = True          # what torch's encoder and decoder detect before calling a layer
         mask_shape = None if key_padding_mask is None else tuple(key_padding_mask.shape)
         batched = check_forward(self.config, tuple(query.shape), tuple(key.shape), tuple(value.shape),
                                 mask_shape, key_padding_mask is not None and key_padding_mask.dtype == torch.bool,
@@ -241,6 +322,10 @@ class SlicedAttention(nn.Module):
         elif not self.batch_first:
             out = out.transpose(0, 1)
         return out, None
+
+    def _length(self, tokens: Tensor) -> int:
+        """The sequence length of ``query`` / ``key`` as forward takes them (before any checks)."""
+        return tokens.shape[1] if tokens.dim() == 3 and self.batch_first else tokens.shape[0]
 
     def _generate(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None,
                   is_causal: bool, cache: AttentionCache) -> Tensor:
@@ -272,6 +357,125 @@ class SlicedAttention(nn.Module):
             out = torch.where(_has_keys(key_mask, batch, q_len, k_len, causal, out.device), out,
                               torch.zeros((), dtype=out.dtype, device=out.device))
         return out
+
+
+#: Arguments of SlicedAttention that convert_attention takes from each nn.MultiheadAttention.
+_TAKEN_FROM_ATTENTION = ("embed_dim", "num_heads", "dropout", "bias", "kdim", "vdim", "batch_first", "device",
+                         "dtype")
+
+
+def _check_options(options: dict) -> None:
+    for name in options:
+        if name in _TAKEN_FROM_ATTENTION:
+            raise TypeError(f"argument {name!r} is taken from each nn.MultiheadAttention and cannot be given")
+
+
+def convert_attention(model: nn.Module, **options) -> nn.Module:
+    """Replace every ``nn.MultiheadAttention`` in ``model`` by a :class:`SlicedAttention`, in place.
+
+    A one-line way to try sliced attention in an existing model. Each replacement keeps its
+    attention's shapes, ``batch_first``, ``dropout``, ``bias``, device, dtype and its query, key,
+    value and output projections (:meth:`SlicedAttention.from_multihead_attention`); the score map
+    and the bandwidths are new, freshly initialised, so the converted model needs training (or
+    fine-tuning) before its outputs mean anything. A module function, like
+    ``torch.ao.quantization.convert``, since it walks any model; it modifies ``model`` in place and
+    returns it, like ``nn.SyncBatchNorm.convert_sync_batchnorm`` (``copy.deepcopy`` first to keep
+    the original). An attention shared by several parents becomes one shared sliced layer.
+
+    ``nn.Transformer``, ``nn.TransformerEncoder`` / ``nn.TransformerEncoderLayer`` and
+    ``nn.TransformerDecoder`` / ``nn.TransformerDecoderLayer`` keep working: their attention calls
+    (boolean or float padding masks, causal masks, ``need_weights=False``) are accepted, torch's
+    fused softmax fast path is switched off (``use_nested_tensor = False`` on an encoder, and
+    :class:`SlicedAttention` has no ``in_proj_weight``), and the layers compute sliced attention in
+    training and in evaluation alike.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The model; if it is an ``nn.MultiheadAttention`` itself, the new layer is returned.
+    **options
+        :class:`SlicedAttention`'s own keyword arguments (``kernel``, ``score``, ``bandwidth``,
+        ``learn_bandwidth``, ``mixture_size``, ``center``, ``normalize``, ``rope``), the same for
+        every layer. The arguments taken from the attentions (``embed_dim``, ``num_heads``,
+        ``dropout``, ``bias``, ``kdim``, ``vdim``, ``batch_first``, ``device``, ``dtype``) cannot be given.
+
+    Returns
+    -------
+    nn.Module
+        ``model``, converted.
+
+    Raises
+    ------
+    TypeError
+        An unknown option, or one taken from the attentions (the message names it).
+    ValueError
+        ``model`` holds no ``nn.MultiheadAttention`` (attention written with other modules or
+        functions, e.g. ``F.scaled_dot_product_attention``, is not converted: running it unchanged
+        would be a softmax model under a sliced name), or one with ``add_bias_kv`` / ``add_zero_attn``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from slicedkern.nn.torch import SlicedAttention, convert_attention
+    >>> layer = torch.nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True)
+    >>> model = convert_attention(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+    ...                           kernel="hat")
+    >>> isinstance(model.layers[0].self_attn, SlicedAttention)
+    True
+    >>> model(torch.randn(2, 7, 16)).shape
+    torch.Size([2, 7, 16])
+    """
+    _check_options(options)
+    if isinstance(model, nn.MultiheadAttention):
+        return SlicedAttention.from_multihead_attention(model, **options)
+    converted: dict[int, SlicedAttention] = {}
+
+    def walk(module: nn.Module) -> None:
+        for name, child in module.named_children():
+            if isinstance(child, nn.MultiheadAttention):
+                if id(child) not in converted:
+                    converted[id(child)] = SlicedAttention.from_multihead_attention(child, **options)
+                setattr(module, name, converted[id(child)])
+            else:
+                walk(child)
+
+    walk(model)
+    if not converted:
+        raise ValueError(f"argument 'model' ({type(model).__name__}) holds no torch.nn.MultiheadAttention to "
+                         "convert; attention written otherwise (e.g. with F.scaled_dot_product_attention) "
+                         "is not replaced")
+    for module in model.modules():
+        # decided at construction from the softmax layer: it would run torch's fused kernel on nested tensors
+        if isinstance(module, nn.TransformerEncoder) and isinstance(
+                getattr(module.layers[0], "self_attn", None), SlicedAttention):
+            module.use_nested_tensor = False
+    return model
+
+
+def _boolean_padding(mask: Tensor) -> Tensor:
+    """A float ``key_padding_mask`` as torch's transformer layers make it from a boolean one (``0`` keep,
+    ``-inf`` ignore) back to that boolean mask; TypeError for any other float mask (an additive bias
+    cannot be applied without the attention weights)."""
+    ignored = mask == -math.inf
+    if not bool((ignored | (mask == 0)).all()):
+        raise TypeError("argument 'key_padding_mask' must be a boolean mask (True = ignore the key) or the float "
+                        "form torch's transformer layers make of one (0 = keep, -inf = ignore); other float "
+                        "(additive) masks are not supported, since the attention weights are never formed")
+    return ignored
+
+
+def _is_square_causal(mask: Tensor, q_len: int, k_len: int) -> bool:
+    """Whether ``attn_mask`` is the square causal mask (boolean True, or float ``-inf``, strictly above the
+    diagonal and nothing else), possibly repeated over leading dims: ``torch.nn``'s causal-mask test."""
+    if q_len != k_len or mask.dim() < 2 or tuple(mask.shape[-2:]) != (q_len, k_len):
+        return False
+    above = torch.ones(q_len, q_len, dtype=torch.bool, device=mask.device).triu(1)
+    if mask.dtype == torch.bool:
+        return bool((mask == above).all())
+    if not mask.is_floating_point():
+        return False
+    expected = torch.zeros((q_len, q_len), dtype=mask.dtype, device=mask.device).masked_fill(above, -math.inf)
+    return bool((mask == expected).all())
 
 
 def _visible_rows(q_len: int, k_len: int, device) -> tuple[Tensor, Tensor]:
@@ -388,8 +592,8 @@ class SlicedTransformerEncoder(nn.Module):
     """A stack of ``num_layers`` copies of an encoder layer, as ``torch.nn.TransformerEncoder``.
 
     ``nn.TransformerEncoder`` turns a boolean ``src_key_padding_mask`` into an additive float mask
-    before its layers see it; sliced attention needs the boolean mask, which this class passes
-    through unchanged.
+    before its layers see it (which sliced attention turns back, see :func:`convert_attention`);
+    this class passes the boolean mask through unchanged.
 
     Parameters
     ----------

@@ -105,7 +105,7 @@ def directions(n_slices: int, dim: int, *, method: str = "orthogonal", seed: See
         family is uniform on the sphere marginally, so every sliced estimate is unbiased; the
         structured ones have a markedly smaller Monte-Carlo error than i.i.d. directions, and the
         two designs the smallest in most cases (docs/directions.rst has the table and
-        :func:`default_method` the rule of the sliced ops).
+        :func:`~slicedkern.sliced.directions.default_method` the rule of the sliced ops).
     seed : None, int or numpy.random.Generator, optional
         Seed of ``numpy.random.default_rng``. The same seed gives the same directions on every backend.
     like : array, optional
@@ -206,7 +206,7 @@ def default_method(n_slices: int, dim: int, *, even: bool = True) -> str:
     Returns
     -------
     str
-        ``"design"`` or ``"projective"``, a ``method`` of :func:`directions`.
+        ``"design"`` or ``"projective"``, a ``method`` of :func:`~slicedkern.directions`.
 
     Examples
     --------

@@ -250,7 +250,7 @@ def energy_distance(x: Array, y: Array, *, directions: int | Array | None = None
         to ``n = m`` of about 3500 at ``P = 256``, 750 at ``P = 64``; torch under autograd: 560
         at ``P = 256``. The rule prices the ``P`` slices asked for, whatever their family: a QMC
         design makes those ``P`` slices more accurate, not cheaper, and where the exact sums cost
-        less they are also exact (docs/directions.rst, "The method='auto' of the statistics"). For
+        less they are also exact (docs/directions.rst, "How the statistics choose between exact and sliced"). For
         Dask arrays ``"exact"`` in R^d is refused (all ``n m`` pairs) and ``"auto"`` is
         ``"sliced"``.
         Ignored for 1-D samples (always exact).

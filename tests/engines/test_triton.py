@@ -207,3 +207,21 @@ def test_strided_values_in_the_b_t_h_d_layout(rng):
     np.testing.assert_array_equal(_np(out), _np(slicedkern.relu_attention(_t(q), _t(k), v.contiguous(),
                                                                           engine="triton")))
     np.testing.assert_allclose(_np(out), reference.relu_attention(q, k, _np(v)), rtol=1e-9, atol=1e-11)
+
+
+def test_traffic_of_the_forward():
+    """The forward's structure (scripts/triton_traffic.py counts it): one tile-sum launch and one
+    sort each of the keys and the queries, and no intermediate of n * D elements or more but the
+    output in the work dtype (the per-key prefix table of the earlier design is gone)."""
+    if DEVICE != "cpu":
+        pytest.skip("counted under the interpreter, on CPU tensors (the counts do not depend on the device)")
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "scripts" / "triton_traffic.py"
+    spec = importlib.util.spec_from_file_location("triton_traffic", path)
+    traffic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(traffic)
+    found = traffic.count(48, 8, 1, backward=False)
+    assert found["launches"]["tile_sums"] == 1 and found["launches"]["merge_eval"] <= 3
+    assert found["sorts"] == 2
+    assert found["large intermediates"] <= 1 and found["large bytes / (n D itemsize)"] <= 2.0

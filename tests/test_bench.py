@@ -305,8 +305,12 @@ def test_asv_benchmarks_run(asv_modules, backend, request):
                         if name.startswith(_PREFIXES):
                             value = getattr(bench, name)(*params)
                             if name.startswith("track_"):
-                                assert getattr(cls, name).unit == "relative error"
-                                assert 0 <= value < 1e-4, (cls.__name__, params, value)
+                                unit = getattr(cls, name).unit
+                                if unit == "RMS relative error":    # a Monte-Carlo error (directions)
+                                    assert 0 < value < 0.1, (cls.__name__, params, value)
+                                else:                               # a float32 rounding error
+                                    assert unit == "relative error"
+                                    assert 0 <= value < 1e-4, (cls.__name__, params, value)
                             ran.add((cls.__name__, engine))
                 finally:
                     bench.teardown(*params)

@@ -6,12 +6,8 @@ and computes sliced ReLU / hat attention in ``O(L log L)`` with slicedkern's sor
 ``SlicedTransformerEncoderLayer`` takes ``torch.nn.TransformerEncoderLayer``'s arguments, and
 ``SlicedTransformerEncoder`` stacks it as ``torch.nn.TransformerEncoder`` does, keeping boolean masks.
 
-To try it in an existing model, ``convert_attention(model, **options)`` replaces every
-``nn.MultiheadAttention`` of ``model`` in place by a ``SlicedAttention`` with its shapes and its query,
-key, value and output projections; the score map (and any bandwidth) is new and needs training.
-``nn.Transformer`` and the encoder and decoder layers of ``torch.nn`` then run sliced attention in
-training and in evaluation (their float padding masks and causal masks are accepted, their fused
-softmax fast path is switched off).
+``convert_attention(model, **options)`` replaces every ``nn.MultiheadAttention`` of an existing
+model by a ``SlicedAttention`` with its projections (the score maps are new and need training).
 
 Examples
 --------
@@ -24,14 +20,6 @@ Examples
 >>> out, weights = attn(x, x, x, key_padding_mask=pad)
 >>> out.shape, weights
 (torch.Size([2, 10, 16]), None)
-
-An existing model with its attention converted (the score maps then need training):
-
->>> from slicedkern.nn.torch import convert_attention
->>> model = torch.nn.Transformer(16, 4, 1, 1, 32, batch_first=True)
->>> model = convert_attention(model, kernel="hat")
->>> model(torch.randn(2, 10, 16), torch.randn(2, 6, 16)).shape
-torch.Size([2, 6, 16])
 """
 
 from __future__ import annotations
@@ -47,6 +35,14 @@ from torch import Tensor, nn
 from ..backends import learn_types
 from ..kernels import PiecewiseLinear
 from . import attention_op, check_forward, layer_config, op_arguments
+from ._torch_convert import (
+    boolean_padding,
+    copy_projections,
+    has_keys,
+    is_square_causal,
+    replace_attention,
+    taken_arguments,
+)
 from ._torch_generate import AttentionCache, generate_step, rotary_embedding
 
 __all__ = ["SlicedAttention", "AttentionCache", "SlicedTransformerEncoderLayer", "SlicedTransformerEncoder",
@@ -132,8 +128,7 @@ class SlicedAttention(nn.Module):
     torch.Size([5, 2, 32])
     """
 
-    #: No packed input projection, as in ``nn.MultiheadAttention`` with ``bias=False`` / separate
-    #: projections: torch's fused fast paths read these and, finding None, call :meth:`forward`.
+    #: None, as in an ``nn.MultiheadAttention`` without them: torch's fast paths then call forward.
     in_proj_weight: None = None
     in_proj_bias: None = None
 
@@ -180,49 +175,16 @@ class SlicedAttention(nn.Module):
 
     @classmethod
     def from_multihead_attention(cls, attention: nn.MultiheadAttention, **options) -> SlicedAttention:
-        """A sliced layer with the projections of ``attention``, an ``nn.MultiheadAttention``.
+        """A sliced layer with the shapes, options and projections of ``attention``, an
+        ``nn.MultiheadAttention``; the score map and bandwidths are new (:func:`convert_attention`).
 
-        The layer takes ``attention``'s ``embed_dim``, ``num_heads``, ``kdim``, ``vdim``,
-        ``batch_first``, ``dropout``, ``bias``, device, dtype and training mode, and copies of its
-        query, key, value and output projections (``in_proj_weight`` / ``in_proj_bias`` split in three,
-        or ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``; ``out_proj``). The score map
-        ``Pi`` (and the bandwidths) are new, initialised as :meth:`reset_parameters` does: they need
-        training. ``options`` are this class's own keyword arguments (``kernel``, ``score``,
-        ``bandwidth``, ``center``, ``normalize``, ``rope``, ...), validated as the constructor does.
-        Note that ``dropout`` drops the heads' outputs here, not attention weights.
-
-        Raises
-        ------
-        TypeError
-            ``attention`` is not an ``nn.MultiheadAttention``, or an option is unknown or is one of
-            the arguments taken from ``attention``.
-        ValueError
-            ``attention`` has ``add_bias_kv`` or ``add_zero_attn``, which sliced attention lacks.
+        ``options`` are this class's own keyword arguments (``kernel``, ``score``, ``bandwidth``,
+        ...). ``dropout`` drops the heads' outputs here, not attention weights. TypeError for an
+        ``attention`` of another type or an option taken from it; ValueError for ``add_bias_kv`` or
+        ``add_zero_attn``, which sliced attention lacks.
         """
-        if not isinstance(attention, nn.MultiheadAttention):
-            raise TypeError(f"argument 'attention' must be a torch.nn.MultiheadAttention, got "
-                            f"{type(attention).__name__}")
-        _check_options(options)
-        if attention.bias_k is not None or attention.add_zero_attn:
-            raise ValueError("argument 'attention': add_bias_kv and add_zero_attn have no sliced counterpart")
-        weight = attention.out_proj.weight
-        layer = cls(attention.embed_dim, attention.num_heads, dropout=attention.dropout,
-                    bias=attention.in_proj_bias is not None, kdim=attention.kdim, vdim=attention.vdim,
-                    batch_first=attention.batch_first, device=weight.device, dtype=weight.dtype, **options)
-        embed = attention.embed_dim
-        if attention._qkv_same_embed_dim:
-            weights = attention.in_proj_weight.split(embed)
-        else:
-            weights = (attention.q_proj_weight, attention.k_proj_weight, attention.v_proj_weight)
-        biases = (None,) * 3 if attention.in_proj_bias is None else attention.in_proj_bias.split(embed)
-        with torch.no_grad():
-            for linear, w, b in zip((layer.q_proj, layer.k_proj, layer.v_proj), weights, biases):
-                linear.weight.copy_(w)
-                if b is not None:
-                    linear.bias.copy_(b)
-            layer.out_proj.weight.copy_(attention.out_proj.weight)
-            if attention.out_proj.bias is not None:
-                layer.out_proj.bias.copy_(attention.out_proj.bias)
+        layer = cls(**taken_arguments(attention, options), **options)
+        copy_projections(layer, attention)
         return layer.train(attention.training)
 
     def reset_parameters(self) -> None:
@@ -300,8 +262,8 @@ class SlicedAttention(nn.Module):
         weights : None
         """
         if key_padding_mask is not None and key_padding_mask.is_floating_point():
-            key_padding_mask = _boolean_padding(key_padding_mask)
-        if attn_mask is not None and is_causal is False and _is_square_causal(attn_mask, self._length(query),
+            key_padding_mask = boolean_padding(key_padding_mask)
+        if attn_mask is not None and is_causal is False and is_square_causal(attn_mask, self._length(query),
                                                                                self._length(key)):
             is_causal = True          # what torch's encoder and decoder detect before calling a layer
         mask_shape = None if key_padding_mask is None else tuple(key_padding_mask.shape)
@@ -354,20 +316,9 @@ class SlicedAttention(nn.Module):
         out = self.out_proj(self.attention_dropout(ctx))
         if key_mask is not None or (causal and q_len > k_len):
             # Zeros where a query sees no key (the bias of out_proj would be left otherwise).
-            out = torch.where(_has_keys(key_mask, batch, q_len, k_len, causal, out.device), out,
+            out = torch.where(has_keys(key_mask, batch, q_len, k_len, causal, out.device), out,
                               torch.zeros((), dtype=out.dtype, device=out.device))
         return out
-
-
-#: Arguments of SlicedAttention that convert_attention takes from each nn.MultiheadAttention.
-_TAKEN_FROM_ATTENTION = ("embed_dim", "num_heads", "dropout", "bias", "kdim", "vdim", "batch_first", "device",
-                         "dtype")
-
-
-def _check_options(options: dict) -> None:
-    for name in options:
-        if name in _TAKEN_FROM_ATTENTION:
-            raise TypeError(f"argument {name!r} is taken from each nn.MultiheadAttention and cannot be given")
 
 
 def convert_attention(model: nn.Module, **options) -> nn.Module:
@@ -382,12 +333,9 @@ def convert_attention(model: nn.Module, **options) -> nn.Module:
     returns it, like ``nn.SyncBatchNorm.convert_sync_batchnorm`` (``copy.deepcopy`` first to keep
     the original). An attention shared by several parents becomes one shared sliced layer.
 
-    ``nn.Transformer``, ``nn.TransformerEncoder`` / ``nn.TransformerEncoderLayer`` and
-    ``nn.TransformerDecoder`` / ``nn.TransformerDecoderLayer`` keep working: their attention calls
-    (boolean or float padding masks, causal masks, ``need_weights=False``) are accepted, torch's
-    fused softmax fast path is switched off (``use_nested_tensor = False`` on an encoder, and
-    :class:`SlicedAttention` has no ``in_proj_weight``), and the layers compute sliced attention in
-    training and in evaluation alike.
+    ``torch.nn``'s transformer, encoder and decoder layers keep working: their attention calls
+    (boolean or float padding masks, causal masks, ``need_weights=False``) are accepted, and their
+    fused softmax fast path is switched off, in training and in evaluation alike.
 
     Parameters
     ----------
@@ -409,9 +357,8 @@ def convert_attention(model: nn.Module, **options) -> nn.Module:
     TypeError
         An unknown option, or one taken from the attentions (the message names it).
     ValueError
-        ``model`` holds no ``nn.MultiheadAttention`` (attention written with other modules or
-        functions, e.g. ``F.scaled_dot_product_attention``, is not converted: running it unchanged
-        would be a softmax model under a sliced name), or one with ``add_bias_kv`` / ``add_zero_attn``.
+        ``model`` holds no ``nn.MultiheadAttention`` (a softmax model would run under a sliced
+        name), or one with ``add_bias_kv`` / ``add_zero_attn``.
 
     Examples
     --------
@@ -425,77 +372,10 @@ def convert_attention(model: nn.Module, **options) -> nn.Module:
     >>> model(torch.randn(2, 7, 16)).shape
     torch.Size([2, 7, 16])
     """
-    _check_options(options)
     if isinstance(model, nn.MultiheadAttention):
         return SlicedAttention.from_multihead_attention(model, **options)
-    converted: dict[int, SlicedAttention] = {}
-
-    def walk(module: nn.Module) -> None:
-        for name, child in module.named_children():
-            if isinstance(child, nn.MultiheadAttention):
-                if id(child) not in converted:
-                    converted[id(child)] = SlicedAttention.from_multihead_attention(child, **options)
-                setattr(module, name, converted[id(child)])
-            else:
-                walk(child)
-
-    walk(model)
-    if not converted:
-        raise ValueError(f"argument 'model' ({type(model).__name__}) holds no torch.nn.MultiheadAttention to "
-                         "convert; attention written otherwise (e.g. with F.scaled_dot_product_attention) "
-                         "is not replaced")
-    for module in model.modules():
-        # decided at construction from the softmax layer: it would run torch's fused kernel on nested tensors
-        if isinstance(module, nn.TransformerEncoder) and isinstance(
-                getattr(module.layers[0], "self_attn", None), SlicedAttention):
-            module.use_nested_tensor = False
-    return model
-
-
-def _boolean_padding(mask: Tensor) -> Tensor:
-    """A float ``key_padding_mask`` as torch's transformer layers make it from a boolean one (``0`` keep,
-    ``-inf`` ignore) back to that boolean mask; TypeError for any other float mask (an additive bias
-    cannot be applied without the attention weights)."""
-    ignored = mask == -math.inf
-    if not bool((ignored | (mask == 0)).all()):
-        raise TypeError("argument 'key_padding_mask' must be a boolean mask (True = ignore the key) or the float "
-                        "form torch's transformer layers make of one (0 = keep, -inf = ignore); other float "
-                        "(additive) masks are not supported, since the attention weights are never formed")
-    return ignored
-
-
-def _is_square_causal(mask: Tensor, q_len: int, k_len: int) -> bool:
-    """Whether ``attn_mask`` is the square causal mask (boolean True, or float ``-inf``, strictly above the
-    diagonal and nothing else), possibly repeated over leading dims: ``torch.nn``'s causal-mask test."""
-    if q_len != k_len or mask.dim() < 2 or tuple(mask.shape[-2:]) != (q_len, k_len):
-        return False
-    above = torch.ones(q_len, q_len, dtype=torch.bool, device=mask.device).triu(1)
-    if mask.dtype == torch.bool:
-        return bool((mask == above).all())
-    if not mask.is_floating_point():
-        return False
-    expected = torch.zeros((q_len, q_len), dtype=mask.dtype, device=mask.device).masked_fill(above, -math.inf)
-    return bool((mask == expected).all())
-
-
-def _visible_rows(q_len: int, k_len: int, device) -> tuple[Tensor, Tensor]:
-    """Causal query ``i`` sees keys ``j <= i + Lk - Lq`` (bottom-right aligned, as the ops' ``causal``).
-
-    Returns the last visible key of each query, clamped to ``[0, Lk)``, and whether it sees any key.
-    """
-    last = torch.arange(q_len, device=device) + (k_len - q_len)
-    return torch.clamp(last, min=0, max=k_len - 1), last >= 0
-
-
-def _has_keys(key_mask: Tensor | None, batch: int, q_len: int, k_len: int, causal: bool, device) -> Tensor:
-    """Whether a query sees a valid key: (N, 1, 1), or per query (N, Lq, 1) if causal."""
-    if not causal:
-        return key_mask.any(dim=-1)[..., None]
-    rows, sees = _visible_rows(q_len, k_len, device)
-    if key_mask is None:
-        return sees.expand(batch, q_len)[..., None]
-    counts = key_mask.cumsum(dim=-1).index_select(-1, rows)[:, 0]             # (N, Lq)
-    return ((counts > 0) & sees)[..., None]
+    return replace_attention(model, lambda mha: SlicedAttention.from_multihead_attention(mha, **options),
+                             SlicedAttention)
 
 
 class SlicedTransformerEncoderLayer(nn.Module):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -23,27 +22,11 @@ from ._kernels_decode import admit, attend_rows, build_run
 
 __all__ = ["HostRuns"]
 
-def _out_dtypes() -> dict:
-    """The output dtypes the kernel writes directly (by NumPy dtype, and by torch dtype when torch
-    is imported), each to its NumPy dtype; every other output is written in float64 and cast."""
-    found = {np.dtype(np.float32): np.float32, np.dtype(np.float64): np.float64}
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        found.update({torch.float32: np.float32, torch.float64: np.float64})
-    return found
-
-
-_OUT_DTYPES = _out_dtypes()
-
-
 def _written_dtype(dtype) -> type:
-    """The NumPy dtype the kernel writes an output of ``dtype`` in (torch may be imported after
-    this module: a miss looks again)."""
-    found = _OUT_DTYPES.get(dtype)
-    if found is None:
-        _OUT_DTYPES.update(_out_dtypes())
-        found = _OUT_DTYPES.setdefault(dtype, np.float64)
-    return found
+    """The NumPy dtype the kernel writes an output of ``dtype`` (NumPy or torch) in: float32 and
+    float64 directly, every other one in float64 (cast afterwards)."""
+    name = str(dtype).rsplit(".", 1)[-1]           # "float32" for np.float32 and torch.float32 alike
+    return np.dtype(name).type if name in ("float32", "float64") else np.float64
 
 
 @functools.lru_cache(maxsize=16)

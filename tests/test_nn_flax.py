@@ -120,7 +120,8 @@ def test_weight_copy_gives_torch_outputs_and_gradients(name, batch_first):
     ({"kernel": "hat_mixture", "center": True, "mixture_size": 3}, True),
     ({"kernel": "relu", "rope": True, "normalize": "relu", "bias": False}, True),
     ({"kernel": "relu"}, False),
-], ids=["hat-centred-linear-rope", "mixture-centred", "relu-rope-nobias", "relu-unmasked"])
+    ({"kernel": "hat_mixture", "rope": True, "slices": 3}, True),
+], ids=["hat-centred-linear-rope", "mixture-centred", "relu-rope-nobias", "relu-unmasked", "mixture-rope-slices"])
 def test_weight_copy_with_options(options, masked):
     """Self-attention with centring, RoPE, other normalisers; a row of padded keys gives zeros."""
     options = {**options, "batch_first": True}
@@ -136,9 +137,9 @@ def test_weight_copy_with_options(options, masked):
     assert np.all(np.asarray(out[0]) == 0)
 
 
-@pytest.mark.parametrize("name", list(KERNELS))
-def test_weight_copy_causal(name):
-    options = {**KERNELS[name], "batch_first": True, "center": True}
+@pytest.mark.parametrize("name, slices", [*((name, 1) for name in KERNELS), ("relu", 2)])
+def test_weight_copy_causal(name, slices):
+    options = {**KERNELS[name], "batch_first": True, "center": True, "slices": slices}
     layer = torch_layer(options)
     module = flax_twin(layer, options)
     query, _, _, mask = data(q_len=7)

@@ -20,9 +20,9 @@ def x64():
         yield
 
 
-def _layer(kernel, rope):
+def _layer(kernel, rope, slices=1):
     layer = SlicedAttention(16, 2, kernel=kernel, rope=rope, batch_first=True, param_dtype=jnp.float64,
-                            bandwidth=[0.5, 1.5] if kernel == "hat" else None, rngs=nnx.Rngs(0))
+                            bandwidth=[0.5, 1.5] if kernel == "hat" else None, slices=slices, rngs=nnx.Rngs(0))
     if layer.mixture_weight is not None:       # learned-looking weights, not the initial ones
         layer.mixture_weight[...] = jax.random.normal(jax.random.key(5), layer.mixture_weight[...].shape)
     layer.eval()
@@ -34,13 +34,13 @@ def _layer(kernel, rope):
 _SLOW = pytest.mark.exhaustive
 
 
-@pytest.mark.parametrize("kernel, rope", [
-    ("hat", True), pytest.param("hat_mixture", False, marks=_SLOW),
-    pytest.param("relu", False, marks=_SLOW), pytest.param("relu", True, marks=_SLOW),
-    pytest.param("hat", False, marks=_SLOW), pytest.param("hat_mixture", True, marks=_SLOW),
-    pytest.param(Hat(0.7), False, marks=_SLOW), pytest.param(Hat(0.7), True, marks=_SLOW)], ids=str)
-def test_decoding_equals_the_full_causal_forward(kernel, rope):
-    layer = _layer(kernel, rope)
+@pytest.mark.parametrize("kernel, rope, slices", [
+    ("hat", True, 1), ("hat_mixture", True, 3), pytest.param("hat_mixture", False, 1, marks=_SLOW),
+    pytest.param("relu", False, 1, marks=_SLOW), pytest.param("relu", True, 1, marks=_SLOW),
+    pytest.param("hat", False, 1, marks=_SLOW), pytest.param("hat_mixture", True, 1, marks=_SLOW),
+    pytest.param(Hat(0.7), False, 1, marks=_SLOW), pytest.param(Hat(0.7), True, 1, marks=_SLOW)], ids=str)
+def test_decoding_equals_the_full_causal_forward(kernel, rope, slices):
+    layer = _layer(kernel, rope, slices)
     x = jax.random.normal(jax.random.key(1), (3, 8, 16), dtype=jnp.float64)
     pad = jnp.zeros((3, 8), dtype=bool).at[0, :4].set(True).at[1, :1].set(True)   # left-padded prompts
     full, _ = layer(x, x, x, key_padding_mask=pad, is_causal=True)

@@ -347,6 +347,65 @@ def test_gradcheck_inputs(name):
     assert torch.autograd.gradcheck(lambda q, k: layer(q, k, k, key_padding_mask=mask)[0], (query, key))
 
 
+# ----------------------------------------------------------------------------- several slices
+def one_slice_layers(layer, options):
+    """The ``P`` one-slice layers a ``slices=P`` layer averages: its weights, with score rows ``p::P``
+    (score ``h * P + p`` of ``Pi`` is slice ``p`` of head ``h``)."""
+    slices, state = layer.config.slices, layer.state_dict()
+    singles = []
+    for p in range(slices):
+        single = SlicedAttention(layer.embed_dim, layer.num_heads, kdim=layer.kdim, vdim=layer.vdim,
+                                 dtype=torch.float64, **options)
+        single.load_state_dict({**state, "score_out.weight": state["score_out.weight"][p::slices]})
+        singles.append(single)
+    return singles
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_slices_are_the_mean_of_one_slice_layers(name, causal):
+    """``slices=3``: the mean of three one-slice layers, each against the dense reference (cross
+    attention with Lq != Lk, kdim / vdim, padding, centring, causal or not)."""
+    options = {**KERNELS[name], "batch_first": True, "center": True}
+    layer = make_layer(options, kdim=5, vdim=4, slices=3)
+    assert layer.score_out.weight.shape == (9, 12)
+    query, key, value, mask = inputs(kdim=5, vdim=4)
+    out, _ = layer(query, key, value, key_padding_mask=mask, is_causal=causal)
+    singles = [dense_layer(single, options, query, key, value, mask, causal=causal)
+               for single in one_slice_layers(layer, options)]
+    torch.testing.assert_close(out, sum(singles) / 3, rtol=1e-9, atol=1e-11)
+    assert (singles[0] - singles[1]).abs().max() > 1e-3        # the slices differ: the mean is no copy
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_slices_keep_padded_tokens_out(name):
+    options = {**KERNELS[name], "batch_first": True, "center": True, "rope": True, "slices": 2}
+    layer = make_layer(options, embed_dim=32, num_heads=8)
+    g = torch.Generator().manual_seed(3)
+    real = torch.randn(2, 10, 32, generator=g, dtype=torch.float64)
+    padded = torch.cat((real, 5.0 * torch.randn(2, 6, 32, generator=g, dtype=torch.float64)), dim=1)
+    mask = torch.zeros(2, 16, dtype=torch.bool)
+    mask[:, 10:] = True
+    for causal in (False, True):
+        out, _ = layer(padded, padded, padded, key_padding_mask=mask, is_causal=causal)
+        torch.testing.assert_close(out[:, :10], layer(real, real, real, is_causal=causal)[0],
+                                   rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["relu", "hat_mixture"])
+def test_slices_gradients(name):
+    """Every parameter gets a gradient, and the inputs' gradients pass gradcheck, with ``slices=2``."""
+    layer = make_layer({**KERNELS[name], "batch_first": True, "center": False}, embed_dim=4, num_heads=2, slices=2)
+    g = torch.Generator().manual_seed(5)
+    query, key = (torch.randn(1, n, 4, generator=g, dtype=torch.float64, requires_grad=True) for n in (3, 4))
+    mask = torch.tensor([[False, False, True, False]])
+    assert torch.autograd.gradcheck(lambda q, k: layer(q, k, k, key_padding_mask=mask)[0], (query, key))
+    out, _ = layer(query, key, key, key_padding_mask=mask)
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
+    for param_name, param in layer.named_parameters():
+        assert param.grad is not None and param.grad.abs().max() > 1e-8, param_name
+
+
 # ----------------------------------------------------------------------- parameters and state
 def test_reset_parameters_follows_multihead_attention():
     layer = SlicedAttention(8, 2, kernel="hat_mixture", bandwidth=1.0, mixture_size=3)
@@ -489,6 +548,8 @@ def test_encoder_passes_boolean_masks():
     ({"dropout": 1.5}, ValueError, "'dropout'"),
     ({"num_heads": 4, "rope": True}, ValueError, "'rope'"),
     ({"kdim": 0}, ValueError, "'kdim'"),
+    ({"slices": 0}, ValueError, "'slices'"),
+    ({"slices": 2.0}, ValueError, "'slices'"),
 ])
 def test_bad_constructor_arguments(kwargs, error, match):
     arguments = {"embed_dim": 12, "num_heads": 2, **kwargs}

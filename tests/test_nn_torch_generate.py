@@ -19,10 +19,11 @@ KERNELS = {"relu": ("relu", None), "hat-per-head": ("hat", [0.5, 1.5]), "hat_mix
            "fixed-hat": (Hat(0.7), None)}
 
 
-def _layer(kernel, rope, batch_first=True):
+def _layer(kernel, rope, batch_first=True, slices=1):
     name, bandwidth = KERNELS[kernel]
     torch.manual_seed(3)
-    layer = SlicedAttention(16, 2, kernel=name, bandwidth=bandwidth, rope=rope, batch_first=batch_first)
+    layer = SlicedAttention(16, 2, kernel=name, bandwidth=bandwidth, rope=rope, batch_first=batch_first,
+                            slices=slices)
     with torch.no_grad():           # learned-looking parameters, not the initial ones
         if layer.log_bandwidth is not None:
             layer.log_bandwidth.add_(0.3 * torch.randn_like(layer.log_bandwidth))
@@ -60,6 +61,20 @@ def test_cached_generation_equals_the_full_causal_forward(kernel, rope, padded):
         full, _ = layer(x, x, x, key_padding_mask=pad, is_causal=True)
         for chunks in ([1] * length, [4, 1, 3, 2, 1]):
             torch.testing.assert_close(_steps(layer, x, pad, chunks), full, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kernel", ["relu", "hat_mixture"])
+def test_cached_generation_with_several_slices(kernel):
+    """``slices=3``: each slice is a row of the decode cache, and the steps average them as the full
+    causal forward does."""
+    layer = _layer(kernel, rope=True, slices=3)
+    x = torch.randn(3, 9, 16, dtype=torch.float64)
+    pad = torch.zeros(3, 9, dtype=torch.bool)
+    pad[0, :4] = True
+    with torch.no_grad():
+        full, _ = layer(x, x, x, key_padding_mask=pad, is_causal=True)
+        torch.testing.assert_close(_steps(layer, x, pad, [1] * 9), full, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(_steps(layer, x, pad, [4, 2, 3]), full, rtol=1e-12, atol=1e-12)
 
 
 def test_padding_contents_never_move_a_result():

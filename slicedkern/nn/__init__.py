@@ -27,6 +27,9 @@ For input tokens ``x`` (queries), ``y`` (keys) and ``z`` (values), with ``H`` he
    :func:`slicedkern.hat_attention` (one learned bandwidth per head, in log space),
    :func:`slicedkern.hat_mixture_attention` (per head, ``mixture_size`` learned bandwidths and
    weights) or :func:`slicedkern.kernel_attention` (a fixed kernel object);
+   with ``slices=P``, ``Pi`` gives ``P`` scores per head and token, each slice attends on its own
+   (normalised on its own) and the head's output is their mean: the Monte-Carlo multi-slice kernel
+   of :func:`slicedkern.sliced_attention` inside the layer, at ``P`` times the cost of one slice;
 4. the heads concatenated, dropout, and ``W_o``. A row whose keys are all padded returns zeros.
 """
 
@@ -80,6 +83,7 @@ class LayerConfig:
     vdim: int
     batch_first: bool
     rope: bool
+    slices: int = 1
 
     @property
     def head_dim(self) -> int:
@@ -150,7 +154,7 @@ def _initial_bandwidths(kernel_name: str, bandwidth, mixture_size, num_heads: in
 
 
 def layer_config(embed_dim, num_heads, *, kernel, score, bandwidth, learn_bandwidth, mixture_size, center,
-                 normalize, dropout, bias, kdim, vdim, batch_first, rope) -> LayerConfig:
+                 normalize, dropout, bias, kdim, vdim, batch_first, rope, slices=1) -> LayerConfig:
     """Validate the constructor arguments shared by the torch and Flax layers.
 
     Every error is a ``ValueError`` (or ``TypeError`` for a wrong type) that names the argument.
@@ -189,7 +193,8 @@ def layer_config(embed_dim, num_heads, *, kernel, score, bandwidth, learn_bandwi
                        kernel=kernel_object, score=score, bandwidths=bandwidths,
                        learn_bandwidth=bool(learn_bandwidth), center=center, normalize=normalize,
                        dropout=float(dropout), bias=bool(bias), kdim=kdim, vdim=vdim,
-                       batch_first=bool(batch_first), rope=bool(rope))
+                       batch_first=bool(batch_first), rope=bool(rope),
+                       slices=_positive_int(slices, "slices"))
 
 
 def attention_op(config: LayerConfig) -> Callable:
@@ -236,8 +241,9 @@ class Generation:
         """Attend the new tokens, each over the keys so far and the new ones up to its position.
 
         ``parameters``: ``(bandwidth, mixture_weight)`` as :func:`op_arguments` takes them (read at
-        the first step); ``q_scores``, ``k_scores`` (N, H, T); ``v`` (N, H, T, Dh); ``valid`` (N, T)
-        bool or None (no padding). Returns ``(ctx (N, H, T, Dh), sees_a_key (N, T) bool)``.
+        the first step); ``q_scores``, ``k_scores`` and ``v`` as :func:`head_scores` and
+        :func:`head_values` give them, (N, H, [P,] T) and (N, H, [P,] T, Dh); ``valid`` (N, T) bool
+        or None (no padding). Returns ``(ctx (N, H, [P,] T, Dh), sees_a_key (N, T) bool)``.
         """
         xp = array_namespace(q_scores)
         batch, length = q_scores.shape[0], q_scores.shape[-1]
@@ -245,8 +251,9 @@ class Generation:
             self.decode = decode_cache(config, *parameters)
             self.seen = xp.zeros((batch,), dtype=xp.int64, device=array_device(q_scores))
         rows = []
+        head_axes = (None,) * (q_scores.ndim - 2)       # the mask broadcasts over heads and slices
         for t in range(length):      # each new query sees the new keys up to its own position
-            mask = None if valid is None else valid[:, None, t:t + 1]
+            mask = None if valid is None else valid[(slice(None), *head_axes, slice(t, t + 1))]
             self.decode.append(k_scores[..., t:t + 1], v[..., t:t + 1, :], key_mask=mask)
             rows.append(self.decode.attend(q_scores[..., t:t + 1]))
         self.length += length
@@ -278,6 +285,9 @@ def op_arguments(config: LayerConfig, bandwidth, mixture_weight) -> tuple[tuple,
     The op broadcasts them over the batch dims ``(..., H)`` of the scores.
     """
     options = {"normalize": config.normalize, "center": config.center}
+    if config.slices > 1:        # (H, ...) -> (H, 1, ...): broadcast over the slice axis of (N, H, P)
+        bandwidth, mixture_weight = (None if x is None else array_namespace(x).expand_dims(x, axis=1)
+                                     for x in (bandwidth, mixture_weight))
     if config.kernel_name == "relu":
         return (), options
     if config.kernel_name == "custom":
@@ -285,6 +295,54 @@ def op_arguments(config: LayerConfig, bandwidth, mixture_weight) -> tuple[tuple,
     if config.kernel_name == "hat":
         return (bandwidth,), options
     return (bandwidth, mixture_weight), options
+
+
+def head_scores(config: LayerConfig, scores):
+    """The scores of ``Pi``, ``(N, L, H * P)``, as the ops take them: ``(N, H, L)``, or
+    ``(N, H, P, L)`` with ``slices=P > 1`` (score ``h * P + p`` is slice ``p`` of head ``h``)."""
+    xp = array_namespace(scores)
+    if config.slices == 1:
+        return xp.permute_dims(scores, (0, 2, 1))
+    batch, length = scores.shape[0], scores.shape[1]
+    return xp.permute_dims(xp.reshape(scores, (batch, length, config.num_heads, config.slices)), (0, 2, 3, 1))
+
+
+def head_values(config: LayerConfig, v):
+    """Projected values ``(N, L, E)`` split into heads, ``(N, H, L, Dh)``, and with ``slices=P > 1``
+    broadcast to every slice, ``(N, H, P, L, Dh)`` (a view: the slices share the head's values)."""
+    xp = array_namespace(v)
+    batch, length = v.shape[0], v.shape[1]
+    heads = xp.permute_dims(xp.reshape(v, (batch, length, config.num_heads, config.head_dim)), (0, 2, 1, 3))
+    if config.slices == 1:
+        return heads
+    return xp.broadcast_to(heads[:, :, None], (batch, config.num_heads, config.slices, length, config.head_dim))
+
+
+def merge_heads(config: LayerConfig, ctx):
+    """The heads' outputs ``(N, H, [P,] L, Dh)`` as ``(N, L, E)``: the mean over slices, heads concatenated."""
+    xp = array_namespace(ctx)
+    if config.slices > 1:
+        ctx = xp.mean(ctx, axis=2)
+    batch, length = ctx.shape[0], ctx.shape[2]
+    return xp.reshape(xp.permute_dims(ctx, (0, 2, 1, 3)), (batch, length, config.embed_dim))
+
+
+def attend_heads(config: LayerConfig, op: Callable, q_scores, k_scores, v, key_padding_mask, bandwidth,
+                 mixture_weight, causal: bool):
+    """Steps 3 and 4 of the layer before dropout and ``W_o``, in any framework.
+
+    ``q_scores`` (N, Lq, H * P) and ``k_scores`` (N, Lk, H * P) from ``Pi``; ``v`` (N, Lk, E) the
+    projected values; ``key_padding_mask`` (N, Lk) bool, True = padding, or None; ``bandwidth`` and
+    ``mixture_weight`` as :func:`op_arguments` takes them. Returns the heads' outputs ``(N, Lq, E)``.
+    """
+    q_scores, k_scores, v = head_scores(config, q_scores), head_scores(config, k_scores), head_values(config, v)
+    key_mask = None
+    if key_padding_mask is not None:                 # (N, 1, [1,] Lk): broadcast over heads and slices
+        key_mask = ~key_padding_mask[(slice(None),) + (None,) * (q_scores.ndim - 2) + (slice(None),)]
+    params, options = op_arguments(config, bandwidth, mixture_weight)
+    if causal:
+        options["causal"] = True
+    return merge_heads(config, op(q_scores, k_scores, v, *params, key_mask=key_mask, **options))
 
 
 def check_forward(config: LayerConfig, query_shape: Sequence[int], key_shape: Sequence[int],

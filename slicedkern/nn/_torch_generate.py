@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from . import ROPE_BASE, Generation
+from . import ROPE_BASE, Generation, head_scores, head_values, merge_heads
 
 __all__ = ["AttentionCache", "generate_step", "rotary_embedding"]
 
@@ -78,18 +78,14 @@ def generate_step(layer: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     cache.check_layer(layer)
     cache.check_step(is_causal, query.shape[1], key.shape[1], query.shape[0], query.dtype, query.device)
     cfg = layer.config
-    batch, length = query.shape[0], query.shape[1]
-    heads, head_dim = cfg.num_heads, cfg.head_dim
     q, k, v = layer.q_proj(query), layer.k_proj(key), layer.v_proj(value)
     if cfg.rope:
-        q, k = rotary_embedding(q, heads, offset=cache.length), rotary_embedding(k, heads, offset=cache.length)
-    q_scores = layer.scores(q).transpose(1, 2)                            # (N, H, T)
-    k_scores = layer.scores(k).transpose(1, 2)
-    v = v.reshape(batch, length, heads, head_dim).transpose(1, 2)         # (N, H, T, Dh)
+        q, k = (rotary_embedding(x, cfg.num_heads, offset=cache.length) for x in (q, k))
+    q_scores, k_scores = head_scores(cfg, layer.scores(q)), head_scores(cfg, layer.scores(k))   # (N, H, [P,] T)
     bandwidth = None if layer.log_bandwidth is None else torch.exp(layer.log_bandwidth.detach())
     weight = None if layer.mixture_weight is None else layer.mixture_weight.detach()
     valid = None if key_padding_mask is None else ~key_padding_mask       # (N, T)
-    ctx, sees = cache.step(cfg, (bandwidth, weight), q_scores, k_scores, v, valid)
-    out = layer.out_proj(layer.attention_dropout(ctx.transpose(1, 2).reshape(batch, length, cfg.embed_dim)))
+    ctx, sees = cache.step(cfg, (bandwidth, weight), q_scores, k_scores, head_values(cfg, v), valid)
+    out = layer.out_proj(layer.attention_dropout(merge_heads(cfg, ctx)))
     # zeros where a query sees no key yet, as the full forward gives them
     return torch.where(sees[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))

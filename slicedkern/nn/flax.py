@@ -32,7 +32,17 @@ import numpy as np
 from flax import nnx
 
 from ..kernels import PiecewiseLinear
-from . import ROPE_BASE, Generation, attention_op, check_forward, layer_config, op_arguments
+from . import (
+    ROPE_BASE,
+    Generation,
+    attend_heads,
+    attention_op,
+    check_forward,
+    head_scores,
+    head_values,
+    layer_config,
+    merge_heads,
+)
 
 __all__ = ["SlicedAttention", "FixedBandwidth"]
 
@@ -71,7 +81,7 @@ class SlicedAttention(nnx.Module):
     Parameters
     ----------
     embed_dim, num_heads, kernel, score, bandwidth, learn_bandwidth, mixture_size, center, normalize,
-    dropout, bias, kdim, vdim, batch_first, rope
+    dropout, bias, kdim, vdim, batch_first, rope, slices
         As in :class:`slicedkern.nn.torch.SlicedAttention`, with the same defaults: in particular
         ``batch_first=False`` (inputs ``(L, N, E)``) and ``key_padding_mask`` True = ignore, which
         are torch's conventions, not Flax's.
@@ -105,11 +115,11 @@ class SlicedAttention(nnx.Module):
                  learn_bandwidth: bool = True, mixture_size: int | None = None, center: bool | None = None,
                  normalize: str | None = "auto", dropout: float = 0.0, bias: bool = True,
                  kdim: int | None = None, vdim: int | None = None, batch_first: bool = False,
-                 rope: bool = False, param_dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
+                 rope: bool = False, slices: int = 1, param_dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
         self.config = layer_config(embed_dim, num_heads, kernel=kernel, score=score, bandwidth=bandwidth,
                                    learn_bandwidth=learn_bandwidth, mixture_size=mixture_size,
                                    center=center, normalize=normalize, dropout=dropout, bias=bias,
-                                   kdim=kdim, vdim=vdim, batch_first=batch_first, rope=rope)
+                                   kdim=kdim, vdim=vdim, batch_first=batch_first, rope=rope, slices=slices)
         cfg = self.config
         self.embed_dim, self.num_heads, self.head_dim = cfg.embed_dim, cfg.num_heads, cfg.head_dim
         self.kdim, self.vdim, self.batch_first = cfg.kdim, cfg.vdim, cfg.batch_first
@@ -122,7 +132,7 @@ class SlicedAttention(nnx.Module):
         self.k_proj = linear(cfg.kdim, cfg.embed_dim)
         self.v_proj = linear(cfg.vdim, cfg.embed_dim)
         self.score_hidden = nnx.data(linear(cfg.embed_dim, cfg.embed_dim) if cfg.score == "mlp" else None)
-        self.score_out = linear(cfg.embed_dim, cfg.num_heads, use_bias=False)
+        self.score_out = linear(cfg.embed_dim, cfg.num_heads * cfg.slices, use_bias=False)
         self.out_proj = linear(cfg.embed_dim, cfg.embed_dim, init=_TORCH_LINEAR)
         self.attention_dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
         log_bandwidth = mixture_weight = None
@@ -212,7 +222,7 @@ class SlicedAttention(nnx.Module):
 
     # ---------------------------------------------------------------------------------- forward
     def scores(self, projected: jax.Array) -> jax.Array:
-        """``Pi``: the ``(N, L, H)`` scores of projected tokens ``(N, L, E)``, token by token."""
+        """``Pi``: the ``(N, L, H * slices)`` scores of projected tokens ``(N, L, E)``, token by token."""
         hidden = projected
         if self.score_hidden is not None:
             hidden = jax.nn.gelu(self.score_hidden(projected), approximate=False)   # torch's exact GELU
@@ -282,18 +292,15 @@ class SlicedAttention(nnx.Module):
         cache, cfg = self.cache, self.config
         batch, length = query.shape[0], query.shape[1]
         cache.check_step(is_causal, length, key.shape[1], batch, query.dtype, None)
-        heads, head_dim = cfg.num_heads, cfg.head_dim
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if cfg.rope:
-            q, k = rotary_embedding(q, heads, offset=cache.length), rotary_embedding(k, heads, offset=cache.length)
-        q_scores, k_scores = jnp.swapaxes(self.scores(q), 1, 2), jnp.swapaxes(self.scores(k), 1, 2)
-        v = jnp.swapaxes(v.reshape(batch, length, heads, head_dim), 1, 2)      # (N, H, T, Dh)
+            q, k = (rotary_embedding(x, cfg.num_heads, offset=cache.length) for x in (q, k))
+        q_scores, k_scores = head_scores(cfg, self.scores(q)), head_scores(cfg, self.scores(k))
         bandwidth = None if self.log_bandwidth is None else jnp.exp(self.log_bandwidth[...])
         weight = None if self.mixture_weight is None else self.mixture_weight[...]
         valid = None if key_padding_mask is None else ~key_padding_mask
-        ctx, sees = cache.step(cfg, (bandwidth, weight), q_scores, k_scores, v, valid)
-        ctx = jnp.swapaxes(ctx, 1, 2).reshape(batch, length, cfg.embed_dim)
-        out = self.out_proj(self.attention_dropout(ctx, deterministic=deterministic, rngs=rngs))
+        ctx, sees = cache.step(cfg, (bandwidth, weight), q_scores, k_scores, head_values(cfg, v), valid)
+        out = self.out_proj(self.attention_dropout(merge_heads(cfg, ctx), deterministic=deterministic, rngs=rngs))
         # zeros where a query sees no key yet, as the full forward gives them
         return jnp.where(sees[..., None], out, jnp.zeros((), dtype=out.dtype))
 
@@ -301,24 +308,17 @@ class SlicedAttention(nnx.Module):
         """The batch-first computation: (N, Lq, E), (N, Lk, kdim), (N, Lk, vdim) to (N, Lq, E)."""
         cfg = self.config
         batch, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
-        heads, head_dim = cfg.num_heads, cfg.head_dim
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if cfg.rope:
             # queries are the last Lq positions of the key sequence, as the causal rule aligns them
-            q, k = rotary_embedding(q, heads, offset=k_len - q_len), rotary_embedding(k, heads)
-        q_scores = jnp.swapaxes(self.scores(q), 1, 2)                          # (N, H, Lq)
-        k_scores = jnp.swapaxes(self.scores(k), 1, 2)                          # (N, H, Lk)
-        v = jnp.swapaxes(v.reshape(batch, k_len, heads, head_dim), 1, 2)       # (N, H, Lk, Dh)
-        key_mask = None if key_padding_mask is None else ~key_padding_mask[:, None, :]   # (N, 1, Lk)
+            q, k = rotary_embedding(q, cfg.num_heads, offset=k_len - q_len), rotary_embedding(k, cfg.num_heads)
         bandwidth = None if self.log_bandwidth is None else jnp.exp(self.log_bandwidth[...])
         if isinstance(self.log_bandwidth, FixedBandwidth):
             bandwidth = jax.lax.stop_gradient(bandwidth)
         weight = None if self.mixture_weight is None else self.mixture_weight[...]
-        params, options = op_arguments(cfg, bandwidth, weight)
-        if causal:
-            options["causal"] = True
-        ctx = self._op(q_scores, k_scores, v, *params, key_mask=key_mask, **options)
-        ctx = jnp.swapaxes(ctx, 1, 2).reshape(batch, q_len, cfg.embed_dim)
+        ctx = attend_heads(cfg, self._op, self.scores(q), self.scores(k), v, key_padding_mask, bandwidth, weight,
+                           causal)                                             # (N, Lq, E)
+        key_mask = None if key_padding_mask is None else ~key_padding_mask[:, None, :]   # (N, 1, Lk)
         out = self.out_proj(self.attention_dropout(ctx, deterministic=deterministic, rngs=rngs))
         if key_mask is not None or (causal and q_len > k_len):
             # Zeros where a query sees no key (the bias of out_proj would be left otherwise).

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from ..backends import learn_types
 from ..kernels import PiecewiseLinear
-from . import attention_op, check_forward, layer_config, op_arguments
+from . import attend_heads, attention_op, check_forward, layer_config
 from ._torch_convert import (
     boolean_padding,
     copy_projections,
@@ -101,13 +101,17 @@ class SlicedAttention(nn.Module):
         Apply rotary position embeddings to the projected queries and keys, head by head, before
         scoring (needs an even head width). Keys take the positions ``0..Lk-1`` and queries the last
         ``Lq`` of them, ``Lk-Lq..Lk-1``, the alignment of ``is_causal``.
+    slices : int, default 1
+        Scores per head and token: ``Pi`` gives ``P = slices`` of them, each slice attends on its
+        own and the head's output is their mean (the multi-slice kernel of
+        :func:`slicedkern.sliced_attention`), at ``P`` times the cost of one slice.
     device, dtype : optional
         Of the parameters.
 
     Notes
     -----
     Parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` (``nn.Linear``), ``score_hidden``
-    (``score="mlp"`` only) and ``score_out`` (``nn.Linear``, no bias), ``log_bandwidth`` (``(H,)`` for
+    (``score="mlp"`` only) and ``score_out`` (``nn.Linear`` to ``H * slices``, no bias), ``log_bandwidth`` (``(H,)`` for
     "hat", ``(H, K)`` for "hat_mixture") and ``mixture_weight`` (``(H, K)``). ``in_proj_weight`` and
     ``in_proj_bias`` are None: torch's transformer layers then never take their fused fast path,
     which would compute softmax attention from them.
@@ -137,13 +141,13 @@ class SlicedAttention(nn.Module):
                  learn_bandwidth: bool = True, mixture_size: int | None = None, center: bool | None = None,
                  normalize: str | None = "auto", dropout: float = 0.0, bias: bool = True,
                  kdim: int | None = None, vdim: int | None = None, batch_first: bool = False,
-                 rope: bool = False, device: torch.device | str | None = None,
+                 rope: bool = False, slices: int = 1, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = layer_config(embed_dim, num_heads, kernel=kernel, score=score, bandwidth=bandwidth,
                                    learn_bandwidth=learn_bandwidth, mixture_size=mixture_size,
                                    center=center, normalize=normalize, dropout=dropout, bias=bias,
-                                   kdim=kdim, vdim=vdim, batch_first=batch_first, rope=rope)
+                                   kdim=kdim, vdim=vdim, batch_first=batch_first, rope=rope, slices=slices)
         cfg = self.config
         factory = {"device": device, "dtype": dtype}
         # The attribute names of nn.MultiheadAttention that code reads.
@@ -156,7 +160,7 @@ class SlicedAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.vdim, cfg.embed_dim, bias=cfg.bias, **factory)
         self.score_hidden = (nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=cfg.bias, **factory)
                              if cfg.score == "mlp" else None)
-        self.score_out = nn.Linear(cfg.embed_dim, cfg.num_heads, bias=False, **factory)
+        self.score_out = nn.Linear(cfg.embed_dim, cfg.num_heads * cfg.slices, bias=False, **factory)
         self.out_proj = nn.Linear(cfg.embed_dim, cfg.embed_dim, bias=cfg.bias, **factory)
         self.attention_dropout = nn.Dropout(cfg.dropout)
         if cfg.has_bandwidth:
@@ -212,7 +216,7 @@ class SlicedAttention(nn.Module):
                 self.mixture_weight.fill_(1.0 / cfg.mixture_size)
 
     def scores(self, projected: Tensor) -> Tensor:
-        """``Pi``: the ``(N, L, H)`` scores of projected tokens ``(N, L, E)``, token by token."""
+        """``Pi``: the ``(N, L, H * slices)`` scores of projected tokens ``(N, L, E)``, token by token."""
         hidden = projected if self.score_hidden is None else F.gelu(self.score_hidden(projected))
         return self.score_out(hidden)
 
@@ -298,21 +302,14 @@ class SlicedAttention(nn.Module):
         """The batch-first computation: (N, Lq, E), (N, Lk, kdim), (N, Lk, vdim) to (N, Lq, E)."""
         cfg = self.config
         batch, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
-        heads, head_dim = cfg.num_heads, cfg.head_dim
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if cfg.rope:
             # queries are the last Lq positions of the key sequence, as the causal rule aligns them
-            q, k = rotary_embedding(q, heads, offset=k_len - q_len), rotary_embedding(k, heads)
-        q_scores = self.scores(q).transpose(1, 2)                         # (N, H, Lq)
-        k_scores = self.scores(k).transpose(1, 2)                         # (N, H, Lk)
-        v = v.reshape(batch, k_len, heads, head_dim).transpose(1, 2)      # (N, H, Lk, Dh)
-        key_mask = None if key_padding_mask is None else ~key_padding_mask[:, None, :]   # (N, 1, Lk)
+            q, k = rotary_embedding(q, cfg.num_heads, offset=k_len - q_len), rotary_embedding(k, cfg.num_heads)
         bandwidth = None if self.log_bandwidth is None else torch.exp(self.log_bandwidth)
-        params, options = op_arguments(cfg, bandwidth, self.mixture_weight)
-        if causal:
-            options["causal"] = True
-        ctx = self._op(q_scores, k_scores, v, *params, key_mask=key_mask, **options)   # (N, H, Lq, Dh)
-        ctx = ctx.transpose(1, 2).reshape(batch, q_len, cfg.embed_dim)
+        ctx = attend_heads(cfg, self._op, self.scores(q), self.scores(k), v, key_padding_mask, bandwidth,
+                           self.mixture_weight, causal)                    # (N, Lq, E)
+        key_mask = None if key_padding_mask is None else ~key_padding_mask[:, None, :]   # (N, 1, Lk)
         out = self.out_proj(self.attention_dropout(ctx))
         if key_mask is not None or (causal and q_len > k_len):
             # Zeros where a query sees no key (the bias of out_proj would be left otherwise).
@@ -343,7 +340,7 @@ def convert_attention(model: nn.Module, **options) -> nn.Module:
         The model; if it is an ``nn.MultiheadAttention`` itself, the new layer is returned.
     **options
         :class:`SlicedAttention`'s own keyword arguments (``kernel``, ``score``, ``bandwidth``,
-        ``learn_bandwidth``, ``mixture_size``, ``center``, ``normalize``, ``rope``), the same for
+        ``learn_bandwidth``, ``mixture_size``, ``center``, ``normalize``, ``rope``, ``slices``), the same for
         every layer. The arguments taken from the attentions (``embed_dim``, ``num_heads``,
         ``dropout``, ``bias``, ``kdim``, ``vdim``, ``batch_first``, ``device``, ``dtype``) cannot be given.
 
@@ -391,7 +388,7 @@ class SlicedTransformerEncoderLayer(nn.Module):
     d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first, norm_first, bias,
     device, dtype
         As in ``torch.nn.TransformerEncoderLayer``; ``activation`` is "relu", "gelu" or a callable.
-    kernel, score, bandwidth, learn_bandwidth, mixture_size, center, normalize, rope
+    kernel, score, bandwidth, learn_bandwidth, mixture_size, center, normalize, rope, slices
         As in :class:`SlicedAttention`.
 
     Examples
@@ -411,13 +408,13 @@ class SlicedTransformerEncoderLayer(nn.Module):
                  kernel: str | PiecewiseLinear = "relu", score: str = "mlp",
                  bandwidth: float | tuple[float, ...] | None = None, learn_bandwidth: bool = True,
                  mixture_size: int | None = None, center: bool | None = None, normalize: str | None = "auto",
-                 rope: bool = False) -> None:
+                 rope: bool = False, slices: int = 1) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.self_attn = SlicedAttention(d_model, nhead, kernel=kernel, score=score, bandwidth=bandwidth,
                                          learn_bandwidth=learn_bandwidth, mixture_size=mixture_size,
                                          center=center, normalize=normalize, dropout=dropout, bias=bias,
-                                         batch_first=batch_first, rope=rope, **factory)
+                                         batch_first=batch_first, rope=rope, slices=slices, **factory)
         self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
         self.dropout = nn.Dropout(dropout)
         self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)

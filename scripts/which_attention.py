@@ -272,6 +272,31 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def rst_table(results: dict) -> str:
+    """The table as reStructuredText (the docs page): a row per variant, a column per task, each cell
+    ``mean ± std`` of the metric and the median ms per step."""
+    tasks = list(results["tasks"])
+    variants = list(dict.fromkeys(v for task in tasks for v in results["tasks"][task]))
+    header = ["variant"] + [f"{task} ({metric_name(task)})" for task in tasks]
+    rows = []
+    for variant in variants:
+        row = [variant]
+        for task in tasks:
+            runs = results["tasks"][task].get(variant, [])
+            values = [r["metric"] for r in runs]
+            if not values:
+                row.append("")
+                continue
+            std = statistics.stdev(values) if len(values) > 1 else 0.0
+            ms = statistics.median(r["step_seconds"] for r in runs) * 1e3
+            row.append(f"{statistics.mean(values):.3f} ± {std:.3f}, {ms:.0f} ms")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    rule = "  ".join("=" * w for w in widths)
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([rule, line(header), rule, *map(line, rows), rule])
+
+
 def plot_curves(results: dict, path=None):
     """Learning curves: the metric against steps, mean over seeds, one panel per task."""
     import matplotlib.pyplot as plt
@@ -304,7 +329,17 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, help="torch.set_num_threads")
     parser.add_argument("--out", type=Path, help="JSON results, rewritten after every model")
     parser.add_argument("--plot", type=Path, help="learning curves (PNG)")
+    parser.add_argument("--report", nargs="+", type=Path, metavar="JSON",
+                        help="print the tables of earlier runs (their --out files) and exit")
     args = parser.parse_args(argv)
+    if args.report:
+        merged = {"tasks": {}}
+        for path in args.report:
+            merged["tasks"].update(json.loads(path.read_text())["tasks"])
+        print(table(merged), rst_table(merged), sep="\n\n")
+        if args.plot:
+            plot_curves(merged, args.plot)
+        return
     tasks, variants = args.tasks.split(","), args.variants.split(",")
     for name, chosen, known in (("--tasks", tasks, TASKS), ("--variants", variants, VARIANTS)):
         unknown = sorted(set(chosen) - set(known))

@@ -155,9 +155,10 @@ def test_unbatched_input_is_a_batch_of_one():
     np.testing.assert_array_equal(np.asarray(single), np.asarray(batched[:, 0]))
 
 
-def test_padded_tokens_never_change_real_outputs():
+@pytest.mark.parametrize("slices", [1, 3])
+def test_padded_tokens_never_change_real_outputs(slices):
     module = sk_flax.SlicedAttention(32, 8, kernel="hat_mixture", center=True, rope=True, batch_first=True,
-                                     param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+                                     slices=slices, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
     real = jax.random.normal(jax.random.key(1), (2, 10, 32))
     padded = jnp.concatenate((real, 5.0 * jax.random.normal(jax.random.key(2), (2, 6, 32))), axis=1)
     mask = jnp.zeros((2, 16), dtype=bool).at[:, 10:].set(True)

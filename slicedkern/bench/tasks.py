@@ -4,7 +4,7 @@ Sources: Y. Tay et al., "Long Range Arena: A Benchmark for Efficient Transformer
 N. Nangia and S. R. Bowman, "ListOps: A Diagnostic Dataset for Latent Tree Learning", NAACL SRW 2018;
 D. Linsley et al., "Learning long-range spatial dependencies with horizontal gated recurrent units",
 NeurIPS 2018 (Pathfinder). Written from the published rules; nothing is downloaded, every draw comes
-from the caller's :class:`numpy.random.Generator`. Differences from the originals:
+from the caller's ``numpy.random.Generator``. Differences from the originals:
 
 * ListOps. The operators, digits, token form (``[MAX 2 9 [MIN 4 7 ] 0 ]``) and limits (depth 10,
   10 arguments, 500 to 2000 tokens) are LRA's; the tree growth is not. LRA draws trees recursively
@@ -132,7 +132,7 @@ def listops(rng: np.random.Generator, batch: int, *, min_length: int = 500, max_
     Returns
     -------
     tokens, lengths, labels : numpy.ndarray
-        int64: ``(batch, max_length)`` ids into :data:`LISTOPS_TOKENS` right-padded with 0,
+        int64: ``(batch, max_length)`` ids into ``LISTOPS_TOKENS`` right-padded with 0,
         ``(batch,)`` token counts, ``(batch,)`` values 0-9. A ValueError names the argument out of
         range, or ``min_length`` when no tree within the limits reaches it.
 
@@ -179,7 +179,7 @@ def listops_evaluate(tokens_row: ArrayLike) -> int:
     Parameters
     ----------
     tokens_row : array_like of int
-        ``(length,)`` ids into :data:`LISTOPS_TOKENS`, possibly followed by padding (0); a ValueError
+        ``(length,)`` ids into ``LISTOPS_TOKENS``, possibly followed by padding (0); a ValueError
         if they are not one well-bracketed expression.
 
     Examples
@@ -271,7 +271,7 @@ def _curves(rng, count: int, size: int, points: int, turn: float, margin: int, r
 def pathfinder_sample(rng: np.random.Generator, label: int, *, size: int = 32, paths: int = 3, dash: int = 2,
                       gap: int = 1, path_length: int | None = None, turn: float = np.pi / 8,
                       marker: int = 3) -> PathfinderSample:
-    """One Pathfinder image of the given label, with its paths and markers: a :class:`PathfinderSample`.
+    """One Pathfinder image of the given label, with its paths and markers: a ``PathfinderSample``.
 
     ``paths`` curves of the same length are placed one by one (each redrawn until it stays in the
     image and out of the one-pixel ring around every end, its own included, and no earlier path
@@ -382,7 +382,7 @@ def pathfinder(rng: np.random.Generator, batch: int, *, size: int = 32, paths: i
     images, labels : numpy.ndarray
         ``(batch, size * size)`` uint8 pixel tokens (a vocabulary of 256), the image's rows in turn;
         ``(batch,)`` int64, 1 where both markers end the same path. With ``return_samples=True``,
-        the list of the :class:`PathfinderSample` of each image follows.
+        the list of the ``PathfinderSample`` of each image follows.
 
     Examples
     --------

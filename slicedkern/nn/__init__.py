@@ -251,9 +251,8 @@ class Generation:
             self.decode = decode_cache(config, *parameters)
             self.seen = xp.zeros((batch,), dtype=xp.int64, device=array_device(q_scores))
         rows = []
-        head_axes = (None,) * (q_scores.ndim - 2)       # the mask broadcasts over heads and slices
         for t in range(length):      # each new query sees the new keys up to its own position
-            mask = None if valid is None else valid[(slice(None), *head_axes, slice(t, t + 1))]
+            mask = None if valid is None else over_heads(valid[:, t:t + 1], q_scores.ndim)
             self.decode.append(k_scores[..., t:t + 1], v[..., t:t + 1, :], key_mask=mask)
             rows.append(self.decode.attend(q_scores[..., t:t + 1]))
         self.length += length
@@ -297,6 +296,12 @@ def op_arguments(config: LayerConfig, bandwidth, mixture_weight) -> tuple[tuple,
     return (bandwidth, mixture_weight), options
 
 
+def over_heads(mask, ndim: int):
+    """A ``(N, L)`` key mask as ``(N, 1, [1,] L)``: broadcast over the head (and slice) axes of scores
+    with ``ndim`` dims, ``(N, H, L)`` or ``(N, H, P, L)``."""
+    return mask[(slice(None),) + (None,) * (ndim - 2) + (slice(None),)]
+
+
 def head_scores(config: LayerConfig, scores):
     """The scores of ``Pi``, ``(N, L, H * P)``, as the ops take them: ``(N, H, L)``, or
     ``(N, H, P, L)`` with ``slices=P > 1`` (score ``h * P + p`` is slice ``p`` of head ``h``)."""
@@ -336,9 +341,7 @@ def attend_heads(config: LayerConfig, op: Callable, q_scores, k_scores, v, key_p
     ``mixture_weight`` as :func:`op_arguments` takes them. Returns the heads' outputs ``(N, Lq, E)``.
     """
     q_scores, k_scores, v = head_scores(config, q_scores), head_scores(config, k_scores), head_values(config, v)
-    key_mask = None
-    if key_padding_mask is not None:                 # (N, 1, [1,] Lk): broadcast over heads and slices
-        key_mask = ~key_padding_mask[(slice(None),) + (None,) * (q_scores.ndim - 2) + (slice(None),)]
+    key_mask = None if key_padding_mask is None else over_heads(~key_padding_mask, q_scores.ndim)
     params, options = op_arguments(config, bandwidth, mixture_weight)
     if causal:
         options["causal"] = True

@@ -188,10 +188,13 @@ class Model(nn.Module):
         return self.head((h * keep[..., None]).sum(1) / keep.sum(1, keepdim=True))
 
 
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
 def loss_of(model: Model, batch) -> torch.Tensor:
     x, padding, y = batch
-    logits = model(x, padding)
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return cross_entropy(model(x, padding), y)
 
 
 def evaluate(model: Model, test: list) -> float:
@@ -203,7 +206,7 @@ def evaluate(model: Model, test: list) -> float:
             x, padding, y = batch
             logits = model(x, padding)
             if model.causal:
-                total += float(loss_of(model, batch)) / math.log(2) * y.numel()
+                total += float(cross_entropy(logits, y)) / math.log(2) * y.numel()
             else:
                 total += float((logits.argmax(-1) == y).sum())
             count += y.numel()

@@ -210,9 +210,11 @@ def test_strided_values_in_the_b_t_h_d_layout(rng):
 
 
 def test_traffic_of_the_forward():
-    """The forward's structure (scripts/triton_traffic.py counts it): one tile-sum launch and one
-    sort each of the keys and the queries, and no intermediate of n * D elements or more but the
-    output in the work dtype (the per-key prefix table of the earlier design is gone)."""
+    """The forward's structure (scripts/triton_traffic.py counts it): one sort each of the keys and
+    the queries, one tile-sum launch and one evaluation launch (the count and normaliser sums and
+    the values together, centring and divisor in its epilogue), and no intermediate of n * D
+    elements or more: no per-key prefix table, and the output written in its own dtype, not in
+    float64 and cast."""
     if DEVICE != "cpu":
         pytest.skip("counted under the interpreter, on CPU tensors (the counts do not depend on the device)")
     import importlib.util
@@ -222,6 +224,6 @@ def test_traffic_of_the_forward():
     traffic = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(traffic)
     found = traffic.count(48, 8, 1, backward=False)
-    assert found["launches"]["tile_sums"] == 1 and found["launches"]["merge_eval"] <= 3
+    assert found["launches"] == {"tile_sums": 1, "merge_eval": 1}
     assert found["sorts"] == 2
-    assert found["large intermediates"] <= 1 and found["large bytes / (n D itemsize)"] <= 2.0
+    assert found["large intermediates"] == 0

@@ -5,8 +5,11 @@ sorts runs in Triton kernels (:mod:`._kernels`): pass 1 sums the value rows per 
 (float64 carries between tiles), pass 2 evaluates each block of sorted queries over the tiles its
 ranks span, re-reading the values rather than a stored prefix table, and writes the combined output
 with the centring term and the per-query divisor (normaliser and NaN policy) folded in, through the
-query permutation. Attention runs one evaluation over the one-column indicator (the ``relu_count``
-and normaliser sums) and one over the value columns (docs/architecture.rst, "Engines").
+query permutation. Attention's forward is one sort of each score array, one pass 1 and one pass 2:
+the ``relu_count`` and normaliser sums over the indicator column are summed in the same pass-2
+launch as the values, and written as the backward's residuals; the output is written in the values'
+dtype (the result's: the op casts the values to it), so no cast or float64 copy of it follows
+(docs/architecture.rst, "Engines").
 
 It serves torch tensors: chosen automatically for CUDA tensors when Triton is installed, and on
 request (``engine="triton"`` / :func:`~slicedkern.use_engine`) for CPU tensors too, which Triton runs
@@ -18,13 +21,12 @@ from __future__ import annotations
 
 import importlib.util
 
-from ..._lib.namespace import clamp_min
 from .._base import Engine
 from .._nanpolicy import screen
 from ..sortscan.pullback import ColumnSums, column_range, knot_grads
 from ..sortscan.sums import queries, sort_keys
 from ..sortscan.wide import arithmetic
-from ._sums import build_table, interpreted, profile_sum, sort_queries
+from ._sums import attend, build_table, interpreted, profile_sum, sort_queries
 
 __all__ = ["TritonEngine"]
 
@@ -99,22 +101,11 @@ class TritonEngine(Engine):
         sc = screen(xp, q, k, v, key_mask, defer=False)
         table = build_table(xp, _rows(xp, sc.y, 1), _row_view(xp, v, 2), take=_rows(xp, sc.table_take, 1),
                             ones=True)
-        xr = sort_queries(xp, _rows(xp, sc.x, 1))
-        valid = table.totals[:, dv:dv + 1]                          # (R, 1) valid keys
-        count = clamp_min(xp, valid, 1.0)
-        indicator = range(dv, dv + 1)
-        relu_count = profile_sum(xp, table, xr, profile, batch, indicator, strict=True)[..., 0]   # (R, n)
+        out, relu_count, raw = attend(xp, table, sort_queries(xp, _rows(xp, sc.x, 1)), profile, normalizer, batch,
+                                      center=center, divisor=_rows(xp, sc.divisor(xp, 1.0), 1), dtype=v.dtype)
         residuals = [sc.take, xp.reshape(relu_count, batch + (lq, 1))]
-        raw = None
-        if normalizer.summed:
-            raw = profile_sum(xp, table, xr, normalizer.profile, batch, indicator, strict=True)[..., 0]
+        if raw is not None:
             residuals.append(xp.reshape(raw, batch + (lq, 1)))
-        den = normalizer.divisor(xp, valid, raw)                     # (R, n) or (R, 1)
-        den = xp.reshape(xp.broadcast_to(den, (den.shape[0], lq)), batch + (lq,))
-        divisor = _rows(xp, sc.divisor(xp, den), 1)
-        alpha = -(relu_count / count) if center else None
-        out = profile_sum(xp, table, xr, profile, batch, range(0, dv), strict=True, alpha=alpha,
-                          divisor=divisor, dtype=dt)
         return xp.reshape(out, batch + (lq, dv)), tuple(residuals)
 
     def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):

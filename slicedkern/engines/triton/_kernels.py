@@ -35,7 +35,7 @@ except ImportError:      # imported without Triton (doctest collection): the eng
 
 __all__ = ["build", "interpreted", "tile_sums", "merge_eval"]
 
-_JITTED = ("_rank", "_tile", "tile_sums", "merge_eval")
+_JITTED = ("_rank", "_key_tile", "_tile", "_knot_ranks", "_indicator_profile", "tile_sums", "merge_eval")
 _mode: list = []     # [interpreted?] once built
 
 
@@ -50,18 +50,17 @@ def tile_sums(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, agg_ptr,
     cb = tl.program_id(2)
     j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    wv, y = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c,
-                  HAS_TAKE, ONES, ACC)
+    wv, y, _ = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c,
+                     HAS_TAKE, ONES, ACC)
     tot = row * nb * 2 * C + blk * 2 * C + cols
     cm = cols < C
     tl.store(agg_ptr + tot, tl.sum(wv.to(tl.float64), 0), mask=cm)
     tl.store(agg_ptr + tot + C, tl.sum((wv * y[:, None]).to(tl.float64), 0), mask=cm)
 
 
-def _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c,
-          HAS_TAKE: tl.constexpr, ONES: tl.constexpr, ACC: tl.constexpr):
-    """The weight rows of the sorted keys ``j`` (gathered through ``perm``, zero for the keys that
-    take no part, the indicator in column ``c`` when ONES) and their shifted keys, in ACC."""
+def _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, HAS_TAKE: tl.constexpr, ACC: tl.constexpr):
+    """The sorted keys ``j``: their original positions, their shifted keys in ACC (zero for the keys
+    that take no part) and whether they take part."""
     jm = j < m
     p = tl.load(perm_ptr + row * m + j, mask=jm, other=0).to(tl.int64)
     shift = tl.load(shift_ptr + row)
@@ -69,13 +68,22 @@ def _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, row, j, cols, m, c, sw
     ok = jm
     if HAS_TAKE:
         ok = ok & (tl.load(take_ptr + row * m + p, mask=jm, other=0) != 0)
+    return p, tl.where(ok, y, 0.0), ok
+
+
+def _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c,
+          HAS_TAKE: tl.constexpr, ONES: tl.constexpr, ACC: tl.constexpr):
+    """The weight rows of the sorted keys ``j`` (gathered through ``perm``, zero for the keys that
+    take no part, the indicator in column ``c`` when ONES), their shifted keys in ACC and whether
+    they take part."""
+    p, y, ok = _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, HAS_TAKE, ACC)
     wm = ok[:, None] & (cols[None, :] < c)
     wv = tl.load(w_ptr + row * sw_r + p[:, None] * sw_m + cols[None, :] * sw_c, mask=wm, other=0.0)
     # ``where``, not a product: a masked key's weight may be NaN and must not reach the sums
     wv = tl.where(wm, wv.to(ACC), 0.0)
     if ONES:
         wv = tl.where(ok[:, None] & (cols[None, :] == c), 1.0, wv).to(ACC)
-    return wv, tl.where(ok, y, 0.0)
+    return wv, y, ok
 
 
 def _rank(keys_ptr, row, m, d, e, STRICT: tl.constexpr, LOG_M: tl.constexpr):
@@ -98,11 +106,52 @@ def _rank(keys_ptr, row, m, d, e, STRICT: tl.constexpr, LOG_M: tl.constexpr):
     return pos
 
 
+def _knot_ranks(x, t, nm, keys_ptr, row, m, STRICT: tl.constexpr, LOG_M: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The ranks of ``x - t`` among the sorted keys (exact ties, see :func:`_rank`) and the tiles a
+    block of sorted queries reads for them: ``first`` up to ``last`` (exclusive)."""
+    d = x - t
+    bb = d - x
+    e = (x - (d - bb)) + (-t - bb)          # x - t = d + e exactly (TwoSum)
+    rank = _rank(keys_ptr, row, m, d, e, STRICT, LOG_M)
+    first = tl.min(tl.where(nm, rank, m)) // BLOCK_M
+    last = tl.cdiv(tl.max(tl.where(nm, rank, 0)), BLOCK_M)
+    return rank, first, last
+
+
+def _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry_ptr, knots_ptr, coeffs_ptr,
+                       lin_ptr, row, m, C, c, nb, K: tl.constexpr, STRICT: tl.constexpr, HAS_TAKE: tl.constexpr,
+                       ACC: tl.constexpr, LOG_M: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A profile summed over the keys that take part (the indicator, column ``c`` of the carry) at
+    a block of sorted queries, float64: the normaliser's sum. Reads the keys only, never a weight."""
+    ind = row * (nb + 1) * 2 * C + c
+    total = tl.zeros(x.shape, dtype=tl.float64)
+    for k in tl.static_range(K):
+        t = tl.load(knots_ptr + row * K + k)
+        cf = tl.load(coeffs_ptr + row * K + k)
+        rank, first, last = _knot_ranks(x, t, nm, keys_ptr, row, m, STRICT, LOG_M, BLOCK_M)
+        i0 = tl.zeros(x.shape, dtype=tl.float64) + tl.load(carry_ptr + ind + first * 2 * C)
+        i1 = tl.zeros(x.shape, dtype=tl.float64) + tl.load(carry_ptr + ind + first * 2 * C + C)
+        for blk in range(first, last):
+            j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+            _, y, ok = _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, HAS_TAKE, ACC)
+            below = (j[None, :] < rank[:, None]).to(ACC)
+            i0 += tl.sum(below * ok.to(ACC)[None, :], 1).to(tl.float64)
+            i1 += tl.sum(below * y[None, :], 1).to(tl.float64)
+        total += cf * ((xs - t) * i0 - i1)
+    slope = tl.load(lin_ptr + row * 2)
+    intercept = tl.load(lin_ptr + row * 2 + 1)
+    valid = tl.load(carry_ptr + ind + nb * 2 * C)
+    keysum = tl.load(carry_ptr + ind + nb * 2 * C + C)
+    return total + (intercept + slope * xs) * valid - slope * keysum
+
+
 def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, carry_ptr,
                knots_ptr, coeffs_ptr, lin_ptr, alpha_ptr, div_ptr, out_ptr,
+               nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps,
                n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c,
                K: tl.constexpr, STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_ALPHA: tl.constexpr,
                HAS_DIV: tl.constexpr, HAS_TAKE: tl.constexpr, ONES: tl.constexpr, ACC: tl.constexpr,
+               ATTN: tl.constexpr, CENTER: tl.constexpr, NORM: tl.constexpr, KN: tl.constexpr,
                LOG_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     """Pass 2: ``out[perm_i, :] = (profile sum over columns col0 .. col0 + width + alpha_i total P0) / div_i``
     for one block of *sorted* queries.
@@ -114,6 +163,15 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     re-gathered from ``w`` through the key permutation: nothing per key is stored between the passes.
     The profile ``intercept + slope r + sum_k coeffs[k] ReLU(r - knots[k])`` (per batch row:
     ``knots``, ``coeffs`` (R, K), ``lin`` (R, 2) = slope, intercept), or its derivative when DERIV.
+
+    ATTN (attention's epilogue, one launch for the whole forward; the table carries the indicator
+    in column ``c``): the same profile over the indicator, summed in the same tile loop, is the
+    query's ``relu_count``; CENTER adds ``-relu_count / count`` times the totals; the divisor is
+    NORM's (0 none, 1 the count of valid keys, 2 the normaliser profile ``nknots``, ``ncoeffs``,
+    ``nlin`` (KN knots) over the indicator, floored at ``eps``, 1 for a query that sees no key;
+    docs/mathematics.rst, "Attention"). The first column block writes ``relu_count`` and the
+    normaliser's sum (R, n), float64 in the queries' original order: the backward's residuals.
+    ``div`` (HAS_DIV) stays the NaN policy's factor (1, or NaN on a bad query or row).
     """
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,33 +183,37 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     shift = tl.load(shift_ptr + row)
     xs = x - shift
     acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float64)
+    ind = row * (nb + 1) * 2 * C + c                # the indicator's column of the carry (ATTN)
+    relu_count = tl.zeros((BLOCK_N,), dtype=tl.float64)
     for k in tl.static_range(K):
         t = tl.load(knots_ptr + row * K + k)
         cf = tl.load(coeffs_ptr + row * K + k)
-        d = x - t
-        bb = d - x
-        e = (x - (d - bb)) + (-t - bb)          # x - t = d + e exactly (TwoSum)
-        rank = _rank(keys_ptr, row, m, d, e, STRICT, LOG_M)
-        lo = tl.min(tl.where(nm, rank, m))
-        hi = tl.max(tl.where(nm, rank, 0))
-        first = lo // BLOCK_M
+        rank, first, last = _knot_ranks(x, t, nm, keys_ptr, row, m, STRICT, LOG_M, BLOCK_M)
         base = row * (nb + 1) * 2 * C + first * 2 * C + cols
         p0 = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float64) + tl.load(carry_ptr + base, mask=cm, other=0.0)[None, :]
         p1 = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float64) + tl.load(carry_ptr + base + C, mask=cm,
                                                                      other=0.0)[None, :]
-        for blk in range(first, tl.cdiv(hi, BLOCK_M)):
+        if ATTN:
+            i0 = tl.zeros((BLOCK_N,), dtype=tl.float64) + tl.load(carry_ptr + ind + first * 2 * C)
+            i1 = tl.zeros((BLOCK_N,), dtype=tl.float64) + tl.load(carry_ptr + ind + first * 2 * C + C)
+        for blk in range(first, last):
             j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-            wv, y = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c,
-                          HAS_TAKE, ONES, ACC)
+            wv, y, ok = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c,
+                              HAS_TAKE, ONES, ACC)
             below = (j[None, :] < rank[:, None]).to(ACC)
             p0 += tl.dot(below, wv, input_precision="ieee", out_dtype=ACC).to(tl.float64)
             if not DERIV:
                 p1 += tl.dot(below, wv * y[:, None], input_precision="ieee", out_dtype=ACC).to(tl.float64)
+            if ATTN:
+                i0 += tl.sum(below * ok.to(ACC)[None, :], 1).to(tl.float64)
+                i1 += tl.sum(below * y[None, :], 1).to(tl.float64)
         if DERIV:
             acc += cf * p0
         else:
             s = xs - t
             acc += cf * (s[:, None] * p0 - p1)
+            if ATTN:
+                relu_count += cf * (s * i0 - i1)
     slope = tl.load(lin_ptr + row * 2)
     intercept = tl.load(lin_ptr + row * 2 + 1)
     total = row * (nb + 1) * 2 * C + nb * 2 * C + cols
@@ -164,9 +226,35 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     dest = tl.load(xperm_ptr + row * n + i, mask=nm, other=0).to(tl.int64)
     if HAS_ALPHA:
         acc += tl.load(alpha_ptr + row * n + dest, mask=nm, other=0.0)[:, None] * t0[None, :]
+    if ATTN:
+        valid = tl.load(carry_ptr + ind + nb * 2 * C)
+        keysum = tl.load(carry_ptr + ind + nb * 2 * C + C)
+        relu_count += (intercept + slope * xs) * valid - slope * keysum
+        first_block = tl.program_id(2) == 0
+        if first_block:
+            tl.store(count_ptr + row * n + dest, relu_count, mask=nm)
+        if CENTER:
+            acc += (-(relu_count / tl.maximum(valid, 1.0)))[:, None] * t0[None, :]
+        if NORM == 1:
+            acc = acc / tl.maximum(valid, 1.0)
+        if NORM == 2:
+            raw = _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry_ptr, nknots_ptr,
+                                     ncoeffs_ptr, nlin_ptr, row, m, C, c, nb, KN, STRICT, HAS_TAKE, ACC, LOG_M,
+                                     BLOCK_M)
+            if first_block:
+                tl.store(raw_ptr + row * n + dest, raw, mask=nm)
+            # a query that sees no key divides by 1 (Normalizer.divisor)
+            den = tl.where(valid > 0, tl.maximum(raw, eps), 1.0)
+            acc = acc / den[:, None]
     if HAS_DIV:
         acc = acc / tl.load(div_ptr + row * n + dest, mask=nm, other=1.0)[:, None]
-    tl.store(out_ptr + row * n * width + dest[:, None] * width + cl[None, :], acc, mask=nm[:, None] & cm[None, :])
+    result = acc
+    if out_ptr.dtype.element_ty != tl.float64:
+        # through float32: the interpreter casts float64 to bfloat16 wrongly (Triton 3.x); the double
+        # rounding moves a 16-bit result by one unit only when the float32 value falls on a midpoint
+        result = acc.to(tl.float32)
+    tl.store(out_ptr + row * n * width + dest[:, None] * width + cl[None, :], result.to(out_ptr.dtype.element_ty),
+             mask=nm[:, None] & cm[None, :])
 
 
 def build() -> None:

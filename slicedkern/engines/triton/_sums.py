@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from ...kernels import Profile, is_fixed
 
-__all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "loaded", "interpreted"]
+__all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "attend", "loaded", "interpreted"]
 
 #: Keys per tile (float32 sums run over at most this many keys before a float64 carry), queries per
 #: block and columns per block.
@@ -127,32 +127,40 @@ def _per_row(xp, value, batch, rows, dev):
     return xp.reshape(value, (rows,))
 
 
-def profile_sum(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, *, strict: bool,
-                alpha=None, divisor=None, dtype=None):
-    """``(sum over the profile of table columns cols + alpha * totals) / divisor``, (R, n, len(cols)).
-
-    ``queries``: :func:`sort_queries` of the (R, n) queries; ``alpha``, ``divisor`` (R, n) float64
-    or None, in the queries' original order; ``batch`` the batch shape the profile's array parameters
-    broadcast to. The result in the queries' original order (pass 2, one launch), written in
-    ``dtype`` (float64 when None) from float64 sums.
-    """
-    x = queries.sorted
-    rows, n = x.shape
-    m = table.keys.shape[-1]
-    dev = x.device
-    width = len(cols)
-    out = xp.empty((rows, n, width), dtype=xp.float64 if dtype is None else dtype, device=dev)
-    if width == 0 or rows == 0 or n == 0:
-        return out
+def _profile_args(xp, profile: Profile, batch, rows: int, dev):
+    """A profile as the kernels read it: ``knots``, ``coeffs`` (R, K) and ``lin`` (R, 2) = slope,
+    intercept, float64, the knots of zero fixed coefficient left out; and ``K``."""
     pairs = [(t, cf) for t, cf in zip(profile.knots, profile.coeffs) if not (is_fixed(cf) and cf == 0)]
-    K = len(pairs)
-    if K:
+    if pairs:
         knots = xp.stack([_per_row(xp, t, batch, rows, dev) for t, _ in pairs], axis=-1).contiguous()
         coeffs = xp.stack([_per_row(xp, cf, batch, rows, dev) for _, cf in pairs], axis=-1).contiguous()
     else:
         knots = coeffs = xp.zeros((rows, 1), dtype=xp.float64, device=dev)
     lin = xp.stack([_per_row(xp, profile.slope, batch, rows, dev),
                     _per_row(xp, profile.intercept, batch, rows, dev)], axis=-1).contiguous()
+    return knots, coeffs, lin, len(pairs)
+
+
+def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, out, *, strict: bool,
+              alpha=None, divisor=None, attention=None):
+    """Launch pass 2 into ``out`` (R, n, len(cols)); ``attention`` = ``(center, normalizer, count, raw)``
+    for attention's fused epilogue (``count`` and ``raw`` the (R, n) float64 residuals it writes)."""
+    x = queries.sorted
+    rows, n = x.shape
+    m = table.keys.shape[-1]
+    dev = x.device
+    width = len(cols)
+    knots, coeffs, lin, K = _profile_args(xp, profile, batch, rows, dev)
+    center, norm, kn = False, 0, 0
+    nknots, ncoeffs, nlin, count, raw, eps = knots, coeffs, lin, x, x, 0.0
+    if attention is not None:
+        center, normalizer, count, raw = attention
+        eps = float(normalizer.eps)
+        if normalizer.summed:
+            norm = 2
+            nknots, ncoeffs, nlin, kn = _profile_args(xp, normalizer.profile, batch, rows, dev)
+        elif normalizer.name == "count":
+            norm = 1
     nb = table.carry.shape[1] - 1
     w = table.w
     c = w.shape[-1]
@@ -162,9 +170,53 @@ def profile_sum(xp, table: Table, queries: Queries, profile: Profile, batch, col
         x, queries.perm, table.keys, table.shift, table.perm, w,
         table.take if table.take is not None else table.perm, table.carry, knots, coeffs, lin,
         alpha if alpha is not None else x, divisor if divisor is not None else x, out,
+        nknots, ncoeffs, nlin, count, raw, eps,
         n, m, c, table.C, nb, cols.start, width, w.stride(0), w.stride(1), w.stride(2),
         K=K, STRICT=strict, DERIV=bool(profile.derivative), HAS_ALPHA=alpha is not None,
         HAS_DIV=divisor is not None, HAS_TAKE=table.take is not None, ONES=table.ones,
-        ACC=_tl_dtype(k, _acc_dtype(xp, w), xp), LOG_M=max(1, math.ceil(math.log2(m + 1))),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C)
+        ACC=_tl_dtype(k, _acc_dtype(xp, w), xp), ATTN=attention is not None, CENTER=bool(center), NORM=norm,
+        KN=kn, LOG_M=max(1, math.ceil(math.log2(m + 1))), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C)
     return out
+
+
+def profile_sum(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, *, strict: bool,
+                alpha=None, divisor=None, dtype=None):
+    """``(sum over the profile of table columns cols + alpha * totals) / divisor``, (R, n, len(cols)).
+
+    ``queries``: :func:`sort_queries` of the (R, n) queries; ``alpha``, ``divisor`` (R, n) float64
+    or None, in the queries' original order; ``batch`` the batch shape the profile's array parameters
+    broadcast to. The result in the queries' original order (pass 2, one launch), written in
+    ``dtype`` (float64 when None) from float64 sums.
+    """
+    rows, n = queries.sorted.shape
+    out = xp.empty((rows, n, len(cols)), dtype=xp.float64 if dtype is None else dtype, device=queries.sorted.device)
+    if len(cols) == 0 or rows == 0 or n == 0:
+        return out
+    return _evaluate(xp, table, queries, profile, batch, cols, out, strict=strict, alpha=alpha, divisor=divisor)
+
+
+def attend(xp, table: Table, queries: Queries, profile: Profile, normalizer, batch, *, center: bool, divisor,
+           dtype):
+    """Attention's forward in one pass-2 launch: ``(out, relu_count, raw)``.
+
+    ``table``: the keys with the values and the indicator column (``build_table(..., ones=True)``);
+    ``out`` (R, n, dv) in ``dtype``: the profile sum of the values, centred when ``center``,
+    divided by the normaliser's divisor and by ``divisor`` (the NaN policy's factor, (R, n));
+    ``relu_count`` (R, n) the profile summed over the valid keys, ``raw`` (R, n) the normaliser's
+    profile sum (None unless ``normalizer.summed``), float64: the backward's residuals.
+    """
+    rows, n = queries.sorted.shape
+    dev = queries.sorted.device
+    dv = table.w.shape[-1]
+    out = xp.empty((rows, n, dv), dtype=dtype, device=dev)
+    count = xp.empty((rows, n), dtype=xp.float64, device=dev)
+    raw = xp.empty((rows, n), dtype=xp.float64, device=dev) if normalizer.summed else None
+    if rows == 0 or n == 0:
+        return out, count, raw
+    # at least one column block, so that the residuals are written even when dv == 0
+    cols = range(0, dv) if dv > 0 else range(0, 1)
+    if dv == 0:
+        out = xp.empty((rows, n, 1), dtype=dtype, device=dev)
+    _evaluate(xp, table, queries, profile, batch, cols, out, strict=True, divisor=divisor,
+              attention=(center, normalizer, count, raw if raw is not None else count))
+    return (out[..., :dv] if dv == 0 else out), count, raw

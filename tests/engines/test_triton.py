@@ -227,3 +227,5 @@ def test_traffic_of_the_forward():
     assert found["launches"] == {"tile_sums": 1, "merge_eval": 1}
     assert found["sorts"] == 2
     assert found["large intermediates"] == 0
+    # the backward reuses the forward's sorted orders (its residuals): still one sort per array
+    assert traffic.count(48, 8, 1, backward=True)["sorts"] == 2

@@ -23,12 +23,17 @@ import importlib.util
 
 from .._base import Engine
 from .._nanpolicy import screen
+from .._vjp import AllKeys
 from ..sortscan.pullback import ColumnSums, column_range, knot_grads
 from ..sortscan.sums import queries, sort_keys
 from ..sortscan.wide import arithmetic
-from ._sums import attend, build_table, interpreted, profile_sum, sort_queries
+from ._sums import Queries, attend, build_table, interpreted, profile_sum, sort_queries
 
 __all__ = ["TritonEngine"]
+
+#: attention's residuals, in order ("den" only with a summed normaliser): the backward's per-query
+#: sums, and the forward's sorted keys and queries with their permutations (Engine.aux_of)
+_RESIDUALS = ("take", "relu_count", "key_order", "key_perm", "query_order", "query_perm", "den")
 
 
 def _rows(xp, a, core: int):
@@ -101,14 +106,30 @@ class TritonEngine(Engine):
         sc = screen(xp, q, k, v, key_mask, defer=False)
         table = build_table(xp, _rows(xp, sc.y, 1), _row_view(xp, v, 2), take=_rows(xp, sc.table_take, 1),
                             ones=True)
-        out, relu_count, raw = attend(xp, table, sort_queries(xp, _rows(xp, sc.x, 1)), profile, normalizer, batch,
-                                      center=center, divisor=_rows(xp, sc.divisor(xp, 1.0), 1), dtype=v.dtype)
-        residuals = [sc.take, xp.reshape(relu_count, batch + (lq, 1))]
+        xr = sort_queries(xp, _rows(xp, sc.x, 1))
+        out, relu_count, raw = attend(xp, table, xr, profile, normalizer, batch, center=center,
+                                      divisor=_rows(xp, sc.divisor(xp, 1.0), 1), dtype=v.dtype)
+        # the sorted orders go to the backward too (n elements each): it sorts nothing again
+        residuals = [sc.take, xp.reshape(relu_count, batch + (lq, 1)), table.keys, table.perm, xr.sorted, xr.perm]
         if raw is not None:
             residuals.append(xp.reshape(raw, batch + (lq, 1)))
         return xp.reshape(out, batch + (lq, dv)), tuple(residuals)
 
-    def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
+    def aux_of(self, residuals):
+        if len(residuals) < len(_RESIDUALS) - 1:      # the early return of empty calls
+            return super().aux_of(residuals)
+        return dict(zip(_RESIDUALS, residuals))
+
+    def key_view(self, q, k, v, key_mask, aux, *, causal: bool, xp):
+        if causal or aux is None or "query_perm" not in aux:
+            return super().key_view(q, k, v, key_mask, aux, causal=causal, xp=xp)
+        return _SortedKeys(self, q, k, v, key_mask, xp, (aux["key_order"], aux["key_perm"], aux["query_order"],
+                                                         aux["query_perm"]))
+
+    def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True, orders=None):
+        """The pull-back of profile sums; ``orders``: the (R, m) / (R, n) sorted keys, their int32
+        permutation, the sorted queries and theirs, from the forward (attention's residuals), so
+        that no array is sorted twice in a forward and its backward."""
         batch, n, m, c = tuple(x.shape[:-1]), x.shape[-1], y.shape[-1], w.shape[-1]
         if n == 0 or m == 0:
             dx = xp.zeros(x.shape, dtype=x.dtype, device=x.device)
@@ -118,7 +139,11 @@ class TritonEngine(Engine):
                                 for p in profiles]
         # dx: derivative sums over the sorted keys, H(0) = 1 (the scan's convention)
         xr, yr = _rows(xp, x, 1), _rows(xp, y, 1)
-        xq, yq = sort_queries(xp, xr), sort_queries(xp, yr)      # each array sorted once
+        if orders is None:
+            xq, yq = sort_queries(xp, xr), sort_queries(xp, yr)      # each array sorted once
+        else:
+            key_order, key_perm, query_order, query_perm = orders
+            xq, yq = Queries(query_order, query_perm), Queries(xp.astype(key_order, xp.float64), key_perm)
         keyed = build_table(xp, yr, _row_view(xp, w, 2), presorted=yq)
         dx = None
         for p, g in zip(profiles, cotangents):
@@ -159,3 +184,16 @@ class TritonEngine(Engine):
         xr = sort_queries(xp, _rows(xp, q, 1))
         return [xp.reshape(profile_sum(xp, table, xr, p, batch, range(0, 1), strict=True), batch + (lq, 1))
                 for p in profiles]
+
+
+class _SortedKeys(AllKeys):
+    """Every key of the row (:class:`~slicedkern.engines._vjp.AllKeys`), pulled back over the
+    forward's sorted orders: the backward of attention on the triton engine sorts nothing."""
+
+    def __init__(self, engine, q, k, v, key_mask, xp, orders):
+        super().__init__(engine, q, k, v, key_mask, xp)
+        self.orders = orders
+
+    def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
+        return self.engine.profiles_vjp(x, y, w, profiles, cotangents, xp=xp, param_grads=param_grads,
+                                        orders=self.orders)

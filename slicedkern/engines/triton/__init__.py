@@ -27,7 +27,7 @@ from .._vjp import AllKeys
 from ..sortscan.pullback import ColumnSums, column_range, knot_grads
 from ..sortscan.sums import queries, sort_keys
 from ..sortscan.wide import arithmetic
-from ._sums import Queries, attend, build_table, interpreted, profile_sum, sort_queries
+from ._sums import Queries, attend, build_table, interpreted, profile_dot, profile_sum, sort_queries
 
 __all__ = ["TritonEngine"]
 
@@ -147,8 +147,9 @@ class TritonEngine(Engine):
         keyed = build_table(xp, yr, _row_view(xp, w, 2), presorted=yq)
         dx = None
         for p, g in zip(profiles, cotangents):
-            d = profile_sum(xp, keyed, xq, p.with_(derivative=True), batch, column_range(p, c), strict=False)
-            term = xp.sum(d * _rows(xp, g, 2), axis=-1)
+            # the derivative sums dotted with the cotangent inside the kernel: no (n, c) array of them
+            term = profile_dot(xp, keyed, xq, p.with_(derivative=True), batch, column_range(p, c),
+                               _row_view(xp, g, 2), 0, strict=False)
             dx = term if dx is None else dx + term
         # dw and dy: the reflected profiles over one sort of the queries carrying every cotangent
         stacked = _rows(xp, xp.concat(list(cotangents), axis=-1), 2)
@@ -159,11 +160,10 @@ class TritonEngine(Engine):
             span = range(start, start + g.shape[-1])
             start += g.shape[-1]
             r = p.reflect()
-            val = profile_sum(xp, queried, yq, r, batch, span, strict=True)
-            slope = profile_sum(xp, queried, yq, r.with_(derivative=True), batch, span, strict=True)
             cols = column_range(p, c)
-            dw.add(val, cols)
-            term = xp.sum(_rows(xp, w, 2)[..., cols.start:cols.stop] * slope, axis=-1)
+            dw.add(profile_sum(xp, queried, yq, r, batch, span, strict=True), cols)
+            term = profile_dot(xp, queried, yq, r.with_(derivative=True), batch, span, _row_view(xp, w, 2),
+                               cols.start, strict=True)
             dy = term if dy is None else dy + term
         dx = xp.reshape(dx, batch + (n,))
         dy = xp.reshape(dy, batch + (m,))

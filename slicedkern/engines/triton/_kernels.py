@@ -148,10 +148,11 @@ def _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry
 def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, carry_ptr,
                knots_ptr, coeffs_ptr, lin_ptr, alpha_ptr, div_ptr, out_ptr,
                nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps,
+               dot_ptr, sd_r, sd_n, sd_c, dot_col0,
                n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c,
                K: tl.constexpr, STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_ALPHA: tl.constexpr,
                HAS_DIV: tl.constexpr, HAS_TAKE: tl.constexpr, ONES: tl.constexpr, ACC: tl.constexpr,
-               ATTN: tl.constexpr, CENTER: tl.constexpr, NORM: tl.constexpr, KN: tl.constexpr,
+               ATTN: tl.constexpr, CENTER: tl.constexpr, NORM: tl.constexpr, KN: tl.constexpr, DOT: tl.constexpr,
                LOG_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     """Pass 2: ``out[perm_i, :] = (profile sum over columns col0 .. col0 + width + alpha_i total P0) / div_i``
     for one block of *sorted* queries.
@@ -172,6 +173,11 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     docs/mathematics.rst, "Attention"). The first column block writes ``relu_count`` and the
     normaliser's sum (R, n), float64 in the queries' original order: the backward's residuals.
     ``div`` (HAS_DIV) stays the NaN policy's factor (1, or NaN on a bad query or row).
+
+    DOT (the backward's score gradients): instead of the rows, their dot product with the rows of
+    ``dot`` (strides ``sd_*``, columns from ``dot_col0``) at the same queries, read in their own
+    dtype; each column block writes its partial dot to ``out`` (R, n, column blocks), float64, so
+    that no (n, width) array is written and the sum over the blocks keeps a fixed order.
     """
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -248,13 +254,21 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
             acc = acc / den[:, None]
     if HAS_DIV:
         acc = acc / tl.load(div_ptr + row * n + dest, mask=nm, other=1.0)[:, None]
-    result = acc
-    if out_ptr.dtype.element_ty != tl.float64:
-        # through float32: the interpreter casts float64 to bfloat16 wrongly (Triton 3.x); the double
-        # rounding moves a 16-bit result by one unit only when the float32 value falls on a midpoint
-        result = acc.to(tl.float32)
-    tl.store(out_ptr + row * n * width + dest[:, None] * width + cl[None, :], result.to(out_ptr.dtype.element_ty),
-             mask=nm[:, None] & cm[None, :])
+    if DOT:
+        gv = tl.load(dot_ptr + row * sd_r + dest[:, None] * sd_n + (dot_col0 + cl)[None, :] * sd_c,
+                     mask=nm[:, None] & cm[None, :], other=0.0).to(tl.float64)
+        blocks = tl.num_programs(2)
+        prod = tl.where(cm[None, :], acc * gv, 0.0)        # columns past the range hold other sums
+        tl.store(out_ptr + row * n * blocks + dest * blocks + tl.program_id(2), tl.sum(prod, 1), mask=nm)
+    else:
+        result = acc
+        if out_ptr.dtype.element_ty != tl.float64:
+            # through float32: the interpreter casts float64 to bfloat16 wrongly (Triton 3.x); the
+            # double rounding moves a 16-bit result by one unit only when the float32 value falls on
+            # a midpoint
+            result = acc.to(tl.float32)
+        tl.store(out_ptr + row * n * width + dest[:, None] * width + cl[None, :],
+                 result.to(out_ptr.dtype.element_ty), mask=nm[:, None] & cm[None, :])
 
 
 def build() -> None:

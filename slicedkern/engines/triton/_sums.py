@@ -17,7 +17,8 @@ from typing import Any, NamedTuple
 
 from ...kernels import Profile, is_fixed
 
-__all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "attend", "loaded", "interpreted"]
+__all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_dot", "attend", "loaded",
+           "interpreted"]
 
 #: Keys per tile (float32 sums run over at most this many keys before a float64 carry), queries per
 #: block and columns per block.
@@ -142,9 +143,11 @@ def _profile_args(xp, profile: Profile, batch, rows: int, dev):
 
 
 def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, out, *, strict: bool,
-              alpha=None, divisor=None, attention=None):
+              alpha=None, divisor=None, attention=None, dot=None):
     """Launch pass 2 into ``out`` (R, n, len(cols)); ``attention`` = ``(center, normalizer, count, raw)``
-    for attention's fused epilogue (``count`` and ``raw`` the (R, n) float64 residuals it writes)."""
+    for attention's fused epilogue (``count`` and ``raw`` the (R, n) float64 residuals it writes);
+    ``dot`` = ``(rows, col0)``: write the rows' dot products with ``rows[..., col0:col0 + len(cols)]``
+    ((R, n, ...) in any strides and dtype) into ``out`` (R, n, column blocks) instead."""
     x = queries.sorted
     rows, n = x.shape
     m = table.keys.shape[-1]
@@ -165,17 +168,20 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
     w = table.w
     c = w.shape[-1]
     grid = (rows, triton_cdiv(n, BLOCK_N), triton_cdiv(width, BLOCK_C))
+    against, dot_col0 = dot if dot is not None else (w, 0)
     k = loaded()
     k.merge_eval[grid](
         x, queries.perm, table.keys, table.shift, table.perm, w,
         table.take if table.take is not None else table.perm, table.carry, knots, coeffs, lin,
         alpha if alpha is not None else x, divisor if divisor is not None else x, out,
         nknots, ncoeffs, nlin, count, raw, eps,
+        against, against.stride(0), against.stride(1), against.stride(2), dot_col0,
         n, m, c, table.C, nb, cols.start, width, w.stride(0), w.stride(1), w.stride(2),
         K=K, STRICT=strict, DERIV=bool(profile.derivative), HAS_ALPHA=alpha is not None,
         HAS_DIV=divisor is not None, HAS_TAKE=table.take is not None, ONES=table.ones,
         ACC=_tl_dtype(k, _acc_dtype(xp, w), xp), ATTN=attention is not None, CENTER=bool(center), NORM=norm,
-        KN=kn, LOG_M=max(1, math.ceil(math.log2(m + 1))), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C)
+        KN=kn, DOT=dot is not None, LOG_M=max(1, math.ceil(math.log2(m + 1))), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_C=BLOCK_C)
     return out
 
 
@@ -193,6 +199,23 @@ def profile_sum(xp, table: Table, queries: Queries, profile: Profile, batch, col
     if len(cols) == 0 or rows == 0 or n == 0:
         return out
     return _evaluate(xp, table, queries, profile, batch, cols, out, strict=strict, alpha=alpha, divisor=divisor)
+
+
+def profile_dot(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, rows_, col0: int, *,
+                strict: bool):
+    """``sum over c of (profile sum of table columns cols)[..., c] * rows_[..., col0 + c]``: (R, n) float64.
+
+    ``rows_`` (R, n, ...) in the queries' original order, any strides and dtype (read by the kernel,
+    not copied): the backward's score gradients without an (n, len(cols)) array of sums. One launch;
+    its column blocks' partial dots are summed here, in a fixed order.
+    """
+    rows, n = queries.sorted.shape
+    dev = queries.sorted.device
+    if len(cols) == 0 or rows == 0 or n == 0:
+        return xp.zeros((rows, n), dtype=xp.float64, device=dev)
+    partial = xp.empty((rows, n, triton_cdiv(len(cols), BLOCK_C)), dtype=xp.float64, device=dev)
+    _evaluate(xp, table, queries, profile, batch, cols, partial, strict=strict, dot=(rows_, col0))
+    return xp.sum(partial, axis=-1)
 
 
 def attend(xp, table: Table, queries: Queries, profile: Profile, normalizer, batch, *, center: bool, divisor,

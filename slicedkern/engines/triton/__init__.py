@@ -11,6 +11,13 @@ launch as the values, and written as the backward's residuals; the output is wri
 dtype (the result's: the op casts the values to it), so no cast or float64 copy of it follows
 (docs/architecture.rst, "Engines").
 
+The backward is the generic one (:mod:`.._vjp`) over this engine's profile-sum pull-back, with two
+differences: it reads the forward's sorted keys and queries (residuals of ``n`` elements each), so
+a forward and its backward sort each array once; and the score gradients' dot products with the
+cotangent and with the values are taken in pass 2's epilogue, so no ``(n, D)`` array of derivative
+sums is written. Its remaining ``(n, D)`` temporaries are the generic backward's (issue 26: a fused
+backward is the next step).
+
 It serves torch tensors: chosen automatically for CUDA tensors when Triton is installed, and on
 request (``engine="triton"`` / :func:`~slicedkern.use_engine`) for CPU tensors too, which Triton runs
 only under its interpreter (``TRITON_INTERPRET=1``, how the tests run it). Parameter gradients

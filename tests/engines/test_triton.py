@@ -118,6 +118,22 @@ def test_attention_gradients_match_the_dense_reference(rng, name, op):
         np.testing.assert_allclose(_np(got), _np(want), rtol=1e-7, atol=1e-9, err_msg=label)
 
 
+def test_value_width_across_column_blocks(rng):
+    """D = 17 over column blocks of 4 (5 blocks, the last partial): the output, and the gradients
+    whose score parts are dotted per column block in the kernel and summed after, against the
+    dense reference, with a key mask and the summed normaliser (its quotient-rule term too)."""
+    q, k = rng.normal(size=(1, 13)), rng.normal(size=(1, 11))     # one row: the interpreter is slow
+    v, mask = rng.normal(size=(1, 11, 17)), rng.random((1, 11)) > 0.3
+    cot = _t(rng.normal(size=(1, 13, 17)))
+    results = []
+    for module, kw in ((slicedkern, {"engine": "triton"}), (reference, {})):
+        args = [_t(a).requires_grad_() for a in (q, k, v)]
+        out = module.hat_attention(*args, 0.5, key_mask=_t(mask, torch.bool), normalize="abs", **kw)
+        results.append((out, *torch.autograd.grad((out * cot).sum(), args)))
+    for got, want, label in zip(*results, ("out", "q", "k", "v")):
+        np.testing.assert_allclose(_np(got), _np(want), rtol=1e-8, atol=1e-10, err_msg=label)
+
+
 def test_bandwidth_and_weight_gradients(rng):
     q, k, v, _ = _data(rng)
     b = rng.uniform(0.3, 1.5, size=(3,))                     # one bandwidth per head (batch dim 1)

@@ -296,10 +296,33 @@ def rst_table(results: dict) -> str:
             ms = statistics.median(r["step_seconds"] for r in runs) * 1e3
             row.append(f"{statistics.mean(values):.3f} ± {std:.3f}, {ms:.0f} ms")
         rows.append(row)
+    return _rst(header, rows)
+
+
+def _rst(header: list, rows: list) -> str:
+    """A simple reStructuredText table."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     rule = "  ".join("=" * w for w in widths)
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
     return "\n".join([rule, line(header), rule, *map(line, rows), rule])
+
+
+def curve_table(results: dict, task: str) -> str:
+    """How the gap moves with training, as reStructuredText: a row per variant, a column per
+    checkpoint, each cell the metric's mean over seeds and, for the sliced variants, its difference
+    from softmax's at the same step (positive: softmax ahead in bits per character; negative:
+    softmax ahead in accuracy)."""
+    variants = results["tasks"][task]
+    steps = [s for s, _ in next(iter(variants.values()))[0]["curve"]]
+    means = {v: np.mean([[m for _, m in r["curve"]] for r in runs], axis=0) for v, runs in variants.items()}
+    base = means.get("softmax")
+    header = ["variant"] + [f"step {s}" for s in steps]
+    rows = []
+    for variant, mean in means.items():
+        cells = [f"{m:.3f}" if base is None or variant == "softmax" else f"{m:.3f} ({m - b:+.3f})"
+                 for m, b in zip(mean, base if base is not None else mean)]
+        rows.append([variant] + cells)
+    return _rst(header, rows)
 
 
 def plot_curves(results: dict, path=None):
@@ -332,6 +355,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, help="override the steps of every task")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads")
+    parser.add_argument("--context", type=int, help="override the language model's context (tokens)")
     parser.add_argument("--out", type=Path, help="JSON results, rewritten after every model")
     parser.add_argument("--plot", type=Path, help="learning curves (PNG)")
     parser.add_argument("--report", nargs="+", type=Path, metavar="JSON",
@@ -342,6 +366,8 @@ def main(argv=None) -> None:
         for path in args.report:
             merged["tasks"].update(json.loads(path.read_text())["tasks"])
         print(table(merged), rst_table(merged), sep="\n\n")
+        for task in merged["tasks"]:
+            print(f"\n{task}, the metric at each checkpoint (difference from softmax):\n{curve_table(merged, task)}")
         if args.plot:
             plot_curves(merged, args.plot)
         return
@@ -353,6 +379,8 @@ def main(argv=None) -> None:
     size = SIZES[args.size]
     if args.steps:
         size = replace(size, steps=tuple((task, args.steps) for task, _ in size.steps))
+    if args.context:
+        size = replace(size, lm_context=args.context)
     if args.threads:
         torch.set_num_threads(args.threads)
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -104,4 +104,14 @@ def test_tables_report_mean_std_and_step_time(script, tmp_path, capsys):
     path = tmp_path / "listops.json"
     path.write_text(json.dumps({"tasks": {"listops": results["tasks"]["listops"]}}))
     script.main(["--report", str(path)])
-    assert "0.400 ± 0.141" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "0.400 ± 0.141" in printed
+    # the curves, the mean over seeds per checkpoint: softmax 0.2 then 0.4
+    curves = script.curve_table(results, "listops").splitlines()
+    assert curves[1].split() == ["variant", "step", "1", "step", "2"]
+    assert curves[3].split() == ["softmax", "0.200", "0.400"]
+    assert "\n".join(curves) in printed
+    other = {"tasks": {"lm": {"softmax": runs([2.0, 2.2, 2.4]), "hat": runs([2.6, 2.8])}}}
+    lm = script.curve_table(other, "lm").splitlines()
+    assert lm[3].split() == ["softmax", "1.100", "2.200"]
+    assert lm[4].split() == ["hat", "1.350", "(+0.250)", "2.700", "(+0.500)"]

@@ -146,15 +146,15 @@ def _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry
 
 
 def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, carry_ptr,
-               knots_ptr, coeffs_ptr, lin_ptr, alpha_ptr, div_ptr, out_ptr,
+               knots_ptr, coeffs_ptr, lin_ptr, div_ptr, out_ptr,
                nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps,
                dot_ptr, sd_r, sd_n, sd_c, dot_col0,
                n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c,
-               K: tl.constexpr, STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_ALPHA: tl.constexpr,
-               HAS_DIV: tl.constexpr, HAS_TAKE: tl.constexpr, ONES: tl.constexpr, ACC: tl.constexpr,
+               K: tl.constexpr, STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_DIV: tl.constexpr,
+               HAS_TAKE: tl.constexpr, ONES: tl.constexpr, ACC: tl.constexpr,
                ATTN: tl.constexpr, CENTER: tl.constexpr, NORM: tl.constexpr, KN: tl.constexpr, DOT: tl.constexpr,
                LOG_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Pass 2: ``out[perm_i, :] = (profile sum over columns col0 .. col0 + width + alpha_i total P0) / div_i``
+    """Pass 2: ``out[perm_i, :] = (profile sum over columns col0 .. col0 + width) / div_i``
     for one block of *sorted* queries.
 
     Per knot the block's ranks are increasing (``x - t`` keeps the order of ``x``), so its queries
@@ -230,8 +230,6 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     else:
         acc += (intercept + slope * xs)[:, None] * t0[None, :] - slope * t1[None, :]
     dest = tl.load(xperm_ptr + row * n + i, mask=nm, other=0).to(tl.int64)
-    if HAS_ALPHA:
-        acc += tl.load(alpha_ptr + row * n + dest, mask=nm, other=0.0)[:, None] * t0[None, :]
     if ATTN:
         valid = tl.load(carry_ptr + ind + nb * 2 * C)
         keysum = tl.load(carry_ptr + ind + nb * 2 * C + C)

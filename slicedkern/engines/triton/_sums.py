@@ -143,7 +143,7 @@ def _profile_args(xp, profile: Profile, batch, rows: int, dev):
 
 
 def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, out, *, strict: bool,
-              alpha=None, divisor=None, attention=None, dot=None):
+              divisor=None, attention=None, dot=None):
     """Launch pass 2 into ``out`` (R, n, len(cols)); ``attention`` = ``(center, normalizer, count, raw)``
     for attention's fused epilogue (``count`` and ``raw`` the (R, n) float64 residuals it writes);
     ``dot`` = ``(rows, col0)``: write the rows' dot products with ``rows[..., col0:col0 + len(cols)]``
@@ -173,11 +173,11 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
     k.merge_eval[grid](
         x, queries.perm, table.keys, table.shift, table.perm, w,
         table.take if table.take is not None else table.perm, table.carry, knots, coeffs, lin,
-        alpha if alpha is not None else x, divisor if divisor is not None else x, out,
+        divisor if divisor is not None else x, out,
         nknots, ncoeffs, nlin, count, raw, eps,
         against, against.stride(0), against.stride(1), against.stride(2), dot_col0,
         n, m, c, table.C, nb, cols.start, width, w.stride(0), w.stride(1), w.stride(2),
-        K=K, STRICT=strict, DERIV=bool(profile.derivative), HAS_ALPHA=alpha is not None,
+        K=K, STRICT=strict, DERIV=bool(profile.derivative),
         HAS_DIV=divisor is not None, HAS_TAKE=table.take is not None, ONES=table.ones,
         ACC=_tl_dtype(k, _acc_dtype(xp, w), xp), ATTN=attention is not None, CENTER=bool(center), NORM=norm,
         KN=kn, DOT=dot is not None, LOG_M=max(1, math.ceil(math.log2(m + 1))), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
@@ -186,19 +186,18 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
 
 
 def profile_sum(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, *, strict: bool,
-                alpha=None, divisor=None, dtype=None):
-    """``(sum over the profile of table columns cols + alpha * totals) / divisor``, (R, n, len(cols)).
+                divisor=None):
+    """``(sum over the profile of table columns cols) / divisor``, (R, n, len(cols)) float64.
 
-    ``queries``: :func:`sort_queries` of the (R, n) queries; ``alpha``, ``divisor`` (R, n) float64
-    or None, in the queries' original order; ``batch`` the batch shape the profile's array parameters
-    broadcast to. The result in the queries' original order (pass 2, one launch), written in
-    ``dtype`` (float64 when None) from float64 sums.
+    ``queries``: :func:`sort_queries` of the (R, n) queries; ``divisor`` (R, n) float64 or None, in
+    the queries' original order; ``batch`` the batch shape the profile's array parameters broadcast
+    to. The result in the queries' original order (pass 2, one launch).
     """
     rows, n = queries.sorted.shape
-    out = xp.empty((rows, n, len(cols)), dtype=xp.float64 if dtype is None else dtype, device=queries.sorted.device)
+    out = xp.empty((rows, n, len(cols)), dtype=xp.float64, device=queries.sorted.device)
     if len(cols) == 0 or rows == 0 or n == 0:
         return out
-    return _evaluate(xp, table, queries, profile, batch, cols, out, strict=strict, alpha=alpha, divisor=divisor)
+    return _evaluate(xp, table, queries, profile, batch, cols, out, strict=strict, divisor=divisor)
 
 
 def profile_dot(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, rows_, col0: int, *,

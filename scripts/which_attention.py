@@ -319,8 +319,10 @@ def curve_table(results: dict, task: str) -> str:
     header = ["variant"] + [f"step {s}" for s in steps]
     rows = []
     for variant, mean in means.items():
-        cells = [f"{m:.3f}" if base is None or variant == "softmax" else f"{m:.3f} ({m - b:+.3f})"
-                 for m, b in zip(mean, base if base is not None else mean)]
+        if base is None or variant == "softmax":
+            cells = [f"{m:.3f}" for m in mean]
+        else:
+            cells = [f"{m:.3f} ({m - b:+.3f})" for m, b in zip(mean, base)]
         rows.append([variant] + cells)
     return _rst(header, rows)
 

@@ -35,7 +35,8 @@ except ImportError:      # imported without Triton (doctest collection): the eng
 
 __all__ = ["build", "interpreted", "tile_sums", "merge_eval"]
 
-_JITTED = ("_rank", "_key_tile", "_tile", "_knot_ranks", "_indicator_profile", "tile_sums", "merge_eval")
+_JITTED = ("_rank", "_key_tile", "_tile", "_knot_ranks", "_indicator_carry", "_indicator_tile", "_indicator_linear",
+           "_indicator_profile", "tile_sums", "merge_eval")
 _mode: list = []     # [interpreted?] once built
 
 
@@ -118,6 +119,27 @@ def _knot_ranks(x, t, nm, keys_ptr, row, m, STRICT: tl.constexpr, LOG_M: tl.cons
     return rank, first, last
 
 
+def _indicator_carry(carry_ptr, ind, first, C, shape):
+    """The indicator's sums ``[count, sum of shifted keys]`` over the tiles before ``first``, float64."""
+    i0 = tl.zeros(shape, dtype=tl.float64) + tl.load(carry_ptr + ind + first * 2 * C)
+    i1 = tl.zeros(shape, dtype=tl.float64) + tl.load(carry_ptr + ind + first * 2 * C + C)
+    return i0, i1
+
+
+def _indicator_tile(below, y, ok, ACC: tl.constexpr):
+    """One tile's indicator sums below each query's rank: the keys that take part and their shifted
+    keys (``y`` is zero for the others), in ACC, returned in float64."""
+    return tl.sum(below * ok.to(ACC)[None, :], 1).to(tl.float64), tl.sum(below * y[None, :], 1).to(tl.float64)
+
+
+def _indicator_linear(carry_ptr, ind, nb, C, xs, slope, intercept):
+    """The linear part ``intercept + slope r`` of a profile summed over the valid keys, and their
+    number (the indicator's totals, the last row of the carry)."""
+    valid = tl.load(carry_ptr + ind + nb * 2 * C)
+    keysum = tl.load(carry_ptr + ind + nb * 2 * C + C)
+    return (intercept + slope * xs) * valid - slope * keysum, valid
+
+
 def _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry_ptr, knots_ptr, coeffs_ptr,
                        lin_ptr, row, m, C, c, nb, K: tl.constexpr, STRICT: tl.constexpr, HAS_TAKE: tl.constexpr,
                        ACC: tl.constexpr, LOG_M: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -129,20 +151,16 @@ def _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry
         t = tl.load(knots_ptr + row * K + k)
         cf = tl.load(coeffs_ptr + row * K + k)
         rank, first, last = _knot_ranks(x, t, nm, keys_ptr, row, m, STRICT, LOG_M, BLOCK_M)
-        i0 = tl.zeros(x.shape, dtype=tl.float64) + tl.load(carry_ptr + ind + first * 2 * C)
-        i1 = tl.zeros(x.shape, dtype=tl.float64) + tl.load(carry_ptr + ind + first * 2 * C + C)
+        i0, i1 = _indicator_carry(carry_ptr, ind, first, C, x.shape)
         for blk in range(first, last):
             j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
             _, y, ok = _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, HAS_TAKE, ACC)
-            below = (j[None, :] < rank[:, None]).to(ACC)
-            i0 += tl.sum(below * ok.to(ACC)[None, :], 1).to(tl.float64)
-            i1 += tl.sum(below * y[None, :], 1).to(tl.float64)
+            t0, t1 = _indicator_tile((j[None, :] < rank[:, None]).to(ACC), y, ok, ACC)
+            i0 += t0
+            i1 += t1
         total += cf * ((xs - t) * i0 - i1)
-    slope = tl.load(lin_ptr + row * 2)
-    intercept = tl.load(lin_ptr + row * 2 + 1)
-    valid = tl.load(carry_ptr + ind + nb * 2 * C)
-    keysum = tl.load(carry_ptr + ind + nb * 2 * C + C)
-    return total + (intercept + slope * xs) * valid - slope * keysum
+    linear, _ = _indicator_linear(carry_ptr, ind, nb, C, xs, tl.load(lin_ptr + row * 2), tl.load(lin_ptr + row * 2 + 1))
+    return total + linear
 
 
 def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, carry_ptr,
@@ -200,8 +218,7 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
         p1 = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float64) + tl.load(carry_ptr + base + C, mask=cm,
                                                                      other=0.0)[None, :]
         if ATTN:
-            i0 = tl.zeros((BLOCK_N,), dtype=tl.float64) + tl.load(carry_ptr + ind + first * 2 * C)
-            i1 = tl.zeros((BLOCK_N,), dtype=tl.float64) + tl.load(carry_ptr + ind + first * 2 * C + C)
+            i0, i1 = _indicator_carry(carry_ptr, ind, first, C, (BLOCK_N,))
         for blk in range(first, last):
             j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
             wv, y, ok = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c,
@@ -211,8 +228,9 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
             if not DERIV:
                 p1 += tl.dot(below, wv * y[:, None], input_precision="ieee", out_dtype=ACC).to(tl.float64)
             if ATTN:
-                i0 += tl.sum(below * ok.to(ACC)[None, :], 1).to(tl.float64)
-                i1 += tl.sum(below * y[None, :], 1).to(tl.float64)
+                s0, s1 = _indicator_tile(below, y, ok, ACC)
+                i0 += s0
+                i1 += s1
         if DERIV:
             acc += cf * p0
         else:
@@ -231,9 +249,8 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
         acc += (intercept + slope * xs)[:, None] * t0[None, :] - slope * t1[None, :]
     dest = tl.load(xperm_ptr + row * n + i, mask=nm, other=0).to(tl.int64)
     if ATTN:
-        valid = tl.load(carry_ptr + ind + nb * 2 * C)
-        keysum = tl.load(carry_ptr + ind + nb * 2 * C + C)
-        relu_count += (intercept + slope * xs) * valid - slope * keysum
+        linear, valid = _indicator_linear(carry_ptr, ind, nb, C, xs, slope, intercept)
+        relu_count += linear
         first_block = tl.program_id(2) == 0
         if first_block:
             tl.store(count_ptr + row * n + dest, relu_count, mask=nm)

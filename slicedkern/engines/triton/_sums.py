@@ -230,15 +230,11 @@ def attend(xp, table: Table, queries: Queries, profile: Profile, normalizer, bat
     rows, n = queries.sorted.shape
     dev = queries.sorted.device
     dv = table.w.shape[-1]
-    out = xp.empty((rows, n, dv), dtype=dtype, device=dev)
+    width = max(dv, 1)          # one column block at least: it writes the residuals, even when dv == 0
+    out = xp.empty((rows, n, width), dtype=dtype, device=dev)
     count = xp.empty((rows, n), dtype=xp.float64, device=dev)
     raw = xp.empty((rows, n), dtype=xp.float64, device=dev) if normalizer.summed else None
-    if rows == 0 or n == 0:
-        return out, count, raw
-    # at least one column block, so that the residuals are written even when dv == 0
-    cols = range(0, dv) if dv > 0 else range(0, 1)
-    if dv == 0:
-        out = xp.empty((rows, n, 1), dtype=dtype, device=dev)
-    _evaluate(xp, table, queries, profile, batch, cols, out, strict=True, divisor=divisor,
-              attention=(center, normalizer, count, raw if raw is not None else count))
-    return (out[..., :dv] if dv == 0 else out), count, raw
+    if rows and n:
+        _evaluate(xp, table, queries, profile, batch, range(0, width), out, strict=True, divisor=divisor,
+                  attention=(center, normalizer, count, raw if raw is not None else count))
+    return out[..., :dv], count, raw

@@ -175,18 +175,39 @@ def sort_row(L, device, repeat, rows=8):
 
 
 def profile_table(call, L, D, H, dtype, device, top=15):
-    """The CUDA kernels of one forward+backward, by total device time (torch.profiler)."""
+    """One forward+backward under torch.profiler: the CUDA kernels by total device time, the host's
+    operators by count (each one a launch on a GPU), and the host's wall time of one call against the
+    device time of the same call (host-bound when they are close)."""
     from torch.profiler import ProfilerActivity, profile
     q, k, v = ours_inputs(L, D, H, dtype, device, True)
-    for _ in range(2):
-        out = call(q, k, v)
-        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    t0 = time.perf_counter()
+    out = call(q, k, v)
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     _sync(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    first = time.perf_counter() - t0          # the Triton compile of every kernel this call uses
+
+    def step():
         out = call(q, k, v)
         torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    step()
+    _sync(device)
+    t0 = time.perf_counter()
+    step()
+    host = time.perf_counter() - t0           # returns before the device is done, unless it waited
+    _sync(device)
+    wall = time.perf_counter() - t0
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
         _sync(device)
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
+    events = prof.key_averages()
+    lines = [f"first call (compiles) {first * 1e3:.1f} ms; warm call: host returned after {host * 1e3:.3f} ms, "
+             f"device done after {wall * 1e3:.3f} ms; {sum(e.count for e in events if e.key.startswith('aten::'))}"
+             " aten calls",
+             events.table(sort_by="cuda_time_total" if device.type == "cuda" else "cpu_time_total", row_limit=top,
+                          max_name_column_width=60),
+             events.table(sort_by="count", row_limit=top, max_name_column_width=60)]
+    return "\n".join(lines)
 
 
 def accuracy(device, L=2 ** 20, D=64, H=1):
@@ -217,7 +238,8 @@ def main(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--accuracy", action="store_true")
     p.add_argument("--profile-length", type=int, default=0,
-                   help="print a torch.profiler kernel table of one forward+backward at this L (bfloat16)")
+                   help="print a torch.profiler kernel table of one forward+backward at this L")
+    p.add_argument("--profile-dtypes", default="bfloat16", help="comma list of dtypes for --profile-length")
     p.add_argument("--budget", type=float, default=float("inf"),
                    help="seconds: rows not started by then are skipped (and listed as skipped)")
     p.add_argument("--json", default=None, help="write the rows here, rewritten after every row")
@@ -271,9 +293,10 @@ def main(argv=None):
             print(f"accuracy L=2^20 {dtype}: {err:.3g} normwise vs float64 scan", flush=True)
     if a.profile_length:
         engine = a.engines.split(",")[0]
-        print(f"\nkernels of one forward+backward, {engine}, L = {a.profile_length}, bfloat16, on {card}:")
-        print(profile_table(run_ours(engine), a.profile_length, a.dim, a.heads, torch.bfloat16, device), flush=True)
-
+        for name in a.profile_dtypes.split(","):
+            print(f"\nkernels of one forward+backward, {engine}, L = {a.profile_length}, {name}, on {card}:")
+            print(profile_table(run_ours(engine), a.profile_length, a.dim, a.heads, getattr(torch, name), device),
+                  flush=True)
 
 def sdpa_row(a, L, dtype, device, backward, bandwidth, rows):
     """SDPA (flash for half dtypes, memory-efficient for float32) up to ``--sdpa-max-length``; beyond

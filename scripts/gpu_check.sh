@@ -12,7 +12,10 @@
 #   3. a torch.profiler kernel table of one forward+backward at L = 64K;
 #   4. the triton engine's tests compiled on the GPU (TRITON_INTERPRET=0);
 #   5. the test subset on the GPU backends (torch on CUDA, CuPy, JAX on the GPU).
-# The project needs no install (PYTHONPATH), or `pip install --no-deps -e .`.
+# The project needs no install (PYTHONPATH), or `pip install --no-deps -e .`; its one pure-Python
+# dependency, array_api_compat, was missing on the H100 image of 2026-11-27: copy the package folder
+# from a local venv into an ignored folder of the checkout (.gpudeps/array_api_compat), carry it, and
+# prepend that folder to PYTHONPATH. The check stops at once, saying so, when it cannot import it.
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu_check_out}}
@@ -37,18 +40,26 @@ if torch.cuda.is_available():
     print("torch device:", torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory // 2**20, "MiB")
 PY
 
+python -c "import array_api_compat" 2>/dev/null || {
+    echo "array_api_compat cannot be imported: carry it (see the head of this script)" | tee -a "$out/log.txt"
+    exit 1
+}
+
 stamp "benchmark (budget 230 s)"
 timeout 290 python scripts/gpu_bench.py --engines triton,scan --causal-lengths 1024,16384,65536 \
     --budget 230 --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"
 
+# the kernels compiled by the benchmark serve every length (the binary search's depth is an argument)
 stamp "kernel table at L = 65536"
-timeout 60 python scripts/gpu_bench.py --lengths 65536 --dtypes bfloat16 --engines triton --repeat 1 \
-    --budget 0 --profile-length 65536 2>&1 | tee "$out/profile.txt"
+timeout 90 python scripts/gpu_bench.py --lengths 65536 --engines triton --budget 0 --profile-length 65536 \
+    --profile-dtypes bfloat16,float32 > "$out/profile.txt" 2>&1; cat "$out/profile.txt"
 
+# into a file, then its tail: a timeout kills a whole pipeline, and pytest's summary with it
 stamp "triton engine tests, compiled"
-timeout 75 python -m pytest -q -p no:cacheprovider tests/engines/test_triton.py 2>&1 | tail -25 | tee "$out/test_triton.txt"
+timeout 75 python -m pytest -q -rf --tb=line -p no:cacheprovider tests/engines/test_triton.py \
+    > "$out/test_triton.txt" 2>&1; tail -25 "$out/test_triton.txt"
 
 stamp "GPU backends test subset"
-timeout 75 python -m pytest -q -p no:cacheprovider --backend torch_cuda,cupy,jax -x \
-    tests/test_attention.py tests/test_gradients.py 2>&1 | tail -25 | tee "$out/test_backends.txt"
+timeout 75 python -m pytest -q -rf --tb=line -p no:cacheprovider --backend torch_cuda,cupy,jax \
+    tests/test_attention.py tests/test_gradients.py > "$out/test_backends.txt" 2>&1; tail -25 "$out/test_backends.txt"
 stamp "done"

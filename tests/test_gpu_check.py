@@ -76,3 +76,16 @@ def test_check_script_names_what_exists():
     for line in re.findall(r"python scripts/gpu_bench\.py([^\n]*(?:\\\n[^\n]*)*)", script):
         for option in re.findall(r"(--[\w-]+)", line):
             assert option in options, option
+
+
+def test_profile_splits_host_from_device_time(gpu_bench, capsys):
+    gpu_bench.main(["--device", "cpu", "--engines", "scan", "--lengths", "32", "--dtypes", "float32",
+                    "--budget", "0", "--profile-length", "32", "--profile-dtypes", "float32,float64"])
+    printed = capsys.readouterr().out
+    for dtype in ("float32", "float64"):
+        assert f"scan, L = 32, {dtype}, on cpu:" in printed
+    (first, host, done, calls), _ = re.findall(
+        r"first call \(compiles\) ([\d.]+) ms; warm call: host returned after ([\d.]+) ms, device done after "
+        r"([\d.]+) ms; (\d+) aten calls", printed)
+    assert float(host) <= float(done) and int(calls) > 0
+    assert "# of Calls" in printed           # the operator tables

@@ -35,8 +35,8 @@ except ImportError:      # imported without Triton (doctest collection): the eng
 
 __all__ = ["build", "interpreted", "tile_sums", "merge_eval"]
 
-_JITTED = ("_rank", "_key_tile", "_tile", "_knot_ranks", "_indicator_carry", "_indicator_tile", "_indicator_linear",
-           "_indicator_profile", "tile_sums", "merge_eval")
+_JITTED = ("_rank", "_key_tile", "_tile", "_knot_ranks", "_below_sum", "_indicator_carry", "_indicator_tile",
+           "_indicator_linear", "_indicator_profile", "tile_sums", "merge_eval")
 _mode: list = []     # [interpreted?] once built
 
 
@@ -87,15 +87,17 @@ def _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, row, j, cols, m, c, sw
     return wv, y, ok
 
 
-def _rank(keys_ptr, row, m, d, e, STRICT: tl.constexpr, LOG_M: tl.constexpr):
+def _rank(keys_ptr, row, m, d, e, log_m, STRICT: tl.constexpr):
     """The number of keys below the exact difference ``d + e`` (``<`` when STRICT, else ``<=``).
 
     ``d = fl(x - t)`` and ``e`` its rounding error (TwoSum), so a tie ``x - y = t`` is decided on the
-    exact values, as the scan engine decides it. Binary search with ``LOG_M`` fixed steps.
+    exact values, as the scan engine decides it. Binary search with ``log_m`` = ceil(log2(m + 1))
+    steps, a runtime argument: a constant would compile every kernel again for each power of two of
+    the length (tens of seconds each on an H100; docs/benchmarks.rst, "On a GPU").
     """
     pos = tl.zeros(d.shape, dtype=tl.int64)
-    for i in tl.static_range(LOG_M):
-        step = 1 << (LOG_M - 1 - i)
+    for i in range(log_m):
+        step = 1 << (log_m - 1 - i)
         cand = pos + step
         inside = cand <= m
         key = tl.load(keys_ptr + row * m + cand - 1, mask=inside, other=0.0)
@@ -107,16 +109,28 @@ def _rank(keys_ptr, row, m, d, e, STRICT: tl.constexpr, LOG_M: tl.constexpr):
     return pos
 
 
-def _knot_ranks(x, t, nm, keys_ptr, row, m, STRICT: tl.constexpr, LOG_M: tl.constexpr, BLOCK_M: tl.constexpr):
+def _knot_ranks(x, t, nm, keys_ptr, row, m, log_m, STRICT: tl.constexpr, BLOCK_M: tl.constexpr):
     """The ranks of ``x - t`` among the sorted keys (exact ties, see :func:`_rank`) and the tiles a
     block of sorted queries reads for them: ``first`` up to ``last`` (exclusive)."""
     d = x - t
     bb = d - x
     e = (x - (d - bb)) + (-t - bb)          # x - t = d + e exactly (TwoSum)
-    rank = _rank(keys_ptr, row, m, d, e, STRICT, LOG_M)
+    rank = _rank(keys_ptr, row, m, d, e, log_m, STRICT)
     first = tl.min(tl.where(nm, rank, m)) // BLOCK_M
     last = tl.cdiv(tl.max(tl.where(nm, rank, 0)), BLOCK_M)
     return rank, first, last
+
+
+def _below_sum(below, wv, ACC: tl.constexpr):
+    """``below @ wv`` in ACC, returned in float64: one tile's sums of the rows below each query.
+
+    A float64 product is a broadcast sum, not ``tl.dot``: Triton 3.6 fails to lower a float64 dot on
+    Hopper (ConvertTritonGPUToLLVM, seen on an H100; docs/benchmarks.rst, "On a GPU"). Float64 serves
+    the exact-arithmetic checks, not speed, in blocks of 16 (``_sums._blocks``).
+    """
+    if ACC == tl.float64:
+        return tl.sum(below[:, :, None] * wv[None, :, :], 1)
+    return tl.dot(below, wv, input_precision="ieee", out_dtype=ACC).to(tl.float64)
 
 
 def _indicator_carry(carry_ptr, ind, first, C, shape):
@@ -141,8 +155,8 @@ def _indicator_linear(carry_ptr, ind, nb, C, xs, slope, intercept):
 
 
 def _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry_ptr, knots_ptr, coeffs_ptr,
-                       lin_ptr, row, m, C, c, nb, K: tl.constexpr, STRICT: tl.constexpr, HAS_TAKE: tl.constexpr,
-                       ACC: tl.constexpr, LOG_M: tl.constexpr, BLOCK_M: tl.constexpr):
+                       lin_ptr, row, m, C, c, nb, log_m, K: tl.constexpr, STRICT: tl.constexpr,
+                       HAS_TAKE: tl.constexpr, ACC: tl.constexpr, BLOCK_M: tl.constexpr):
     """A profile summed over the keys that take part (the indicator, column ``c`` of the carry) at
     a block of sorted queries, float64: the normaliser's sum. Reads the keys only, never a weight."""
     ind = row * (nb + 1) * 2 * C + c
@@ -150,7 +164,7 @@ def _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry
     for k in tl.static_range(K):
         t = tl.load(knots_ptr + row * K + k)
         cf = tl.load(coeffs_ptr + row * K + k)
-        rank, first, last = _knot_ranks(x, t, nm, keys_ptr, row, m, STRICT, LOG_M, BLOCK_M)
+        rank, first, last = _knot_ranks(x, t, nm, keys_ptr, row, m, log_m, STRICT, BLOCK_M)
         i0, i1 = _indicator_carry(carry_ptr, ind, first, C, x.shape)
         for blk in range(first, last):
             j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -167,11 +181,11 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
                knots_ptr, coeffs_ptr, lin_ptr, div_ptr, out_ptr,
                nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps,
                dot_ptr, sd_r, sd_n, sd_c, dot_col0,
-               n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c,
+               n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m,
                K: tl.constexpr, STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_DIV: tl.constexpr,
                HAS_TAKE: tl.constexpr, ONES: tl.constexpr, ACC: tl.constexpr,
                ATTN: tl.constexpr, CENTER: tl.constexpr, NORM: tl.constexpr, KN: tl.constexpr, DOT: tl.constexpr,
-               LOG_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     """Pass 2: ``out[perm_i, :] = (profile sum over columns col0 .. col0 + width) / div_i``
     for one block of *sorted* queries.
 
@@ -212,7 +226,7 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     for k in tl.static_range(K):
         t = tl.load(knots_ptr + row * K + k)
         cf = tl.load(coeffs_ptr + row * K + k)
-        rank, first, last = _knot_ranks(x, t, nm, keys_ptr, row, m, STRICT, LOG_M, BLOCK_M)
+        rank, first, last = _knot_ranks(x, t, nm, keys_ptr, row, m, log_m, STRICT, BLOCK_M)
         base = row * (nb + 1) * 2 * C + first * 2 * C + cols
         p0 = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float64) + tl.load(carry_ptr + base, mask=cm, other=0.0)[None, :]
         p1 = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float64) + tl.load(carry_ptr + base + C, mask=cm,
@@ -224,9 +238,9 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
             wv, y, ok = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c,
                               HAS_TAKE, ONES, ACC)
             below = (j[None, :] < rank[:, None]).to(ACC)
-            p0 += tl.dot(below, wv, input_precision="ieee", out_dtype=ACC).to(tl.float64)
+            p0 += _below_sum(below, wv, ACC)
             if not DERIV:
-                p1 += tl.dot(below, wv * y[:, None], input_precision="ieee", out_dtype=ACC).to(tl.float64)
+                p1 += _below_sum(below, wv * y[:, None], ACC)
             if ATTN:
                 s0, s1 = _indicator_tile(below, y, ok, ACC)
                 i0 += s0
@@ -260,7 +274,7 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
             acc = acc / tl.maximum(valid, 1.0)
         if NORM == 2:
             raw = _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry_ptr, nknots_ptr,
-                                     ncoeffs_ptr, nlin_ptr, row, m, C, c, nb, KN, STRICT, HAS_TAKE, ACC, LOG_M,
+                                     ncoeffs_ptr, nlin_ptr, row, m, C, c, nb, log_m, KN, STRICT, HAS_TAKE, ACC,
                                      BLOCK_M)
             if first_block:
                 tl.store(raw_ptr + row * n + dest, raw, mask=nm)

@@ -10,6 +10,7 @@ rows here and restored by the caller.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -67,6 +68,15 @@ class Queries(NamedTuple):
     perm: Any    # (R, n) int32: the original position of each sorted query
 
 
+def _blocks(xp, w) -> tuple[int, int, int]:
+    """Keys per tile, queries per block and columns per block for the weights ``w``: at most 16 each
+    in float64, whose tile products are broadcast sums in registers rather than ``tl.dot``
+    (:func:`._kernels._below_sum`)."""
+    if w.dtype == xp.float64:
+        return min(BLOCK_M, 16), min(BLOCK_N, 16), min(BLOCK_C, 16)
+    return BLOCK_M, BLOCK_N, BLOCK_C
+
+
 def _acc_dtype(xp, w):
     return xp.float64 if w.dtype == xp.float64 else xp.float32
 
@@ -97,16 +107,17 @@ def build_table(xp, y, w, *, take=None, ones=False, presorted: Queries | None = 
     keys, perm = _sort(xp, y) if presorted is None else presorted
     shift = xp.astype(keys[:, m // 2], xp.float64).contiguous()
     C = c + (1 if ones else 0)
-    nb = triton_cdiv(m, BLOCK_M)
+    block_m, _, block_c = _blocks(xp, w)
+    nb = triton_cdiv(m, block_m)
     dev = y.device
     sums = xp.empty((rows, nb, 2 * C), dtype=xp.float64, device=dev)
     take_arg = xp.astype(take, xp.int8).contiguous() if take is not None else None
-    grid = (rows, nb, triton_cdiv(C, BLOCK_C))
+    grid = (rows, nb, triton_cdiv(C, block_c))
     k = loaded()
     k.tile_sums[grid](keys, shift, perm, w, take_arg if take is not None else perm, sums,
                       m, c, C, nb, w.stride(0), w.stride(1), w.stride(2),
                       HAS_TAKE=take is not None, ONES=ones, ACC=_tl_dtype(k, _acc_dtype(xp, w), xp),
-                      BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C)
+                      BLOCK_M=block_m, BLOCK_C=block_c)
     zero = xp.zeros((rows, 1, 2 * C), dtype=xp.float64, device=dev)
     carry = xp.concat([zero, xp.cumulative_sum(sums, axis=1)], axis=1)
     return Table(keys, perm, shift, carry, w, take_arg, C, ones)
@@ -130,15 +141,31 @@ def _per_row(xp, value, batch, rows, dev):
 
 def _profile_args(xp, profile: Profile, batch, rows: int, dev):
     """A profile as the kernels read it: ``knots``, ``coeffs`` (R, K) and ``lin`` (R, 2) = slope,
-    intercept, float64, the knots of zero fixed coefficient left out; and ``K``."""
-    pairs = [(t, cf) for t, cf in zip(profile.knots, profile.coeffs) if not (is_fixed(cf) and cf == 0)]
+    intercept, float64, the knots of zero fixed coefficient left out; and ``K``.
+
+    A profile of fixed numbers (ReLU, |r|, a hat of fixed width) is made once per device and row
+    count and reused: the kernels only read it, and on a GPU its dozen small operators would cost
+    more host time than the kernels (docs/benchmarks.rst, "On a GPU").
+    """
+    pairs = tuple((t, cf) for t, cf in zip(profile.knots, profile.coeffs) if not (is_fixed(cf) and cf == 0))
+    if profile.is_fixed:
+        return _fixed_profile_args(xp, pairs, float(profile.slope), float(profile.intercept), rows, dev)
+    return _build_profile_args(xp, pairs, profile.slope, profile.intercept, batch, rows, dev)
+
+
+@functools.lru_cache(maxsize=64)
+def _fixed_profile_args(xp, pairs, slope: float, intercept: float, rows: int, dev):
+    return _build_profile_args(xp, pairs, slope, intercept, (rows,), rows, dev)
+
+
+def _build_profile_args(xp, pairs, slope, intercept, batch, rows: int, dev):
     if pairs:
         knots = xp.stack([_per_row(xp, t, batch, rows, dev) for t, _ in pairs], axis=-1).contiguous()
         coeffs = xp.stack([_per_row(xp, cf, batch, rows, dev) for _, cf in pairs], axis=-1).contiguous()
     else:
         knots = coeffs = xp.zeros((rows, 1), dtype=xp.float64, device=dev)
-    lin = xp.stack([_per_row(xp, profile.slope, batch, rows, dev),
-                    _per_row(xp, profile.intercept, batch, rows, dev)], axis=-1).contiguous()
+    lin = xp.stack([_per_row(xp, slope, batch, rows, dev), _per_row(xp, intercept, batch, rows, dev)],
+                   axis=-1).contiguous()
     return knots, coeffs, lin, len(pairs)
 
 
@@ -167,7 +194,8 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
     nb = table.carry.shape[1] - 1
     w = table.w
     c = w.shape[-1]
-    grid = (rows, triton_cdiv(n, BLOCK_N), triton_cdiv(width, BLOCK_C))
+    block_m, block_n, block_c = _blocks(xp, w)
+    grid = (rows, triton_cdiv(n, block_n), triton_cdiv(width, block_c))
     against, dot_col0 = dot if dot is not None else (w, 0)
     k = loaded()
     k.merge_eval[grid](
@@ -177,11 +205,11 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
         nknots, ncoeffs, nlin, count, raw, eps,
         against, against.stride(0), against.stride(1), against.stride(2), dot_col0,
         n, m, c, table.C, nb, cols.start, width, w.stride(0), w.stride(1), w.stride(2),
+        max(1, math.ceil(math.log2(m + 1))),
         K=K, STRICT=strict, DERIV=bool(profile.derivative),
         HAS_DIV=divisor is not None, HAS_TAKE=table.take is not None, ONES=table.ones,
         ACC=_tl_dtype(k, _acc_dtype(xp, w), xp), ATTN=attention is not None, CENTER=bool(center), NORM=norm,
-        KN=kn, DOT=dot is not None, LOG_M=max(1, math.ceil(math.log2(m + 1))), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_C=BLOCK_C)
+        KN=kn, DOT=dot is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c)
     return out
 
 
@@ -212,7 +240,7 @@ def profile_dot(xp, table: Table, queries: Queries, profile: Profile, batch, col
     dev = queries.sorted.device
     if len(cols) == 0 or rows == 0 or n == 0:
         return xp.zeros((rows, n), dtype=xp.float64, device=dev)
-    partial = xp.empty((rows, n, triton_cdiv(len(cols), BLOCK_C)), dtype=xp.float64, device=dev)
+    partial = xp.empty((rows, n, triton_cdiv(len(cols), _blocks(xp, table.w)[2])), dtype=xp.float64, device=dev)
     _evaluate(xp, table, queries, profile, batch, cols, partial, strict=strict, dot=(rows_, col0))
     return xp.sum(partial, axis=-1)
 

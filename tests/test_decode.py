@@ -159,3 +159,38 @@ def test_a_key_mask_that_does_not_broadcast_names_itself(xp):
     with pytest.raises(ValueError, match="'key_mask'"):
         cache.append(xp.asarray(np.zeros((2, 3, 1))), xp.asarray(np.zeros((2, 3, 1, 4))),
                      key_mask=xp.asarray(np.ones((2, 4, 1), dtype=bool)))
+
+
+def test_repeated_tokens_skip_no_check_that_could_fail():
+    """The per-token shortcut (calls with the signatures of the last checked ones) still refuses
+    what the checks refuse, and still carries the gradient refusal once a key records a gradient."""
+    rng = np.random.default_rng(3)
+    cache = slicedkern.DecodeCache("relu")
+    for _ in range(3):                       # the same signature: the shortcut is taken from the second
+        cache.append(rng.normal(size=(2, 1)), rng.normal(size=(2, 1, 3)))
+        cache.attend(rng.normal(size=(2, 1)))
+    with pytest.raises(ValueError, match="'k' and 'v'"):
+        cache.append(np.zeros((3, 1)), np.zeros((3, 1, 3)))
+    with pytest.raises(ValueError, match="'k' and 'v'"):
+        cache.append(np.zeros((2, 1)), np.zeros((2, 1, 4)))
+    with pytest.raises(ValueError, match="'q'"):
+        cache.attend(np.zeros((3, 1)))
+    with pytest.raises(TypeError, match="'k'"):
+        cache.append(np.zeros((2, 1), np.int64), np.zeros((2, 1, 3)))
+    q, k, v = rng.normal(size=(2, 4)), rng.normal(size=(2, 4)), rng.normal(size=(2, 4, 3))
+    cache = slicedkern.DecodeCache("relu")
+    rows = []
+    for t in range(4):
+        cache.append(k[:, t:t + 1], v[:, t:t + 1])
+        rows.append(cache.attend(q[:, t:t + 1]))
+    assert_close(np.concatenate(rows, axis=1), reference.relu_attention(q, k, v, causal=True), rtol=1e-12)
+
+    torch = pytest.importorskip("torch")
+    cache = slicedkern.DecodeCache("relu")
+    for _ in range(3):
+        cache.append(torch.randn(1, 1), torch.randn(1, 1, 2))
+        cache.attend(torch.randn(1, 1))
+    cache.append(torch.randn(1, 1, requires_grad=True), torch.randn(1, 1, 2))
+    out = cache.attend(torch.randn(1, 1))          # the same q signature as before: the guard must still hold
+    with pytest.raises(RuntimeError, match="DecodeCache is inference-only"):
+        out.sum().backward()

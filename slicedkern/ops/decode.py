@@ -92,6 +92,16 @@ def _gradient_guard(guard, *arrays):
     return guard
 
 
+def _signature(a) -> tuple:
+    """What the checks of an argument depend on: its type, dtype, shape and device, and whether it
+    records a gradient (never its values)."""
+    return type(a), a.dtype, tuple(a.shape), getattr(a, "device", None), getattr(a, "requires_grad", False)
+
+
+def _records_gradient(*arrays) -> bool:
+    return any(getattr(a, "requires_grad", False) for a in arrays)
+
+
 class DecodeCache:
     """Incremental causal attention for autoregressive generation (docs/mathematics.rst, "Decoding").
 
@@ -157,6 +167,11 @@ class DecodeCache:
         self._runs = None
         self._shape = None          # (batch shape, dv, namespace, work dtype, output dtype)
         self._guard = None          # host runs: what carries the refusal of a gradient to the outputs
+        # host runs: the signatures of the last append's (k, v) and attend's q that passed every check,
+        # and the attend's output dtype. A token's call with the same signatures skips the checks, which
+        # would cost more than the compiled work (docs/benchmarks.rst, "Decoding")
+        self._append_checked = None
+        self._attend_checked = None
 
     def __len__(self) -> int:
         """The number of keys appended so far."""
@@ -169,6 +184,10 @@ class DecodeCache:
         as the ops' ``key_mask``; a masked key (a left-padded prompt's padding, say) is in no sum,
         mean or normaliser, and its values are not read for the NaN rule.
         """
+        if key_mask is None and self._append_checked is not None and self._append_checked == (_signature(k),
+                                                                                              _signature(v)):
+            self._runs.append(k, v, None)
+            return
         xp, _, out_dtype, work = setup({"k": k, "v": v, "key_mask": key_mask}, None, required=("k", "v"))
         if k.ndim < 1 or v.ndim != k.ndim + 1 or tuple(v.shape[:-1]) != tuple(k.shape):
             raise ValueError(f"arguments 'k' and 'v' must have shapes (..., t) and (..., t, Dv), got "
@@ -200,6 +219,8 @@ class DecodeCache:
             k = xp.astype(k, work0)
         else:                                     # the host runs read any float dtype, in float64
             self._guard = _gradient_guard(self._guard, k, v)
+            if key_mask is None and not _records_gradient(k, v):
+                self._append_checked = (_signature(k), _signature(v))
         self._runs.append(k, v, key_mask)
 
     def attend(self, q):
@@ -208,6 +229,10 @@ class DecodeCache:
         Zero where no key has been appended; NaN for a non-finite query (keys appended or not), and
         for every query once a non-finite key or value has been appended (it sees that key).
         """
+        checked = self._attend_checked
+        if checked is not None and self._guard is None and checked[0] == _signature(q):
+            out = self._runs.attend(q, checked[1])
+            return out if out.dtype == checked[1] else self._shape[2].astype(out, checked[1])
         if self._shape is None:
             raise ValueError("argument 'q': append keys and values before attending (the cache is empty)")
         batch, dv, xp, work, out_dtype = self._shape
@@ -227,4 +252,6 @@ class DecodeCache:
             guard = _gradient_guard(self._guard, q)
             if guard is not None:
                 out = out + xp.astype(guard, out.dtype)
+            elif self._guard is None:
+                self._attend_checked = (_signature(q), dtype)
         return out if out.dtype == dtype else xp.astype(out, dtype)

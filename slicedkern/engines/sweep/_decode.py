@@ -22,6 +22,7 @@ from ._kernels_decode import admit, attend_rows, build_run
 
 __all__ = ["HostRuns"]
 
+@functools.lru_cache(maxsize=16)
 def _written_dtype(dtype) -> type:
     """The NumPy dtype the kernel writes an output of ``dtype`` (NumPy or torch) in: float32 and
     float64 directly, every other one in float64 (cast afterwards)."""

@@ -5,6 +5,11 @@ counts do not depend on the device; no GPU needed):
 
     TRITON_INTERPRET=1 PYTHONPATH=. python scripts/triton_traffic.py [--length 256] [--dim 16]
 
+and the host's share of a call (:func:`host_cost`, ``--host``): with the Triton launches replaced by
+no-ops, the torch operators that would each launch a kernel on a GPU (views and bare allocations
+left out) and the wall time of what remains. On a GPU at small L that share is the whole time
+(docs/benchmarks.rst, "On a GPU").
+
 Counted with a ``TorchDispatchMode`` (every aten op the call runs: its name, and every output tensor
 with its size and dtype) and by wrapping the engine's Triton kernels (launches per kernel). The
 inputs, the output and the gradients themselves are not intermediates; everything else of
@@ -88,14 +93,85 @@ def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32
             "by op": dict(collections.Counter(op for op, _, _ in large))}
 
 
+#: Operators that launch no kernel: views, metadata and bare allocations.
+_NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "resize_", "lift_fresh", "set_", "detach",
+              "alias", "_to_copy_meta", "is_nonzero", "result_type"}
+
+
+class HostOps(TorchDispatchMode):
+    """The aten operators a call runs that would launch a kernel on a GPU, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket.__name__)
+        returns = func._schema.returns
+        view = bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+        if not view and name not in _NO_KERNEL:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def host_cost(length: int, dim: int, heads: int, backward: bool, repeat: int = 20, dtype=torch.float32) -> dict:
+    """One call's host work, the engine's Triton launches replaced by no-ops (the results are then
+    meaningless; only the host's work is measured): ``launches``, ``operators`` (the kernel-launching
+    torch operators of a warm call, total and ``by op``) and ``host ms`` (the fastest of ``repeat``
+    calls)."""
+    import time
+
+    from slicedkern.engines.triton import _sums
+    kernels = _sums.loaded()
+    launches = collections.Counter()
+    originals = {name: getattr(kernels, name) for name in kernels.__all__ if name not in ("build", "interpreted")}
+
+    class Skipped:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches[self.name] += 1
+            return launch
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, heads, length, generator=g, dtype=dtype).requires_grad_(backward)
+    k = torch.randn(1, heads, length, generator=g, dtype=dtype).requires_grad_(backward)
+    v = torch.randn(1, heads, length, dim, generator=g, dtype=dtype).requires_grad_(backward)
+    cot = torch.ones(1, heads, length, dim, dtype=dtype)
+
+    def call():
+        out = slicedkern.relu_attention(q, k, v, engine="triton")
+        return torch.autograd.grad(out, (q, k, v), cot) if backward else out
+    try:
+        for name in originals:
+            setattr(kernels, name, Skipped(name))
+        call()                                    # warm: what is made once per profile and device
+        launches.clear()
+        with HostOps() as rec:
+            call()
+        calls = dict(launches)
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+    finally:
+        for name, jitted in originals.items():
+            setattr(kernels, name, jitted)
+    return {"launches": calls, "operators": sum(rec.ops.values()), "host ms": min(times) * 1e3,
+            "by op": dict(rec.ops.most_common())}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--host", action="store_true", help="the host's share of a call instead (launches skipped)")
     a = p.parse_args(argv)
     for backward in (False, True):
-        found = count(a.length, a.dim, a.heads, backward)
+        found = (host_cost if a.host else count)(a.length, a.dim, a.heads, backward)
         print(f"{'forward+backward' if backward else 'forward'}, L = {a.length}, D = {a.dim}, H = {a.heads}, "
               f"float32:")
         for key, value in found.items():

@@ -229,6 +229,27 @@ def test_strided_values_in_the_b_t_h_d_layout(rng):
     np.testing.assert_allclose(_np(out), reference.relu_attention(q, k, _np(v)), rtol=1e-9, atol=1e-11)
 
 
+def _traffic():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "scripts" / "triton_traffic.py"
+    spec = importlib.util.spec_from_file_location("triton_traffic", path)
+    traffic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(traffic)
+    return traffic
+
+
+def test_host_work_of_a_warm_call_makes_no_profile_arrays():
+    """On a GPU at small L the host's operators are the time (docs/benchmarks.rst, "On a GPU"): a
+    fixed profile's knot, coefficient and slope arrays are made by the first call only."""
+    if DEVICE != "cpu":
+        pytest.skip("counted on CPU tensors, the launches skipped")
+    for backward in (False, True):
+        found = _traffic().host_cost(16, 4, 2, backward, repeat=1)
+        assert not {"full", "stack", "fill"} & set(found["by op"]), found["by op"]
+        assert found["operators"] > 0 and found["launches"]["merge_eval"] >= 1
+
+
 def test_traffic_of_the_forward():
     """The forward's structure (scripts/triton_traffic.py counts it): one sort each of the keys and
     the queries, one tile-sum launch and one evaluation launch (the count and normaliser sums and
@@ -237,12 +258,7 @@ def test_traffic_of_the_forward():
     float64 and cast."""
     if DEVICE != "cpu":
         pytest.skip("counted under the interpreter, on CPU tensors (the counts do not depend on the device)")
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[2] / "scripts" / "triton_traffic.py"
-    spec = importlib.util.spec_from_file_location("triton_traffic", path)
-    traffic = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(traffic)
+    traffic = _traffic()
     found = traffic.count(48, 8, 1, backward=False)
     assert found["launches"] == {"tile_sums": 1, "merge_eval": 1}
     assert found["sorts"] == 2

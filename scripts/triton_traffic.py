@@ -118,7 +118,9 @@ def host_cost(length: int, dim: int, heads: int, backward: bool, repeat: int = 2
     """One call's host work, the engine's Triton launches replaced by no-ops (the results are then
     meaningless; only the host's work is measured): ``launches``, ``operators`` (the kernel-launching
     torch operators of a warm call, total and ``by op``) and ``host ms`` (the fastest of ``repeat``
-    calls)."""
+    calls). The backward's one data-dependent choice (``_vjp._silent_rows``, a host read of the
+    normaliser sums: whether some row's sum is exactly 0) then reads unset memory, so its extra
+    launches and operators come and go from run to run."""
     import time
 
     from slicedkern.engines.triton import _sums

@@ -1,0 +1,122 @@
+"""Registers, spill stack and shared memory of the triton engine's forward kernels, compiled for a
+GPU on a machine without one (Triton's compiler and the ``ptxas`` / ``cuobjdump`` it ships):
+
+    PYTHONPATH=. python scripts/triton_resources.py [--dtypes float32,bfloat16,float64] [--arch 90]
+        [--blocks 64,64,32]
+
+The forward's two launches (pass 1 ``tile_sums``, pass 2 ``merge_eval`` in attention's mode, ReLU
+with the "abs" normaliser, centred) are captured with their real arguments from the engine's own
+functions on CPU tensors, without running them, then compiled for ``sm_<arch>``. A kernel that
+needs more registers than the 255 a thread may hold spills to a per-thread stack in local memory
+(``STACK``): on a GPU every spilled value is a memory round trip inside the tile loop
+(docs/benchmarks.rst, "On a GPU"). The figures come from the Triton installed here, which may not
+be the GPU machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ["TRITON_INTERPRET"] = "0"     # real JIT functions: compiled here, never launched
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+_POINTEE = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16",
+            torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.bool: "i1"}
+
+
+def _type(value) -> str:
+    """Triton's signature type of a launch argument."""
+    if isinstance(value, torch.Tensor):
+        return "*" + _POINTEE[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i64" if abs(value) >= 2 ** 31 else "i32"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def forward_launches(dtype, length: int = 1024, rows: int = 8, dv: int = 64) -> list:
+    """``(name, jitted function, args, kwargs)`` of the forward's launches, captured, not run."""
+    import array_api_compat.torch as xp
+
+    from slicedkern._spec import Normalizer
+    from slicedkern.engines.triton import _sums
+    from slicedkern.kernels import Profile, ReLU
+    kernels = _sums.loaded()
+    captured = []
+
+    class Captured:
+        def __init__(self, name, fn):
+            self.name, self.fn = name, fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                captured.append((self.name, self.fn, args, kwargs))
+            return launch
+    originals = {name: getattr(kernels, name) for name in ("tile_sums", "merge_eval")}
+    g = torch.Generator().manual_seed(0)
+    y, x = torch.randn(rows, length, generator=g), torch.randn(rows, length, generator=g)
+    w = torch.randn(rows, length, dv, generator=g).to(dtype)
+    try:
+        for name, fn in originals.items():
+            setattr(kernels, name, Captured(name, fn))
+        table = _sums.build_table(xp, y, w, ones=True)
+        _sums.attend(xp, table, _sums.sort_queries(xp, x), Profile.of(ReLU()), Normalizer("abs", 1e-6), (rows,),
+                     center=True, divisor=None, dtype=dtype)
+    finally:
+        for name, fn in originals.items():
+            setattr(kernels, name, fn)
+    return captured
+
+
+def resources(fn, args, kwargs, arch: int) -> dict:
+    """Compile ``fn`` for ``sm_<arch>`` at these arguments: ``REG`` (per thread), ``STACK`` (spilled
+    bytes per thread), static ``SHARED`` (cuobjdump) and the dynamic shared memory Triton asks for."""
+    values = dict(zip(fn.arg_names, args), **kwargs)
+    signature, constants = {}, {}
+    for i, param in enumerate(fn.params):
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constants[(i,)] = values[param.name]
+        else:
+            signature[param.name] = _type(values[param.name])
+    compiled = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", arch, 32))
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
+    found = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage))
+    return {key: int(value) for key, value in found.items()} | {"dynamic SHARED": compiled.metadata.shared,
+                                                                 "warps": compiled.metadata.num_warps}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dtypes", default="float32,bfloat16,float64", help="the values' dtypes")
+    p.add_argument("--arch", type=int, default=90, help="compute capability, 90 for Hopper (H100, H200)")
+    p.add_argument("--blocks", default=None, help="BLOCK_M,BLOCK_N,BLOCK_C instead of the engine's")
+    a = p.parse_args(argv)
+    from slicedkern.engines.triton import _sums
+    if a.blocks:
+        _sums.BLOCK_M, _sums.BLOCK_N, _sums.BLOCK_C = (int(b) for b in a.blocks.split(","))
+    print(f"triton {triton.__version__}, sm_{a.arch}, blocks (M, N, C) = {_sums.BLOCK_M, _sums.BLOCK_N, _sums.BLOCK_C}"
+          " (float64: at most 16 each)")
+    for name in a.dtypes.split(","):
+        for kernel, fn, args, kwargs in forward_launches(getattr(torch, name)):
+            print(f"  {kernel:>10}  {name:>8}  {resources(fn, args, kwargs, a.arch)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -95,7 +95,7 @@ def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32
 
 #: Operators that launch no kernel: views, metadata and bare allocations.
 _NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "resize_", "lift_fresh", "set_", "detach",
-              "alias", "_to_copy_meta", "is_nonzero", "result_type"}
+              "alias", "is_nonzero", "result_type"}
 
 
 class HostOps(TorchDispatchMode):

@@ -84,8 +84,7 @@ def test_profile_splits_host_from_device_time(gpu_bench, capsys):
     printed = capsys.readouterr().out
     for dtype in ("float32", "float64"):
         assert f"scan, L = 32, {dtype}, on cpu:" in printed
-    (first, host, done, calls), _ = re.findall(
-        r"first call \(compiles\) ([\d.]+) ms; warm call: host returned after ([\d.]+) ms, device done after "
-        r"([\d.]+) ms; (\d+) aten calls", printed)
-    assert float(host) <= float(done) and int(calls) > 0
+    found = re.findall(r"first call \(compiles\) [\d.]+ ms; warm call: host returned after [\d.]+ ms, device done "
+                       r"after [\d.]+ ms; (\d+) aten calls", printed)
+    assert len(found) == 2 and all(int(calls) > 0 for calls in found)
     assert "# of Calls" in printed           # the operator tables

@@ -98,10 +98,6 @@ def _signature(a) -> tuple:
     return type(a), a.dtype, tuple(a.shape), getattr(a, "device", None), getattr(a, "requires_grad", False)
 
 
-def _records_gradient(*arrays) -> bool:
-    return any(getattr(a, "requires_grad", False) for a in arrays)
-
-
 class DecodeCache:
     """Incremental causal attention for autoregressive generation (docs/mathematics.rst, "Decoding").
 
@@ -219,8 +215,9 @@ class DecodeCache:
             k = xp.astype(k, work0)
         else:                                     # the host runs read any float dtype, in float64
             self._guard = _gradient_guard(self._guard, k, v)
-            if key_mask is None and not _records_gradient(k, v):
-                self._append_checked = (_signature(k), _signature(v))
+            signatures = (_signature(k), _signature(v))
+            if key_mask is None and not any(sig[-1] for sig in signatures):     # neither records a gradient
+                self._append_checked = signatures
         self._runs.append(k, v, key_mask)
 
     def attend(self, q):

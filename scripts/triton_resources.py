@@ -82,6 +82,7 @@ def forward_launches(dtype, length: int = 1024, rows: int = 8, dv: int = 64) -> 
 def resources(fn, args, kwargs, arch: int) -> dict:
     """Compile ``fn`` for ``sm_<arch>`` at these arguments: ``REG`` (per thread), ``STACK`` (spilled
     bytes per thread), static ``SHARED`` (cuobjdump) and the dynamic shared memory Triton asks for."""
+    options = {"num_warps": kwargs.pop("num_warps")} if "num_warps" in kwargs else {}
     values = dict(zip(fn.arg_names, args), **kwargs)
     signature, constants = {}, {}
     for i, param in enumerate(fn.params):
@@ -90,7 +91,8 @@ def resources(fn, args, kwargs, arch: int) -> dict:
             constants[(i,)] = values[param.name]
         else:
             signature[param.name] = _type(values[param.name])
-    compiled = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", arch, 32))
+    compiled = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", arch, 32),
+                              options=options)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -107,12 +109,15 @@ def main(argv=None):
     p.add_argument("--dtypes", default="float32,bfloat16,float64", help="the values' dtypes")
     p.add_argument("--arch", type=int, default=90, help="compute capability, 90 for Hopper (H100, H200)")
     p.add_argument("--blocks", default=None, help="BLOCK_M,BLOCK_N,BLOCK_C instead of the engine's")
+    p.add_argument("--warps", type=int, default=None, help="pass 2's warps instead of the engine's")
     a = p.parse_args(argv)
     from slicedkern.engines.triton import _sums
     if a.blocks:
         _sums.BLOCK_M, _sums.BLOCK_N, _sums.BLOCK_C = (int(b) for b in a.blocks.split(","))
+    if a.warps:
+        _sums.MERGE_WARPS = a.warps
     print(f"triton {triton.__version__}, sm_{a.arch}, blocks (M, N, C) = {_sums.BLOCK_M, _sums.BLOCK_N, _sums.BLOCK_C}"
-          " (float64: at most 16 each)")
+          f" (float64: at most 16 each), pass 2 on {_sums.MERGE_WARPS} warps")
     for name in a.dtypes.split(","):
         for kernel, fn, args, kwargs in forward_launches(getattr(torch, name)):
             print(f"  {kernel:>10}  {name:>8}  {resources(fn, args, kwargs, a.arch)}", flush=True)

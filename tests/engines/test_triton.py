@@ -181,6 +181,21 @@ def test_low_precision_inputs(rng, dtype, tol):
     assert [g.dtype for g in grads] == [dtype] * 3
 
 
+def test_float32_sums_over_a_span_of_many_tiles(rng):
+    """A few queries among many keys: one block of queries spans every tile, so its sums run in
+    float32 over all the keys before meeting the float64 carry (docs/mathematics.rst, "Numerics").
+    Keys far from zero, so that the centred term cancels; the error stays at float32's rounding."""
+    q = _t(5.0 + rng.normal(size=(2, 8)), torch.float32)
+    k = _t(5.0 + rng.normal(size=(2, 400)), torch.float32)
+    v = _t(rng.normal(size=(2, 400, 3)), torch.float32)
+    for kernel, call in (("relu", slicedkern.relu_attention), ("hat", lambda *a, **kw: slicedkern.hat_attention(
+            *a, 0.7, **kw))):
+        out = call(q, k, v, engine="triton")
+        expected = call(*(a.to(torch.float64) for a in (q, k, v)), engine="scan")
+        err = np.linalg.norm(_np(out) - _np(expected)) / np.linalg.norm(_np(expected))
+        assert err <= 2e-6, kernel
+
+
 def test_nan_policy_and_empty_rows(rng):
     q, k, v, mask = _data(rng)
     q[0, 0, 3] = np.nan

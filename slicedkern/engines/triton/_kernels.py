@@ -20,8 +20,8 @@ Layout (the batch flattened to ``R`` rows):
   is the ``carry`` (R, nb + 1, 2 C), the last row the totals;
 * pass 2, :func:`merge_eval`: per block of sorted queries and per knot, the carry at the block's
   first rank plus the masked sums of the tiles its ranks span, accumulated in the accumulator dtype
-  (float32 for float32 / half weights) within a tile and in float64 between tiles
-  (docs/mathematics.rst, "Numerics"); the output row is written through the query permutation.
+  (float32 for float32 / half weights) over the tiles a block of queries spans, in float64 in the
+  carry (docs/mathematics.rst, "Numerics"); the output row is written through the query permutation.
 """
 
 from __future__ import annotations
@@ -121,16 +121,17 @@ def _knot_ranks(x, t, nm, keys_ptr, row, m, log_m, STRICT: tl.constexpr, BLOCK_M
     return rank, first, last
 
 
-def _below_sum(below, wv, ACC: tl.constexpr):
-    """``below @ wv`` in ACC, returned in float64: one tile's sums of the rows below each query.
+def _below_sum(below, wv, into, ACC: tl.constexpr):
+    """``into + below @ wv`` in ACC: one tile's sums of the rows below each query, added to the
+    block's running span sums (``tl.dot``'s own accumulator, so that no second tile is live).
 
     A float64 product is a broadcast sum, not ``tl.dot``: Triton 3.6 fails to lower a float64 dot on
     Hopper (ConvertTritonGPUToLLVM, seen on an H100; docs/benchmarks.rst, "On a GPU"). Float64 serves
     the exact-arithmetic checks, not speed, in blocks of 16 (``_sums._blocks``).
     """
     if ACC == tl.float64:
-        return tl.sum(below[:, :, None] * wv[None, :, :], 1)
-    return tl.dot(below, wv, input_precision="ieee", out_dtype=ACC).to(tl.float64)
+        return into + tl.sum(below[:, :, None] * wv[None, :, :], 1)
+    return tl.dot(below, wv, acc=into, input_precision="ieee", out_dtype=ACC)
 
 
 def _indicator_carry(carry_ptr, ind, first, C, shape):
@@ -161,7 +162,7 @@ def _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry
     a block of sorted queries, float64: the normaliser's sum. Reads the keys only, never a weight."""
     ind = row * (nb + 1) * 2 * C + c
     total = tl.zeros(x.shape, dtype=tl.float64)
-    for k in tl.static_range(K):
+    for k in range(K):
         t = tl.load(knots_ptr + row * K + k)
         cf = tl.load(coeffs_ptr + row * K + k)
         rank, first, last = _knot_ranks(x, t, nm, keys_ptr, row, m, log_m, STRICT, BLOCK_M)
@@ -192,7 +193,7 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     Per knot the block's ranks are increasing (``x - t`` keeps the order of ``x``), so its queries
     read one contiguous range of sorted keys: the carry (float64 sums of the tiles before it) plus,
     tile by tile over the range, the sums of the keys below each query as a masked product
-    ``[j < rank_i] @ rows_j`` in ACC (float32 within a tile, float64 between tiles). The rows are
+    ``[j < rank_i] @ rows_j`` in ACC (float32 over the span, float64 in the carry). The rows are
     re-gathered from ``w`` through the key permutation: nothing per key is stored between the passes.
     The profile ``intercept + slope r + sum_k coeffs[k] ReLU(r - knots[k])`` (per batch row:
     ``knots``, ``coeffs`` (R, K), ``lin`` (R, 2) = slope, intercept), or its derivative when DERIV.
@@ -223,14 +224,15 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float64)
     ind = row * (nb + 1) * 2 * C + c                # the indicator's column of the carry (ATTN)
     relu_count = tl.zeros((BLOCK_N,), dtype=tl.float64)
-    for k in tl.static_range(K):
+    for k in range(K):
         t = tl.load(knots_ptr + row * K + k)
         cf = tl.load(coeffs_ptr + row * K + k)
         rank, first, last = _knot_ranks(x, t, nm, keys_ptr, row, m, log_m, STRICT, BLOCK_M)
-        base = row * (nb + 1) * 2 * C + first * 2 * C + cols
-        p0 = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float64) + tl.load(carry_ptr + base, mask=cm, other=0.0)[None, :]
-        p1 = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float64) + tl.load(carry_ptr + base + C, mask=cm,
-                                                                     other=0.0)[None, :]
+        # the span's sums in ACC (float32 for float32 / half weights): a block's span is a few
+        # tiles when the queries and keys are alike, and float64 tiles here spill registers on an
+        # H100 (scripts/triton_resources.py; docs/benchmarks.rst, "On a GPU")
+        q0 = tl.zeros((BLOCK_N, BLOCK_C), dtype=ACC)
+        q1 = tl.zeros((BLOCK_N, BLOCK_C), dtype=ACC)
         if ATTN:
             i0, i1 = _indicator_carry(carry_ptr, ind, first, C, (BLOCK_N,))
         for blk in range(first, last):
@@ -238,13 +240,17 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
             wv, y, ok = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c,
                               HAS_TAKE, ONES, ACC)
             below = (j[None, :] < rank[:, None]).to(ACC)
-            p0 += _below_sum(below, wv, ACC)
+            q0 = _below_sum(below, wv, q0, ACC)
             if not DERIV:
-                p1 += _below_sum(below, wv * y[:, None], ACC)
+                q1 = _below_sum(below, wv * y[:, None], q1, ACC)
             if ATTN:
                 s0, s1 = _indicator_tile(below, y, ok, ACC)
                 i0 += s0
                 i1 += s1
+        # then the float64 carry: the sums of the tiles before the span
+        base = row * (nb + 1) * 2 * C + first * 2 * C + cols
+        p0 = tl.load(carry_ptr + base, mask=cm, other=0.0)[None, :] + q0.to(tl.float64)
+        p1 = tl.load(carry_ptr + base + C, mask=cm, other=0.0)[None, :] + q1.to(tl.float64)
         if DERIV:
             acc += cf * p0
         else:

@@ -21,11 +21,14 @@ from ...kernels import Profile, is_fixed
 __all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_dot", "attend", "loaded",
            "interpreted"]
 
-#: Keys per tile (float32 sums run over at most this many keys before a float64 carry), queries per
-#: block and columns per block.
-BLOCK_M = 64
+#: Keys per tile, queries per block and columns per block. With 16 keys a tile and pass 2 on 8 warps,
+#: its float32 and bfloat16 forms hold every value in registers on an H100 (sm_90); 64 keys a tile on
+#: 4 warps spilled 5.2 KB a thread (scripts/triton_resources.py; docs/benchmarks.rst, "On a GPU").
+BLOCK_M = 16
 BLOCK_N = 64
 BLOCK_C = 32
+#: warps of a pass-2 program (:func:`._kernels.merge_eval`)
+MERGE_WARPS = 8
 _MODULE = "slicedkern.engines.triton._kernels"
 
 
@@ -209,7 +212,7 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
         K=K, STRICT=strict, DERIV=bool(profile.derivative),
         HAS_DIV=divisor is not None, HAS_TAKE=table.take is not None, ONES=table.ones,
         ACC=_tl_dtype(k, _acc_dtype(xp, w), xp), ATTN=attention is not None, CENTER=bool(center), NORM=norm,
-        KN=kn, DOT=dot is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c)
+        KN=kn, DOT=dot is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c, num_warps=MERGE_WARPS)
     return out
 
 

@@ -243,11 +243,18 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=float("inf"),
                    help="seconds: rows not started by then are skipped (and listed as skipped)")
     p.add_argument("--json", default=None, help="write the rows here, rewritten after every row")
+    p.add_argument("--tiles", default=None,
+                   help="keys per tile, queries per block, columns per block and pass 2's warps of the triton "
+                        "engine, M,N,C,W, instead of its own (an A/B of the kernels' shapes)")
     a = p.parse_args(argv)
+    if a.tiles:
+        from slicedkern.engines.triton import _sums
+        _sums.BLOCK_M, _sums.BLOCK_N, _sums.BLOCK_C, _sums.MERGE_WARPS = (int(t) for t in a.tiles.split(","))
     device = torch.device(a.device)
     bandwidth = a.bandwidth or card_bandwidth(device)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
-    print(f"device: {card}, vendor bandwidth {bandwidth} GB/s, torch {torch.__version__}", flush=True)
+    tiles = f", triton tiles {a.tiles}" if a.tiles else ""
+    print(f"device: {card}, vendor bandwidth {bandwidth} GB/s, torch {torch.__version__}{tiles}", flush=True)
     print("| impl | L | dtype | pass | time | peak memory above inputs | fraction of bandwidth floor | note")
     start, rows = time.perf_counter(), []
 

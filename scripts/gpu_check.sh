@@ -11,7 +11,9 @@
 #      memory, fraction of the bandwidth floor; bench.json rewritten after every row;
 #   3. a torch.profiler kernel table of one forward+backward at L = 64K;
 #   4. the triton engine's tests compiled on the GPU (TRITON_INTERPRET=0);
-#   5. the test subset on the GPU backends (torch on CUDA, CuPy, JAX on the GPU).
+#   5. the test subset on the GPU backends (torch on CUDA, CuPy, JAX on the GPU);
+#   6. the triton engine at 16K with the kernels' shapes of 2026-11-27 (tiles of 64 keys, pass 2 on 4
+#      warps, which spilled registers) against today's (16 keys, 8 warps), for the A/B.
 # The project needs no install (PYTHONPATH), or `pip install --no-deps -e .`; its one pure-Python
 # dependency, array_api_compat, was missing on the H100 image of 2026-11-27: copy the package folder
 # from a local venv into an ignored folder of the checkout (.gpudeps/array_api_compat), carry it, and
@@ -62,4 +64,10 @@ timeout 75 python -m pytest -q -rf --tb=line -p no:cacheprovider tests/engines/t
 stamp "GPU backends test subset"
 timeout 75 python -m pytest -q -rf --tb=line -p no:cacheprovider --backend torch_cuda,cupy,jax \
     tests/test_attention.py tests/test_gradients.py > "$out/test_backends.txt" 2>&1; tail -25 "$out/test_backends.txt"
+stamp "triton tiles A/B at L = 16384 (64 keys on 4 warps, then the engine's own)"
+for ab in "old --tiles 64,64,32,4" "new"; do
+    set -- $ab
+    timeout 80 python scripts/gpu_bench.py --lengths 16384 --engines triton --budget 60 "${@:2}" \
+        > "$out/tiles_$1.txt" 2>&1; grep -E "device|triton" "$out/tiles_$1.txt"
+done
 stamp "done"

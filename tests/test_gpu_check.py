@@ -88,3 +88,14 @@ def test_profile_splits_host_from_device_time(gpu_bench, capsys):
                        r"after [\d.]+ ms; (\d+) aten calls", printed)
     assert len(found) == 2 and all(int(calls) > 0 for calls in found)
     assert "# of Calls" in printed           # the operator tables
+
+
+def test_tiles_option_sets_the_triton_kernels_shapes(gpu_bench, monkeypatch, capsys):
+    """``--tiles`` (the check's A/B of the kernels' shapes) reaches the engine's block sizes and warps."""
+    from slicedkern.engines.triton import _sums
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_C", "MERGE_WARPS"):
+        monkeypatch.setattr(_sums, name, getattr(_sums, name))        # restored after the test
+    gpu_bench.main(["--device", "cpu", "--engines", "scan", "--lengths", "32", "--dtypes", "float32",
+                    "--repeat", "1", "--budget", "0", "--tiles", "32,16,8,2"])
+    assert (_sums.BLOCK_M, _sums.BLOCK_N, _sums.BLOCK_C, _sums.MERGE_WARPS) == (32, 16, 8, 2)
+    assert "triton tiles 32,16,8,2" in capsys.readouterr().out

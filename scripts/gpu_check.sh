@@ -3,7 +3,7 @@
 #
 #     bash scripts/gpu_check.sh [OUT_DIR]        (default: $OUT, else ./gpu_check_out)
 #
-# About 7 minutes in all, each part time-boxed, the most important first; every part writes its
+# About 9 minutes in all, each part time-boxed, the most important first; every part writes its
 # output under OUT_DIR as it goes, so a part that runs out of time loses nothing before it:
 #   1. nvidia-smi and the versions (which card made every number);
 #   2. the benchmark (scripts/gpu_bench.py): sort, device copy, forward and forward+backward of the
@@ -47,9 +47,9 @@ python -c "import array_api_compat" 2>/dev/null || {
     exit 1
 }
 
-stamp "benchmark (budget 230 s)"
-timeout 290 python scripts/gpu_bench.py --engines triton,scan --causal-lengths 1024,16384,65536 \
-    --budget 230 --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"
+stamp "benchmark (budget 200 s)"
+timeout 260 python scripts/gpu_bench.py --engines triton,scan --causal-lengths 1024,16384,65536 \
+    --budget 200 --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"
 
 # the kernels compiled by the benchmark serve every length (the binary search's depth is an argument)
 stamp "kernel table at L = 65536"
@@ -67,7 +67,7 @@ timeout 75 python -m pytest -q -rf --tb=line -p no:cacheprovider --backend torch
 stamp "triton tiles A/B at L = 16384 (64 keys on 4 warps, then the engine's own)"
 for ab in "old --tiles 64,64,32,4" "new"; do
     set -- $ab
-    timeout 80 python scripts/gpu_bench.py --lengths 16384 --engines triton --budget 60 "${@:2}" \
+    timeout 60 python scripts/gpu_bench.py --lengths 16384 --engines triton --budget 40 "${@:2}" \
         > "$out/tiles_$1.txt" 2>&1; grep -E "device|triton" "$out/tiles_$1.txt"
 done
 stamp "done"

@@ -65,9 +65,11 @@ stamp "GPU backends test subset"
 timeout 75 python -m pytest -q -rf --tb=line -p no:cacheprovider --backend torch_cuda,cupy,jax \
     tests/test_attention.py tests/test_gradients.py > "$out/test_backends.txt" 2>&1; tail -25 "$out/test_backends.txt"
 stamp "triton tiles A/B at L = 16384 (64 keys on 4 warps, then the engine's own)"
-for ab in "old --tiles 64,64,32,4" "new"; do
-    set -- $ab
-    timeout 60 python scripts/gpu_bench.py --lengths 16384 --engines triton --budget 40 "${@:2}" \
-        > "$out/tiles_$1.txt" 2>&1; grep -E "device|triton" "$out/tiles_$1.txt"
-done
+tiles_run() {     # tiles_run NAME [gpu_bench options]: into $out/tiles_NAME.txt
+    local name=$1; shift
+    timeout 60 python scripts/gpu_bench.py --lengths 16384 --engines triton --budget 40 "$@" \
+        > "$out/tiles_$name.txt" 2>&1; grep -E "device|triton" "$out/tiles_$name.txt"
+}
+tiles_run old --tiles 64,64,32,4
+tiles_run new
 stamp "done"

@@ -183,7 +183,7 @@ def test_low_precision_inputs(rng, dtype, tol):
 
 def test_float32_sums_over_a_span_of_many_tiles(rng):
     """A few queries among many keys: one block of queries spans every tile, so its sums run in
-    float32 over all the keys before meeting the float64 carry (docs/mathematics.rst, "Numerics").
+    float32 over all the keys before meeting the float64 carry (docs/backends.rst, "Engines").
     Keys far from zero, so that the centred term cancels; the error stays at float32's rounding."""
     q = _t(5.0 + rng.normal(size=(2, 8)), torch.float32)
     k = _t(5.0 + rng.normal(size=(2, 400)), torch.float32)

@@ -23,7 +23,7 @@ __all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "pr
 
 #: Keys per tile, queries per block and columns per block. With 16 keys a tile and pass 2 on 8 warps,
 #: its float32 and bfloat16 forms hold every value in registers on an H100 (sm_90); 64 keys a tile on
-#: 4 warps spilled 5.2 KB a thread (scripts/triton_resources.py; docs/benchmarks.rst, "On a GPU").
+#: 4 warps spilled 5.5 KB a thread (scripts/triton_resources.py; docs/benchmarks.rst, "On a GPU").
 BLOCK_M = 16
 BLOCK_N = 64
 BLOCK_C = 32

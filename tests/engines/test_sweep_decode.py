@@ -15,6 +15,7 @@ import array_api_compat.numpy as xp  # noqa: E402
 import slicedkern  # noqa: E402
 from slicedkern._spec import Normalizer  # noqa: E402
 from slicedkern.engines.scan._decode import Runs  # noqa: E402
+from slicedkern.engines.sweep import _decode as decode_module  # noqa: E402
 from slicedkern.engines.sweep import host_runs  # noqa: E402
 from slicedkern.engines.sweep._decode import HostRuns  # noqa: E402
 from slicedkern.kernels import Hat, Profile, ReLU  # noqa: E402
@@ -109,6 +110,29 @@ def test_storage_grows_and_keeps_the_keys(rng):
     assert [e - s for s, e in runs.runs] == [256, 32, 8, 4]     # 300 in binary
     want = slicedkern.relu_attention(q, k, v, causal=True, key_mask=mask, center=False, normalize=None)
     np.testing.assert_allclose(runs.attend(q[..., -1:]), want[..., -1:, :], rtol=1e-12, atol=1e-12)
+
+
+def test_storage_without_huge_pages_is_what_np_empty_gives(rng, monkeypatch):
+    """The storage of a large cache (:func:`._decode._storage`, every array here, the threshold
+    lowered to 0) is C-contiguous, writable, of the asked dtype and shape, and serves the same
+    results through growth as the array-API runs."""
+    monkeypatch.setattr(decode_module, "_SMALL_STORAGE", 0)
+    for dtype, shape in ((np.float64, (3, 5, 7)), (np.bool_, (2, 9))):
+        a = decode_module._storage(shape, dtype)
+        assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable
+        a[...] = 1
+        assert a.all()
+    q, k, v, mask = _data(rng, n=300, batch=(2,))
+    options = dict(center=True, normalizer=Normalizer("abs", 1e-6), dv=v.shape[-1])
+    runs = host_runs(PROFILES["hat"], xp=xp, **options)
+    generic = Runs(xp, xp.float64, PROFILES["hat"], **options)
+    got, want = [], []
+    for t in range(0, 300, 7):
+        for cache, out in ((runs, got), (generic, want)):
+            cache.append(k[..., t:t + 7], v[..., t:t + 7, :], mask[..., t:t + 7])
+            out.append(np.asarray(cache.attend(q[..., t:t + 1])))
+    assert runs.capacity >= 300
+    np.testing.assert_allclose(np.concatenate(got, -2), np.concatenate(want, -2), rtol=1e-12, atol=1e-12)
 
 
 def test_torch_tensors_come_back_as_tensors(rng):

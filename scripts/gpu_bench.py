@@ -266,8 +266,19 @@ def main(argv=None):
             with open(a.json, "w") as f:
                 json.dump(rows, f, indent=1)
 
+    def causal_rows(L, dtypes):
+        for dt in dtypes:
+            for backward in (False, True):
+                for engine in a.causal_engines.split(","):
+                    yield lambda L=L, dt=dt, b=backward, e=engine: measure(
+                        f"{e} causal", run_ours(e, causal=True), ours_inputs, L, a.dim, a.heads, dt, device, b,
+                        a.repeat, bandwidth)
+
     def plan():
+        # the causal rows of a length right after its non-causal ones: the budget reaches them before
+        # the longest non-causal lengths
         lengths = [int(x) for x in a.lengths.split(",")]
+        causal = [int(x) for x in a.causal_lengths.split(",") if x]
         dtypes = [getattr(torch, d) for d in a.dtypes.split(",")]
         for L in lengths:
             yield lambda L=L: sort_row(L, device, a.repeat)
@@ -279,13 +290,10 @@ def main(argv=None):
                         yield lambda L=L, dt=dt, b=backward, e=engine: measure(
                             e, run_ours(e), ours_inputs, L, a.dim, a.heads, dt, device, b, a.repeat, bandwidth)
                     yield lambda L=L, dt=dt, b=backward: sdpa_row(a, L, dt, device, b, bandwidth, rows)
-        for L in (int(x) for x in a.causal_lengths.split(",") if x):
-            for dt in dtypes:
-                for backward in (False, True):
-                    for engine in a.causal_engines.split(","):
-                        yield lambda L=L, dt=dt, b=backward, e=engine: measure(
-                            f"{e} causal", run_ours(e, causal=True), ours_inputs, L, a.dim, a.heads, dt, device, b,
-                            a.repeat, bandwidth)
+            if L in causal:
+                yield from causal_rows(L, dtypes)
+        for L in (L for L in causal if L not in lengths):
+            yield from causal_rows(L, dtypes)
 
     skipped = 0
     for make_row in plan():

@@ -48,7 +48,7 @@ python -c "import array_api_compat" 2>/dev/null || {
 }
 
 stamp "benchmark (budget 200 s)"
-timeout 260 python scripts/gpu_bench.py --engines triton,scan --causal-lengths 1024,16384,65536 \
+timeout 260 python scripts/gpu_bench.py --engines triton,scan --causal-engines triton,scan --causal-lengths 1024,16384,65536 \
     --budget 200 --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"
 
 # the kernels compiled by the benchmark serve every length (the binary search's depth is an argument)

@@ -54,7 +54,7 @@ class Recorder(TorchDispatchMode):
         return out
 
 
-def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32) -> dict:
+def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32, causal: bool = False) -> dict:
     from slicedkern.engines.triton import _sums
     kernels = _sums.loaded()
     launches = collections.Counter()
@@ -78,7 +78,7 @@ def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32
     cot = torch.ones(1, heads, length, dim, dtype=dtype)
     try:
         with Recorder(length * dim * heads, (q, k, v)) as rec:
-            out = slicedkern.relu_attention(q, k, v, engine="triton")
+            out = slicedkern.relu_attention(q, k, v, causal=causal, engine="triton")
             grads = torch.autograd.grad(out, (q, k, v), cot) if backward else ()
     finally:
         for name, jitted in originals.items():

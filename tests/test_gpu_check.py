@@ -48,6 +48,9 @@ def test_rows_extrapolation_and_json(gpu_bench, tmp_path, capsys):
         for phase in ("fwd", "fwd+bwd"):
             assert ("scan", L, phase) in kinds and ("sdpa-efficient", L, phase) in kinds
     assert ("scan causal", 32, "fwd+bwd") in kinds
+    # a length's causal rows follow its non-causal ones, before the next length (the budget's order)
+    order = [(r["impl"], r["L"]) for r in rows]
+    assert order.index(("scan causal", 32)) < order.index(("torch.sort 8 x L", 64))
     assert all(r["ms"] is not None and r["ms"] > 0 for r in rows), [r for r in rows if r["ms"] is None]
     for phase in ("fwd", "fwd+bwd"):
         sdpa = {r["L"]: r for r in rows if r["impl"] == "sdpa-efficient" and r["pass"] == phase}

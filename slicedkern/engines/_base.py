@@ -43,6 +43,9 @@ from . import _vjp
 
 __all__ = ["Engine", "no_causal_mode"]
 
+#: the per-query residuals of attention's forward, in order ("den" only with a summed normaliser)
+_AUX_NAMES = ("take", "relu_count", "den")
+
 
 def no_causal_mode(name: str) -> str:
     """The reason an engine without a causal mode gives for declining a ``causal=True`` spec."""
@@ -187,8 +190,12 @@ class Engine:
         """The per-query residuals of :meth:`attention` as the backward reads them (``None``: recompute)."""
         if not residuals:
             return None
-        names = ("take", "relu_count", "den")
-        return dict(zip(names, residuals))
+        return dict(zip(_AUX_NAMES, residuals))
+
+    @staticmethod
+    def residuals_of(aux: dict) -> tuple:
+        """The inverse of :meth:`aux_of`: the flat residuals ``(take, relu_count[, den])`` of ``aux``."""
+        return tuple(aux[name] for name in _AUX_NAMES if name in aux)
 
     def __repr__(self):
         return f"<slicedkern engine {self.name!r}>"

@@ -155,7 +155,7 @@ def relu_attention(q: Array, k: Array, v: Array, /, *, key_mask: Array | None = 
         sees; a query that sees none (the first ``Lq - Lk`` ones when ``Lq > Lk``) gets 0. A non-finite
         key or value makes NaN only the queries that see it. ``O(n log^2 n)`` on the scan engine,
         ``O(n log n)`` per knot on the sweep (docs/mathematics.rst, "Causal attention"); the triton
-        engine has no causal mode.
+        engine runs the scan's levels on its own kernels.
     engine : {"scan", "sweep", "triton"}, optional
         The engine of the forward and the backward (docs/architecture.rst); default: the
         :func:`slicedkern.use_engine` setting, else triton for CUDA torch tensors when Triton is

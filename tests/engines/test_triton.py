@@ -244,6 +244,71 @@ def test_strided_values_in_the_b_t_h_d_layout(rng):
     np.testing.assert_allclose(_np(out), reference.relu_attention(q, k, _np(v)), rtol=1e-9, atol=1e-11)
 
 
+@pytest.fixture
+def small_leaves(monkeypatch):
+    """Causal leaves of 4 positions under the interpreter, so that these small cases run every level
+    of the divide and conquer (23 keys: positions 0..31, levels of 4, 8 and 16 positions)."""
+    import slicedkern.engines.triton as engine
+    if DEVICE == "cpu":
+        monkeypatch.setattr(engine, "CAUSAL_LEAF", 4)
+
+
+CAUSAL = [ATTENTION[0], ATTENTION[1], ATTENTION[4], ATTENTION[5]]
+
+
+@pytest.mark.parametrize("name, op", CAUSAL, ids=[a[0] for a in CAUSAL])
+def test_causal_attention_matches_the_dense_reference(rng, small_leaves, name, op):
+    """Causal attention on the triton kernels (the scan's levels, each one pass 1 and one pass 2 over
+    the block pairs as rows): Lq < Lk (bottom-right alignment), dyadic ties, a key mask; forward
+    and gradients against the dense causal reference."""
+    q, k, v, mask = _data(rng, ties=True)
+    cot = _t(rng.normal(size=SHAPE_Q + (DV,)))
+    results = []
+    for module, kw in ((slicedkern, {"engine": "triton"}), (reference, {})):
+        args = [_t(a).requires_grad_() for a in (q, k, v)]
+        out = op(module, a=args, key_mask=_t(mask, torch.bool), causal=True, **kw)
+        results.append((out, *torch.autograd.grad((out * cot).sum(), args)))
+    for got, want, label in zip(*results, ("out", "q", "k", "v")):
+        # the "relu" normaliser clamps at eps (outputs up to 1e6 here): rounding scales with the largest
+        scale = max(1.0, float(np.abs(_np(want)).max()))
+        np.testing.assert_allclose(_np(got), _np(want), rtol=1e-9, atol=1e-11 * scale, err_msg=label)
+
+
+def test_causal_more_queries_than_keys_nan_rule_and_float32(rng, small_leaves):
+    """Lq > Lk (the first queries see no key), a non-finite key that poisons the queries that see
+    it, a NaN query; and float32 inputs within float32's rounding of the float64 result."""
+    q, k = rng.normal(size=(2, 21)), rng.normal(size=(2, 13))
+    v = rng.normal(size=(2, 13, 3))
+    k[1, 6] = np.inf
+    q[0, 15] = np.nan
+    out = _np(slicedkern.relu_attention(_t(q), _t(k), _t(v), causal=True, engine="triton"))
+    want = _np(slicedkern.relu_attention(_t(q), _t(k), _t(v), causal=True, engine="scan"))
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    assert np.isnan(out[1, 14:]).all() and not np.isnan(out[1, :14]).any() and np.isnan(out[0, 15]).all()
+    np.testing.assert_allclose(out, want, rtol=1e-9, atol=1e-11)
+    q32, k32, v32 = (_t(a, torch.float32) for a in (rng.normal(size=(2, 21)), rng.normal(size=(2, 13)), v))
+    out32 = slicedkern.relu_attention(q32, k32, v32, causal=True, engine="triton")
+    assert out32.dtype == torch.float32
+    exact = reference.relu_attention(*(_np(a) for a in (q32, k32, v32)), causal=True)
+    assert np.linalg.norm(_np(out32) - exact) / np.linalg.norm(exact) <= 1e-6
+
+
+def test_causal_bandwidth_and_weight_gradients(rng, small_leaves):
+    """Per-head bandwidths and mixture weights: their gradients summed over the blocks of every
+    level and the leaves, equal to the scan's."""
+    q, k, v, _ = _data(rng)
+    b = rng.uniform(0.3, 1.5, size=(3,))
+    grads = []
+    for engine in ("triton", "scan"):
+        qa, ka, va = (_t(a).requires_grad_() for a in (q, k, v))
+        bands = _t(np.stack([b, 2 * b], axis=-1)).requires_grad_()
+        weights = _t(np.array([1.0, -0.5])).requires_grad_()
+        out = slicedkern.hat_mixture_attention(qa, ka, va, bands, weights, causal=True, engine=engine)
+        grads.append(torch.autograd.grad(out.sin().sum(), (qa, ka, va, bands, weights)))
+    for got, want in zip(*grads):
+        np.testing.assert_allclose(_np(got), _np(want), rtol=1e-9, atol=1e-11)
+
+
 def _traffic():
     import importlib.util
     from pathlib import Path
@@ -280,3 +345,15 @@ def test_traffic_of_the_forward():
     assert found["large intermediates"] == 0
     # the backward reuses the forward's sorted orders (its residuals): still one sort per array
     assert traffic.count(48, 8, 1, backward=True)["sorts"] == 2
+
+
+def test_traffic_of_the_causal_forward(small_leaves):
+    """Causal: per level of the divide and conquer one sort of the left blocks' keys and one of the
+    right blocks' queries, one tile-sum launch and one evaluation launch per profile (the values
+    with the indicator, and the "abs" normaliser's), whatever the number of blocks; 48 positions
+    with leaves of 4: levels of 4, 8, 16 and 32 positions."""
+    if DEVICE != "cpu":
+        pytest.skip("counted under the interpreter, on CPU tensors (the counts do not depend on the device)")
+    found = _traffic().count(48, 8, 1, backward=False, causal=True)
+    assert found["launches"] == {"tile_sums": 4, "merge_eval": 8}
+    assert found["sorts"] == 8

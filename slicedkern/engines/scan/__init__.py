@@ -30,14 +30,12 @@ class ScanEngine(Engine):
 
     def attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp, for_backward=False):
         out, aux = attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer, xp=xp)
-        residuals = (aux["take"], aux["relu_count"]) + ((aux["den"],) if "den" in aux else ())
-        return out, residuals
+        return out, self.residuals_of(aux)
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
         out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,
                                     xp=xp)
-        residuals = (aux["take"], aux["relu_count"]) + ((aux["den"],) if "den" in aux else ())
-        return out, residuals
+        return out, self.residuals_of(aux)
 
     def causal_profile_sums(self, x, y, w, profiles, *, xp):
         return causal_profile_sums(x, y, w, profiles, xp=xp)

@@ -19,9 +19,16 @@ block see all the keys of its left block. So
 
 ``O(n log^2 n)`` work in all, static shapes and ``log2 n`` Python steps (no loop over tokens), so it
 traces under ``jax.jit``. The backward is the same decomposition over the levels' VJPs.
+
+The decomposition is written once here; what sums a level (and pulls it back) is a :class:`Levels`:
+the scan's own (:data:`SCAN_LEVELS`), or another engine's non-causal kernels with the blocks as
+rows (the triton engine's, :mod:`slicedkern.engines.triton`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 from ..._lib.namespace import array_device
 from ..._spec import Normalizer
@@ -35,7 +42,7 @@ from ._compose import _power_of_two_scaled, _unscaled
 from ._compose import attention as noncausal_attention
 from ._leaf import leaf_sums, leaf_vjp
 
-__all__ = ["causal_attention", "causal_profile_sums", "causal_profiles_vjp", "each"]
+__all__ = ["Levels", "SCAN_LEVELS", "causal_attention", "causal_profile_sums", "causal_profiles_vjp", "each"]
 
 #: Positions per dense leaf block in float64 work (a (16, 16) block product costs less than sorting
 #: four levels of blocks of 1 to 8 keys). Double-float work keeps every sum in wide arithmetic: its
@@ -50,11 +57,39 @@ def each(ar, fn, value):
     return fn(value)
 
 
-def _leaf_size(ar, n: int) -> int:
-    return 1 if ar.wide else min(LEAF, n)
+def _scan_level_sums(xp, ar, qs, keys, vals, kept, profiles):
+    """One level on the scan: the left blocks' keys sorted and scanned, the right blocks' queries
+    searched, the blocks a batch axis; one wide (..., P, s, c_p) value per profile."""
+    sk = sort_keys(keys, vals, xp=xp, ar=ar, take=kept, ones=True)
+    return profile_sums(queries(qs, sk, ar=ar), sk, profiles, xp=xp, ar=ar, strict=True)
 
 
-def _levels(n: int, leaf: int):
+class Levels(NamedTuple):
+    """The non-causal machinery a causal call runs at each level of its divide and conquer.
+
+    ``sums(xp, ar, qs, keys, vals, kept, profiles)``: the profile sums of the queries ``qs`` (..., P,
+    s) over the keys ``keys`` (..., P, s) with weights ``vals`` (..., P, s, c) and the indicator column
+    ``kept`` (..., P, s) appended as column ``c``, block ``p`` over block ``p``, strict; one wide
+    value of ``ar`` (..., P, s, c_p) per profile (profiles with their array parameters given a
+    trailing block axis). ``vjp(x, y, w, profiles, cotangents, *, xp, param_grads)``: the pull-back
+    of such sums without the indicator, as ``Engine.profiles_vjp``. ``leaf``: positions per dense
+    leaf block in float64 work (None: :data:`LEAF`); double-float work always has leaves of one.
+    """
+
+    sums: Callable
+    vjp: Callable
+    leaf: int | None = None
+
+
+#: The scan's own levels: :mod:`slicedkern.engines.sortscan` with the blocks as a batch axis.
+SCAN_LEVELS = Levels(_scan_level_sums, profiles_vjp)
+
+
+def _leaf_size(ar, n: int, levels: Levels) -> int:
+    return 1 if ar.wide else min(levels.leaf or LEAF, n)
+
+
+def _block_sizes(n: int, leaf: int):
     """Block sizes ``2**l`` of the levels above the leaves, smallest first."""
     size = leaf
     while size < n:
@@ -135,27 +170,26 @@ def _per_block(cache: dict):
     return profile
 
 
-def causal_sums(xp, ar, x, y, w, take, profiles):
+def causal_sums(xp, ar, x, y, w, take, profiles, levels: Levels = SCAN_LEVELS):
     """Per position ``p``, ``sum_{j <= p, take_j} f(x_p - y_j) [w_j, 1]`` for each profile (its columns).
 
     x, y (..., n) finite on the positions; w (..., n, c) zero where ``take`` (..., n) is False.
     Returns one wide (..., n, c_p) value per profile, the column of ones being column ``c``.
     """
     n = x.shape[-1]
-    leaf = _leaf_size(ar, n)
+    leaf = _leaf_size(ar, n, levels)
     work = x.dtype
     ones = xp.astype(take, work)[..., None]
     weights = xp.concat([xp.astype(w, work), ones], axis=-1)
     sums = [ar.lift(_blocks(xp, s, leaf, 1)) for s in leaf_sums(xp, x, y, weights, profiles, leaf)]
     expand = _per_block({})
     blocked = [expand(p) for p in profiles]
-    for size in _levels(n, leaf):
+    for size in _block_sizes(n, leaf):
         keys, _ = _halves(xp, y, size, 0)
         _, qs = _halves(xp, x, size, 0)
         vals, _ = _halves(xp, w, size, 1)
         kept, _ = _halves(xp, take, size, 0)
-        sk = sort_keys(keys, vals, xp=xp, ar=ar, take=kept, ones=True)
-        level = profile_sums(queries(qs, sk, ar=ar), sk, blocked, xp=xp, ar=ar, strict=True)
+        level = levels.sums(xp, ar, qs, keys, vals, kept, blocked)
         sums = [_add_level(xp, ar, acc, part, 1, right=True) for acc, part in zip(sums, level)]
     return [each(ar, lambda a: _unblocked(xp, a, 1), acc) for acc in sums]
 
@@ -173,9 +207,11 @@ def _running_totals(xp, ar, w, take):
     return table[..., 1:, :rows.shape[-1]]
 
 
-def causal_attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer: Normalizer, xp):
-    """Causal normalised kernel attention: the scan engine's causal forward; ``(out, aux)`` as
-    :func:`slicedkern.engines.scan._compose.attention` returns them, per query over the keys it sees."""
+def causal_attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer: Normalizer, xp,
+                     levels: Levels = SCAN_LEVELS):
+    """Causal normalised kernel attention: the scan engine's causal forward (another engine's with its
+    ``levels``); ``(out, aux)`` as :func:`slicedkern.engines.scan._compose.attention` returns them,
+    per query over the keys it sees."""
     lq, lk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
     if lq == 0 or lk == 0:
         return noncausal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,
@@ -191,7 +227,7 @@ def causal_attention(q, k, v, profile: Profile, *, key_mask, center: bool, norma
     profiles = [profile.with_(columns=slice(0, dv + 1))]
     if normalizer.summed:
         profiles.append(normalizer.profile.with_(columns=slice(dv, dv + 1)))
-    sums = causal_sums(xp, ar, x, y, w, take, profiles)
+    sums = causal_sums(xp, ar, x, y, w, take, profiles, levels)
     totals = _running_totals(xp, ar, w, take)
     on_queries = [each(ar, lambda a: grid.at_queries(xp, a, axis=-2), s) for s in sums + [totals]]
     num_r, den_sum, totals = on_queries[0], on_queries[1] if len(sums) > 1 else None, on_queries[-1]
@@ -203,7 +239,7 @@ def causal_attention(q, k, v, profile: Profile, *, key_mask, center: bool, norma
     return _unscaled(out, unscale), aux
 
 
-def causal_profile_sums(x, y, w, profiles, *, xp):
+def causal_profile_sums(x, y, w, profiles, *, xp, levels: Levels = SCAN_LEVELS):
     """Per query ``i`` of ``lq``, ``sum_{j <= i + lk - lq} f(x_i - y_j) w_j`` over each profile's columns.
 
     The forward of :func:`causal_profiles_vjp` (same arguments): ``x`` (..., lq) and ``y`` (..., lk)
@@ -224,7 +260,7 @@ def causal_profile_sums(x, y, w, profiles, *, xp):
     xq, yk = grid.queries(xp, x, fill), grid.keys(xp, y, fill)
     wk = grid.keys(xp, xp.astype(w, x.dtype), 0.0, axis=-2)
     take = grid.keys(xp, xp.ones(y.shape, dtype=xp.bool, device=array_device(y)), False)
-    sums = causal_sums(xp, ar, xq, yk, wk, take, profiles)
+    sums = causal_sums(xp, ar, xq, yk, wk, take, profiles, levels)
     return [_unscaled(grid.at_queries(xp, ar.value(s), axis=-2), unscale) for s in sums]
 
 
@@ -241,7 +277,7 @@ def _add_params(total, part, reduce):
             for (tk, tc), (pk, pc) in zip(total, part)]
 
 
-def causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True):
+def causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True, levels: Levels = SCAN_LEVELS):
     """The pull-back of causal profile sums ``S_i = sum_{j <= p_i} f(x_i - y_j) w_j``.
 
     Parameters
@@ -266,19 +302,19 @@ def causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True):
     xq, yk = grid.queries(xp, x, fill), grid.keys(xp, y, fill)
     wk = grid.keys(xp, xp.astype(w, x.dtype), 0.0, axis=-2)
     gq = [grid.queries(xp, g, 0.0, axis=-2) for g in cotangents]
-    leaf = _leaf_size(ar, n)
+    leaf = _leaf_size(ar, n, levels)
     dx, dy, dw, params = leaf_vjp(xp, xq, yk, wk, profiles, gq, leaf, param_grads=param_grads)
     dx, dy, dw = _blocks(xp, dx, leaf, 0), _blocks(xp, dy, leaf, 0), _blocks(xp, dw, leaf, 1)
     params = _add_params(None, params, lambda a: a)
     expand = _per_block({})
     blocked = [expand(p) for p in profiles]
     plain = Plain(xp)          # the pull-backs come back as plain arrays, whatever the work arithmetic
-    for size in _levels(n, leaf):
+    for size in _block_sizes(n, leaf):
         keys, _ = _halves(xp, yk, size, 0)
         _, qs = _halves(xp, xq, size, 0)
         vals, _ = _halves(xp, wk, size, 1)
         gs = [_halves(xp, g, size, 1)[1] for g in gq]
-        pdx, pdy, pdw, pparams = profiles_vjp(qs, keys, vals, blocked, gs, xp=xp, param_grads=param_grads)
+        pdx, pdy, pdw, pparams = levels.vjp(qs, keys, vals, blocked, gs, xp=xp, param_grads=param_grads)
         dx = _add_level(xp, plain, dx, pdx, 0, right=True)
         dy = _add_level(xp, plain, dy, pdy, 0, right=False)
         dw = _add_level(xp, plain, dw, pdw, 1, right=False)

@@ -18,6 +18,12 @@ cotangent and with the values are taken in pass 2's epilogue, so no ``(n, D)`` a
 sums is written. Its remaining ``(n, D)`` temporaries are the generic backward's (issue 26: a fused
 backward is the next step).
 
+Causal attention is the scan's divide and conquer over positions (:mod:`..scan._causal`) with these
+kernels at every level: the left blocks' keys as rows of one pass 1, the right blocks' queries as
+rows of one pass 2, so a level is one sort of each and two launches, whatever the number of blocks;
+the pairs inside blocks of :data:`CAUSAL_LEAF` positions are summed densely, and the backward is the
+same levels' pull-backs (issue 26: the bottom-up merge sort shared by the levels is the next step).
+
 It serves torch tensors: chosen automatically for CUDA tensors when Triton is installed, and on
 request (``engine="triton"`` / :func:`~slicedkern.use_engine`) for CPU tensors too, which Triton runs
 only under its interpreter (``TRITON_INTERPRET=1``, how the tests run it). Parameter gradients
@@ -31,6 +37,7 @@ import importlib.util
 from .._base import Engine
 from .._nanpolicy import screen
 from .._vjp import AllKeys
+from ..scan._causal import Levels, causal_attention, causal_profile_sums, causal_profiles_vjp
 from ..sortscan.pullback import ColumnSums, column_range, knot_grads
 from ..sortscan.sums import queries, sort_keys
 from ..sortscan.wide import arithmetic
@@ -41,6 +48,9 @@ __all__ = ["TritonEngine"]
 #: attention's residuals, in order ("den" only with a summed normaliser): the backward's per-query
 #: sums, and the forward's sorted keys and queries with their permutations (Engine.aux_of)
 _RESIDUALS = ("take", "relu_count", "key_order", "key_perm", "query_order", "query_perm", "den")
+#: Positions per dense leaf block of causal attention: the (64, 64) products of a block cost less on a
+#: GPU than the six levels of launches they replace (issue 26 asks for a 64-128 dense bottom chunk).
+CAUSAL_LEAF = 64
 
 
 def _rows(xp, a, core: int):
@@ -59,8 +69,24 @@ def _row_view(xp, a, core: int):
     return xp.reshape(a, (rows,) + shape[len(shape) - core:])
 
 
+def _level_sums(xp, ar, qs, keys, vals, kept, profiles):
+    """One level of causal attention (:class:`~slicedkern.engines.scan._causal.Levels`): every
+    block pair a row of one pass 1 and one pass 2 per profile; float64 sums, lifted into ``ar``."""
+    batch, s, c = tuple(qs.shape[:-1]), qs.shape[-1], vals.shape[-1]
+    table = build_table(xp, _rows(xp, keys, 1), _row_view(xp, vals, 2), take=_rows(xp, kept, 1), ones=True)
+    xr = sort_queries(xp, _rows(xp, qs, 1))
+    sums = []
+    for p in profiles:
+        cols = column_range(p, c + 1)
+        part = profile_sum(xp, table, xr, p, batch, cols, strict=True)
+        sums.append(ar.lift(xp.astype(xp.reshape(part, batch + (s, len(cols))), qs.dtype)))
+    return sums
+
+
 class TritonEngine(Engine):
     name = "triton"
+    supports_causal = True
+    gives_causal_sums = True
 
     @staticmethod
     def installed() -> bool:
@@ -72,7 +98,7 @@ class TritonEngine(Engine):
             return f"the 'triton' engine serves torch tensors only, not {type(a).__module__}.{type(a).__name__}"
         if not self.installed():
             return "the 'triton' engine needs Triton (pip install triton, or slicedkern[triton])"
-        reason = super().decline(spec, arrays, backend)      # no causal mode (yet)
+        reason = super().decline(spec, arrays, backend)
         if reason is not None:
             return reason
         if backend.is_traced(a):
@@ -121,6 +147,21 @@ class TritonEngine(Engine):
         if raw is not None:
             residuals.append(xp.reshape(raw, batch + (lq, 1)))
         return xp.reshape(out, batch + (lq, dv)), tuple(residuals)
+
+    def _levels(self) -> Levels:
+        return Levels(_level_sums, self.profiles_vjp, CAUSAL_LEAF)
+
+    def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
+        out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,
+                                    xp=xp, levels=self._levels())
+        return out, self.residuals_of(aux)
+
+    def causal_profile_sums(self, x, y, w, profiles, *, xp):
+        return causal_profile_sums(x, y, w, profiles, xp=xp, levels=self._levels())
+
+    def causal_profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
+        return causal_profiles_vjp(x, y, w, profiles, cotangents, xp=xp, param_grads=param_grads,
+                                   levels=self._levels())
 
     def aux_of(self, residuals):
         if len(residuals) < len(_RESIDUALS) - 1:      # the early return of empty calls

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from ..._lib.namespace import array_device
+from ..._lib.namespace import array_device, as_work
 from ..._spec import Normalizer
 from ...kernels import Profile, is_fixed
 from .._causal_grid import CausalGrid, running_sum, screen_causal
@@ -74,11 +74,14 @@ class Levels(NamedTuple):
     trailing block axis). ``vjp(x, y, w, profiles, cotangents, *, xp, param_grads)``: the pull-back
     of such sums without the indicator, as ``Engine.profiles_vjp``. ``leaf``: positions per dense
     leaf block in float64 work (None: :data:`LEAF`); double-float work always has leaves of one.
+    ``native_values``: attention's forward gives ``sums`` the values in their own dtype (kernels
+    that sum float32 / half tiles into float64 carries), not cast to the work dtype.
     """
 
     sums: Callable
     vjp: Callable
     leaf: int | None = None
+    native_values: bool = False
 
 
 #: The scan's own levels: :mod:`slicedkern.engines.sortscan` with the blocks as a batch axis.
@@ -173,8 +176,9 @@ def _per_block(cache: dict):
 def causal_sums(xp, ar, x, y, w, take, profiles, levels: Levels = SCAN_LEVELS):
     """Per position ``p``, ``sum_{j <= p, take_j} f(x_p - y_j) [w_j, 1]`` for each profile (its columns).
 
-    x, y (..., n) finite on the positions; w (..., n, c) zero where ``take`` (..., n) is False.
-    Returns one wide (..., n, c_p) value per profile, the column of ones being column ``c``.
+    x, y (..., n) finite on the positions; w (..., n, c) zero where ``take`` (..., n) is False, in the
+    work dtype (or the values' own with ``levels.native_values``; the leaves cast it). Returns one
+    wide (..., n, c_p) value per profile, the column of ones being column ``c``.
     """
     n = x.shape[-1]
     leaf = _leaf_size(ar, n, levels)
@@ -222,13 +226,13 @@ def causal_attention(q, k, v, profile: Profile, *, key_mask, center: bool, norma
     sc = screen_causal(xp, grid, q, k, v, key_mask)
     fill = sc.k[..., -1:]
     x, y = grid.queries(xp, sc.q, fill), grid.keys(xp, sc.k, fill)
-    w = grid.keys(xp, xp.astype(sc.v, q.dtype), 0.0, axis=-2)
+    w = grid.keys(xp, sc.v if levels.native_values else xp.astype(sc.v, q.dtype), 0.0, axis=-2)
     take = grid.keys(xp, sc.take, False)
     profiles = [profile.with_(columns=slice(0, dv + 1))]
     if normalizer.summed:
         profiles.append(normalizer.profile.with_(columns=slice(dv, dv + 1)))
     sums = causal_sums(xp, ar, x, y, w, take, profiles, levels)
-    totals = _running_totals(xp, ar, w, take)
+    totals = _running_totals(xp, ar, as_work(xp, w, q.dtype), take)
     on_queries = [each(ar, lambda a: grid.at_queries(xp, a, axis=-2), s) for s in sums + [totals]]
     num_r, den_sum, totals = on_queries[0], on_queries[1] if len(sums) > 1 else None, on_queries[-1]
     out, relu_count, raw_den = combine(xp, ar, num_r, den_sum, totals, sc.good, center=center,

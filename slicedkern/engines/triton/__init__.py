@@ -71,7 +71,8 @@ def _row_view(xp, a, core: int):
 
 def _level_sums(xp, ar, qs, keys, vals, kept, profiles):
     """One level of causal attention (:class:`~slicedkern.engines.scan._causal.Levels`): every
-    block pair a row of one pass 1 and one pass 2 per profile; float64 sums, lifted into ``ar``."""
+    block pair a row of one pass 1 and one pass 2 per profile; ``vals`` in the values' own dtype (the
+    float32 tiles of the non-causal forward, float64 carries); float64 sums, lifted into ``ar``."""
     batch, s, c = tuple(qs.shape[:-1]), qs.shape[-1], vals.shape[-1]
     table = build_table(xp, _rows(xp, keys, 1), _row_view(xp, vals, 2), take=_rows(xp, kept, 1), ones=True)
     xr = sort_queries(xp, _rows(xp, qs, 1))
@@ -149,7 +150,7 @@ class TritonEngine(Engine):
         return xp.reshape(out, batch + (lq, dv)), tuple(residuals)
 
     def _levels(self) -> Levels:
-        return Levels(_level_sums, self.profiles_vjp, CAUSAL_LEAF)
+        return Levels(_level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True)
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
         out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,

@@ -3,7 +3,7 @@ intermediate tensors of at least ``n * D`` elements (issue 26's structural count
 forward and the forward+backward of ReLU attention, under Triton's interpreter on the CPU (the
 counts do not depend on the device; no GPU needed):
 
-    TRITON_INTERPRET=1 PYTHONPATH=. python scripts/triton_traffic.py [--length 256] [--dim 16]
+    TRITON_INTERPRET=1 PYTHONPATH=. python scripts/triton_traffic.py [--length 256] [--dim 16] [--causal]
 
 and the host's share of a call (:func:`host_cost`, ``--host``): with the Triton launches replaced by
 no-ops, the torch operators that would each launch a kernel on a GPU (views and bare allocations
@@ -114,7 +114,8 @@ class HostOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def host_cost(length: int, dim: int, heads: int, backward: bool, repeat: int = 20, dtype=torch.float32) -> dict:
+def host_cost(length: int, dim: int, heads: int, backward: bool, repeat: int = 20, dtype=torch.float32,
+              causal: bool = False) -> dict:
     """One call's host work, the engine's Triton launches replaced by no-ops (the results are then
     meaningless; only the host's work is measured): ``launches``, ``operators`` (the kernel-launching
     torch operators of a warm call, total and ``by op``) and ``host ms`` (the fastest of ``repeat``
@@ -143,7 +144,7 @@ def host_cost(length: int, dim: int, heads: int, backward: bool, repeat: int = 2
     cot = torch.ones(1, heads, length, dim, dtype=dtype)
 
     def call():
-        out = slicedkern.relu_attention(q, k, v, engine="triton")
+        out = slicedkern.relu_attention(q, k, v, causal=causal, engine="triton")
         return torch.autograd.grad(out, (q, k, v), cot) if backward else out
     try:
         for name in originals:
@@ -171,11 +172,12 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--host", action="store_true", help="the host's share of a call instead (launches skipped)")
+    p.add_argument("--causal", action="store_true", help="causal attention (the levels of the divide and conquer)")
     a = p.parse_args(argv)
     for backward in (False, True):
-        found = (host_cost if a.host else count)(a.length, a.dim, a.heads, backward)
-        print(f"{'forward+backward' if backward else 'forward'}, L = {a.length}, D = {a.dim}, H = {a.heads}, "
-              f"float32:")
+        found = (host_cost if a.host else count)(a.length, a.dim, a.heads, backward, causal=a.causal)
+        print(f"{'causal ' if a.causal else ''}{'forward+backward' if backward else 'forward'}, L = {a.length}, "
+              f"D = {a.dim}, H = {a.heads}, float32:")
         for key, value in found.items():
             print(f"  {key}: {value}")
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from ..._lib.namespace import as_work
 from .._base import Engine
 from .._nanpolicy import screen
 from .._vjp import AllKeys
@@ -80,7 +81,7 @@ def _level_sums(xp, ar, qs, keys, vals, kept, profiles):
     for p in profiles:
         cols = column_range(p, c + 1)
         part = profile_sum(xp, table, xr, p, batch, cols, strict=True)
-        sums.append(ar.lift(xp.astype(xp.reshape(part, batch + (s, len(cols))), qs.dtype)))
+        sums.append(ar.lift(as_work(xp, xp.reshape(part, batch + (s, len(cols))), qs.dtype)))
     return sums
 
 

@@ -16,6 +16,7 @@ inputs. Every row names the card; ``--json PATH`` is rewritten after every row a
 skips the rows not started in time, so a time limit loses nothing already measured. Targets live in
 issue 26 (never in a test): faster than SDPA from 4K, >= 100x at 64K, within 2x (forward) and 2.5x
 (forward+backward) of the floor from 64K on, 1M forward+backward under 10 ms on an H100.
+``--decode-lengths`` adds per-token decoding rows (``DecodeCache`` against a softmax KV cache).
 
 ``--device cpu`` with ``TRITON_INTERPRET=1`` and small ``--lengths`` runs every code path under
 Triton's interpreter (a smoke test, ``tests/test_bench.py``; its times mean nothing).
@@ -174,6 +175,46 @@ def sort_row(L, device, repeat, rows=8):
     return _row(f"torch.sort {rows} x L", L, torch.float32, "sort", ms=seconds * 1e3)
 
 
+def decode_rows(n, device, steps=256, heads=4, dim=16):
+    """Per generated token of one layer call, batch 1, ``heads`` heads of ``dim``, float32: our
+    ``DecodeCache`` (``append`` + ``attend``) after a bulk fill of ``n`` keys, against a preallocated
+    softmax KV cache (SDPA of the new query), the mean over ``steps`` tokens (issue 25's setting)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    total = n + steps
+    k, q = (torch.randn(1, heads, total, generator=g).to(device) for _ in range(2))
+    v = torch.randn(1, heads, total, dim, generator=g).to(device)
+    rows = []
+    try:
+        cache = slicedkern.DecodeCache("relu")
+        cache.append(k[..., :n], v[..., :n, :])
+        cache.attend(q[..., n:n + 1])                 # first use: the kernel's compile
+        _sync(device)
+        t0 = time.perf_counter()
+        for t in range(n, total):
+            cache.append(k[..., t:t + 1], v[..., t:t + 1, :])
+            cache.attend(q[..., t:t + 1])
+        _sync(device)
+        ours = (time.perf_counter() - t0) / steps
+        rows.append(_row(f"DecodeCache ({type(cache._runs).__name__})", n, torch.float32, "decode token",
+                         ms=ours * 1e3))
+        del cache
+    except Exception as exc:
+        rows.append(_row("DecodeCache", n, torch.float32, "decode token",
+                         note=f"failed: {type(exc).__name__}: {str(exc)[:200]}"))
+    keys, values = (torch.randn(1, heads, total, dim, generator=g).to(device) for _ in range(2))
+    new = torch.randn(1, heads, 1, dim, generator=g).to(device)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    _sync(device)
+    t0 = time.perf_counter()
+    for t in range(n, total):
+        keys[:, :, t], values[:, :, t] = new[:, :, 0], new[:, :, 0]
+        sdpa(new, keys[:, :, :t + 1], values[:, :, :t + 1])
+    _sync(device)
+    rows.append(_row("softmax KV cache (SDPA)", n, torch.float32, "decode token",
+                     ms=(time.perf_counter() - t0) / steps * 1e3))
+    return rows
+
+
 def profile_table(call, L, D, H, dtype, device, top=15):
     """One forward+backward under torch.profiler: the CUDA kernels by total device time, the host's
     operators by count (each one a launch on a GPU), and the host's wall time of one call against the
@@ -234,6 +275,8 @@ def main(argv=None):
     p.add_argument("--causal-engines", default="auto", help="comma list of our engines for the causal rows")
     p.add_argument("--causal-lengths", default="",
                    help="comma list of L at which to time our causal attention too (bfloat16 and float32)")
+    p.add_argument("--decode-lengths", default="",
+                   help="comma list of cache lengths: per-token decoding rows (after the first length's rows)")
     p.add_argument("--bandwidth", type=float, default=None, help="card bandwidth in GB/s (default: by name)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--accuracy", action="store_true")
@@ -258,10 +301,11 @@ def main(argv=None):
     print("| impl | L | dtype | pass | time | peak memory above inputs | fraction of bandwidth floor | note")
     start, rows = time.perf_counter(), []
 
-    def emit(row):
-        row["card"] = card
-        rows.append(row)
-        print(_fmt(row), flush=True)
+    def emit(found):
+        for row in found if isinstance(found, list) else [found]:
+            row["card"] = card
+            rows.append(row)
+            print(_fmt(row), flush=True)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -292,6 +336,9 @@ def main(argv=None):
                     yield lambda L=L, dt=dt, b=backward: sdpa_row(a, L, dt, device, b, bandwidth, rows)
             if L in causal:
                 yield from causal_rows(L, dtypes)
+            if L == lengths[0]:
+                for n in (int(x) for x in a.decode_lengths.split(",") if x):
+                    yield lambda n=n: decode_rows(n, device)
         for L in (L for L in causal if L not in lengths):
             yield from causal_rows(L, dtypes)
 

@@ -7,7 +7,8 @@
 # output under OUT_DIR as it goes, so a part that runs out of time loses nothing before it:
 #   1. nvidia-smi and the versions (which card made every number);
 #   2. the benchmark (scripts/gpu_bench.py): sort, device copy, forward and forward+backward of the
-#      triton and scan engines and of SDPA, L = 1K ... 1M, bfloat16 and float32, causal rows, peak
+#      triton and scan engines and of SDPA, L = 1K ... 1M, bfloat16 and float32, causal rows (triton
+#      and scan), decoding per token (DecodeCache against a softmax KV cache, 1K ... 1M), peak
 #      memory, fraction of the bandwidth floor; bench.json rewritten after every row;
 #   3. a torch.profiler kernel table of one forward+backward at L = 64K;
 #   4. the triton engine's tests compiled on the GPU (TRITON_INTERPRET=0);
@@ -49,6 +50,7 @@ python -c "import array_api_compat" 2>/dev/null || {
 
 stamp "benchmark (budget 200 s)"
 timeout 260 python scripts/gpu_bench.py --engines triton,scan --causal-engines triton,scan --causal-lengths 1024,16384,65536 \
+    --decode-lengths 1024,65536,1048576 \
     --budget 200 --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"
 
 # the kernels compiled by the benchmark serve every length (the binary search's depth is an argument)

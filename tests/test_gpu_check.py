@@ -59,6 +59,21 @@ def test_rows_extrapolation_and_json(gpu_bench, tmp_path, capsys):
     assert printed.count("\n| ") == len(rows) + 1 and "device: cpu" in printed      # the header, then a line a row
 
 
+def test_decode_rows_time_our_cache_and_the_softmax_cache(gpu_bench, tmp_path):
+    """``--decode-lengths``: per cache length a DecodeCache row (naming the runs that served it) and a
+    softmax KV-cache row, after the first length's rows."""
+    path = tmp_path / "bench.json"
+    gpu_bench.main(["--device", "cpu", "--engines", "scan", "--lengths", "32,64", "--dtypes", "float32",
+                    "--sdpa-max-length", "32", "--decode-lengths", "16,64", "--repeat", "1", "--json", str(path)])
+    rows = json.loads(path.read_text())
+    decode = [(r["impl"], r["L"]) for r in rows if r["pass"] == "decode token"]
+    assert [n for _, n in decode] == [16, 16, 64, 64]
+    assert decode[0][0].startswith("DecodeCache (") and decode[1][0] == "softmax KV cache (SDPA)"
+    assert all(r["ms"] > 0 for r in rows if r["pass"] == "decode token")
+    order = [(r["impl"], r["L"]) for r in rows]
+    assert order.index(decode[-1]) < order.index(("torch.sort 8 x L", 64))
+
+
 def test_budget_skips_what_did_not_start(gpu_bench, tmp_path, capsys):
     path = tmp_path / "bench.json"
     gpu_bench.main(["--device", "cpu", "--engines", "scan", "--lengths", "32", "--dtypes", "float32",

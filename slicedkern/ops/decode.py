@@ -8,6 +8,7 @@ from .._lib.namespace import array_device, shape_str
 from .._spec import OP_DEFAULTS, AttentionSpec, Normalizer, profile_of
 from ..backends import backend_of, is_array, without_gradient
 from ..engines import sweep
+from ..engines import triton as triton_engine
 from ..engines.scan._decode import Runs
 from ..kernels import Hat, HatMixture, PiecewiseLinear, Profile, ReLU
 from ._validate import check_bool, check_eps, check_normalize, setup
@@ -74,9 +75,13 @@ def _array_profile(hats, xp, work, k) -> Profile:
 
 def _runs(xp, work, k, profile, *, center, normalizer, dv):
     """The runs of a cache: compiled on the host (:class:`slicedkern.engines.sweep._decode.HostRuns`)
-    for NumPy arrays and CPU torch tensors where numba is installed, else the array-API runs."""
+    for NumPy arrays and CPU torch tensors where numba is installed, on the GPU with one Triton launch
+    per attend (:class:`slicedkern.engines.triton._decode.DeviceRuns`) for CUDA torch tensors where
+    Triton is installed, else the array-API runs."""
     if sweep.AVAILABLE and backend_of(k).host_readable(k):
         return sweep.host_runs(profile, center=center, normalizer=normalizer, dv=dv, xp=xp)
+    if triton_engine.decodes(k):
+        return triton_engine.device_runs(profile, center=center, normalizer=normalizer, dv=dv, xp=xp)
     return Runs(xp, work, profile, center=center, normalizer=normalizer, dv=dv)
 
 
@@ -213,7 +218,7 @@ class DecodeCache:
             if key_mask is None:
                 key_mask = xp.ones(tuple(k.shape), dtype=xp.bool, device=array_device(k))
             k = xp.astype(k, work0)
-        else:                                     # the host runs read any float dtype, in float64
+        else:                                     # the compiled runs read any float dtype, in float64
             self._guard = _gradient_guard(self._guard, k, v)
             signatures = (_signature(k), _signature(v))
             if key_mask is None and not any(sig[-1] for sig in signatures):     # neither records a gradient

@@ -311,6 +311,103 @@ def test_causal_bandwidth_and_weight_gradients(rng, small_leaves):
         np.testing.assert_allclose(_np(got), _np(want), rtol=1e-9, atol=1e-11)
 
 
+# -- decoding: DecodeCache's runs on the device, one launch per attend ---------------------------------
+DECODE_CHUNKS = (1, 1, 3, 1, 5, 2, 7, 1, 1, 4, 14)          # 40 keys: runs merge at every size
+DECODE_PROFILES = {"relu": ReLU(), "hat": Hat(0.7), "general": None}
+
+
+def _decode_profile(name):
+    from slicedkern.kernels import Profile
+    kernel = DECODE_PROFILES[name]
+    return Profile((-0.5, 0.3), (1.5, -0.75), 0.25, -0.5) if kernel is None else Profile.of(kernel)
+
+
+def _decode_data(rng, batch=(2, 3), n=40, dv=3):
+    q, k = rng.normal(size=batch + (n,)), rng.normal(size=batch + (n,))
+    k[..., 5] = k[..., 3]                                   # tied keys
+    q[..., 7] = k[..., 2]                                   # a query tied with a key
+    return q, k, rng.normal(size=batch + (n, dv)), rng.random(batch + (n,)) > 0.2
+
+
+def _decode_steps(runs, q, k, v, mask):
+    """Every chunk's queries after appending the chunk (each sees every key appended so far)."""
+    rows, t = [], 0
+    for step in DECODE_CHUNKS:
+        runs.append(_t(k[..., t:t + step]), _t(v[..., t:t + step, :]), _t(mask[..., t:t + step], torch.bool))
+        rows.append(_np(runs.attend(_t(q[..., t:t + step]))))
+        t += step
+    return np.concatenate(rows, axis=-2)
+
+
+@pytest.mark.parametrize("profile, normalize, center", [
+    ("relu", "abs", True), ("relu", "relu", False), ("hat", "abs", True), ("hat", "count", True),
+    ("general", None, False), ("general", "relu", True),
+    *[pytest.param(p, nz, c, marks=pytest.mark.exhaustive) for p in DECODE_PROFILES
+      for nz in ("abs", "relu", "count", None) for c in (False, True)
+      if (p, nz, c) not in {("relu", "abs", True), ("relu", "relu", False), ("hat", "abs", True),
+                            ("hat", "count", True), ("general", None, False), ("general", "relu", True)}]])
+def test_device_runs_equal_the_array_api_runs(rng, profile, normalize, center):
+    """The device runs (sorted on the device, attended by one launch over every run) against the
+    array-API runs: chunks that carry into runs of every size, ties, a key mask, chunks of queries."""
+    import array_api_compat.torch as xp
+
+    from slicedkern._spec import Normalizer
+    from slicedkern.engines.scan._decode import Runs
+    from slicedkern.engines.triton._decode import DeviceRuns
+    q, k, v, mask = _decode_data(rng)
+    options = dict(center=center, normalizer=Normalizer(normalize, 1e-6), dv=v.shape[-1])
+    got = _decode_steps(DeviceRuns(xp, _decode_profile(profile), **options), q, k, v, mask)
+    want = _decode_steps(Runs(xp, xp.float64, _decode_profile(profile), **options), q, k, v, mask)
+    # the ReLU normaliser clamps to eps = 1e-6 (outputs up to 1e6): rounding scales with the output
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * max(1.0, np.abs(want).max()))
+
+
+def test_device_runs_nan_rule_growth_and_per_head_bandwidths(rng):
+    """A non-finite key that takes part makes every later query of its row NaN, a masked one is not
+    read, a NaN query is NaN alone; storage that doubles keeps what it held; a bandwidth per head
+    (an array profile) gives the array-API runs' result."""
+    import array_api_compat.torch as xp
+
+    from slicedkern._spec import Normalizer
+    from slicedkern.engines.scan._decode import Runs
+    from slicedkern.engines.triton._decode import DeviceRuns
+    from slicedkern.kernels import Profile, hat_profile
+    q, k, v, mask = _decode_data(rng, batch=(2,))
+    mask[:] = True
+    k[0, 10] = np.nan
+    v[1, 12, 0] = np.inf
+    mask[1, 12] = False                                     # masked: its value is not read
+    q[1, 20] = np.nan
+    runs = DeviceRuns(xp, Profile.of(ReLU()), center=True, normalizer=Normalizer("abs", 1e-6), dv=3)
+    out = _decode_steps(runs, q, k, v, mask)
+    seen = np.repeat(np.cumsum(DECODE_CHUNKS), DECODE_CHUNKS)      # keys appended when query j attends
+    assert np.isnan(out[0, seen > 10]).all() and not np.isnan(out[0, seen <= 10]).any()
+    assert np.isnan(out[1, 20]).all() and np.isnan(out[1]).sum() == 3
+    assert runs.capacity == 64 and runs.length == 40        # 16 at the first append, doubled twice
+    # a bandwidth per head (an array profile: per-row knots in the kernel), against the array-API runs
+    # (held equal to the causal op in tests/test_decode.py)
+    q, k, v, _ = _decode_data(rng, batch=(1, 3))
+    profile = hat_profile([_t(np.array([[0.5, 1.0, 2.0]]))], [1.0])
+    results = []
+    for runs in (DeviceRuns(xp, profile, center=True, normalizer=Normalizer("abs", 1e-6), dv=3),
+                 Runs(xp, xp.float64, profile, center=True, normalizer=Normalizer("abs", 1e-6), dv=3)):
+        for t in range(0, 40, 8):
+            runs.append(_t(k[..., t:t + 8]), _t(v[..., t:t + 8, :]), _t(np.ones((1, 3, 8), bool), torch.bool))
+        results.append(_np(runs.attend(_t(q[..., -1:]))))
+    np.testing.assert_allclose(*results, rtol=1e-12, atol=1e-12)
+
+
+def test_decode_cache_keeps_cuda_runs_on_the_device():
+    """DecodeCache picks the device runs for CUDA tensors only (CPU tensors: the host's compiled runs)."""
+    from slicedkern.engines import triton as engine
+    assert not engine.decodes(torch.zeros(2))
+    if DEVICE == "cuda":
+        from slicedkern.engines.triton._decode import DeviceRuns
+        cache = slicedkern.DecodeCache("relu")
+        cache.append(torch.randn(1, 2, 5, device="cuda"), torch.randn(1, 2, 5, 3, device="cuda"))
+        assert isinstance(cache._runs, DeviceRuns)
+
+
 def _traffic():
     import importlib.util
     from pathlib import Path

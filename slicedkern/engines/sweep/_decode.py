@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..._spec import Normalizer
+from .._runs import RunCounter
 from ._convert import NORMALIZER_CODES, host_view, sweep_profile, wrap
 from ._kernels_decode import admit, attend_rows, build_run
 
@@ -65,7 +66,7 @@ def _all_taken(shape: tuple) -> np.ndarray:
     return mask
 
 
-class HostRuns:
+class HostRuns(RunCounter):
     """The keys and values appended so far for a batch of rows, as sorted runs on the host, and the
     attention of one op over them (the interface of :class:`~slicedkern.engines.scan._decode.Runs`).
 
@@ -81,19 +82,11 @@ class HostRuns:
     """
 
     def __init__(self, host_profile: Callable[[tuple], dict], *, center: bool, normalizer: Normalizer, dv: int):
+        super().__init__()
         self.host_profile, self.center, self.normalizer, self.dv = host_profile, center, normalizer, dv
-        # the runs as [start, end) position ranges, sizes decreasing: starts in bounds[0, :n_runs],
-        # ends in bounds[1, :n_runs] (at most 64: a binary counter of positions < 2^64)
-        self.bounds = np.zeros((2, 64), np.int64)
-        self.n_runs = 0
-        self.n = 0
         self._rows = None                           # per-row kernel profile, set at the first append
 
-    @property
-    def length(self) -> int:
-        return self.n
-
-    def _setup(self, batch: tuple, bsz: int, capacity: int) -> None:
+    def _setup(self, batch: tuple, bsz: int) -> None:
         p = self.host_profile(batch)
         rows, self._zero_knot, _ = sweep_profile(p["knots"], p["coeffs"], p["slope"], p["intercept"], batch, bsz,
                                                  self.normalizer.name)
@@ -101,7 +94,6 @@ class HostRuns:
         self._options = (bool(self.center), NORMALIZER_CODES[self.normalizer.name], self._zero_knot,
                          float(self.normalizer.eps))
         self._batch, self._bsz = batch, bsz
-        self._allocate(capacity)
         self.totals = np.zeros((bsz, self.dv + 1))
         self.bad = np.zeros(bsz, np.bool_)
 
@@ -125,25 +117,14 @@ class HostRuns:
         mask = _all_taken(k.shape) if mask is None else host_view(mask, "key_mask")[0]
         bsz = math.prod(batch)
         if self._rows is None:
-            self._setup(batch, bsz, max(16, 2 * t))
-        if self.n + t > self.capacity:
-            self._allocate(max(2 * self.capacity, self.n + t))
+            self._setup(batch, bsz)
+        grow = self.room_for(t)
+        if grow is not None:
+            self._allocate(grow)
         admit(k.reshape(bsz, t), v.reshape(bsz, t, self.dv), mask.reshape(bsz, t), self.n, self.keys,
               self.values, self.taken, self.totals, self.bad)
-        start, end = self.n, self.n + t
-        starts, ends = self.bounds
-        while self.n_runs and ends[self.n_runs - 1] - starts[self.n_runs - 1] <= end - start:
-            self.n_runs -= 1                            # the carries of a binary counter
-            start = int(starts[self.n_runs])
+        start, end = self.push(t)
         build_run(start, end, self.keys, self.values, self.taken, self.sorted_keys, self.prefix, self.shifts)
-        starts[self.n_runs], ends[self.n_runs] = start, end
-        self.n_runs += 1
-        self.n = end
-
-    @property
-    def runs(self) -> list[tuple[int, int]]:
-        """The runs as ``[start, end)`` position ranges, sizes decreasing."""
-        return [(int(s), int(e)) for s, e in self.bounds[:, :self.n_runs].T]
 
     def attend(self, q, dtype=None):
         """Attention of queries ``q`` (..., M) over every key appended so far (a tensor for a torch

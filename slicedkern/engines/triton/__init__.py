@@ -42,6 +42,7 @@ from ..scan._causal import Levels, causal_attention, causal_profile_sums, causal
 from ..sortscan.pullback import ColumnSums, column_range, knot_grads
 from ..sortscan.sums import queries, sort_keys
 from ..sortscan.wide import arithmetic
+from ._decode import DeviceRuns
 from ._sums import Queries, attend, build_table, interpreted, profile_dot, profile_sum, sort_queries
 
 __all__ = ["TritonEngine"]
@@ -83,6 +84,18 @@ def _level_sums(xp, ar, qs, keys, vals, kept, profiles):
         part = profile_sum(xp, table, xr, p, batch, cols, strict=True)
         sums.append(ar.lift(as_work(xp, xp.reshape(part, batch + (s, len(cols))), qs.dtype)))
     return sums
+
+
+def decodes(k) -> bool:
+    """Whether ``DecodeCache`` keeps the runs of the keys ``k`` on their GPU (:func:`device_runs`):
+    CUDA torch tensors, Triton installed."""
+    device = getattr(k, "device", None)
+    return getattr(device, "type", None) == "cuda" and TritonEngine.installed()
+
+
+def device_runs(profile, *, center: bool, normalizer, dv: int, xp):
+    """Decoding runs on the device, attended in one launch (:class:`._decode.DeviceRuns`)."""
+    return DeviceRuns(xp, profile, center=center, normalizer=normalizer, dv=dv)
 
 
 class TritonEngine(Engine):

@@ -33,10 +33,10 @@ try:
 except ImportError:      # imported without Triton (doctest collection): the engine declines before build()
     triton = tl = knobs = None
 
-__all__ = ["build", "interpreted", "tile_sums", "merge_eval"]
+__all__ = ["build", "interpreted", "tile_sums", "merge_eval", "decode_attend"]
 
 _JITTED = ("_rank", "_key_tile", "_tile", "_knot_ranks", "_below_sum", "_indicator_carry", "_indicator_tile",
-           "_indicator_linear", "_indicator_profile", "tile_sums", "merge_eval")
+           "_indicator_linear", "_indicator_profile", "tile_sums", "merge_eval", "_run_profile", "decode_attend")
 _mode: list = []     # [interpreted?] once built
 
 
@@ -304,6 +304,89 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
             result = acc.to(tl.float32)
         tl.store(out_ptr + row * n * width + dest[:, None] * width + cl[None, :],
                  result.to(out_ptr.dtype.element_ty), mask=nm[:, None] & cm[None, :])
+
+
+def _run_profile(x, xs, qm, keys_ptr, prefix_ptr, run_base, size, knots_ptr, coeffs_ptr, lin_ptr, b, w, wm,
+                 cw, log_cap, K: tl.constexpr):
+    """One run's profile sums at the queries ``x`` (BLOCK_Q,) over the prefix columns ``w``
+    (BLOCK_W,): the linear part on the run's totals, then per knot one exact rank search (the strict
+    tie rule of :func:`_rank`) and one prefix row; (BLOCK_Q, BLOCK_W) float64."""
+    tot = prefix_ptr + (run_base + size - 1) * 2 * cw
+    t0 = tl.load(tot + w, mask=wm, other=0.0)
+    t1 = tl.load(tot + cw + w, mask=wm, other=0.0)
+    slope = tl.load(lin_ptr + b * 2)
+    intercept = tl.load(lin_ptr + b * 2 + 1)
+    sums = (intercept + slope * xs)[:, None] * t0[None, :] - slope * t1[None, :]
+    for k in range(K):
+        t = tl.load(knots_ptr + b * K + k)
+        cf = tl.load(coeffs_ptr + b * K + k)
+        d = x - t
+        bb = d - x
+        e = (x - (d - bb)) + (-t - bb)          # x - t = d + e exactly (TwoSum)
+        rank = _rank(keys_ptr + run_base, 0, size, d, e, log_cap, True)
+        row = prefix_ptr + (run_base + rank - 1) * 2 * cw
+        seen = qm & (rank > 0)
+        p0 = tl.load(row[:, None] + w[None, :], mask=seen[:, None] & wm[None, :], other=0.0)
+        p1 = tl.load(row[:, None] + cw + w[None, :], mask=seen[:, None] & wm[None, :], other=0.0)
+        sums += cf * ((xs - t)[:, None] * p0 - p1)
+    return sums
+
+
+def decode_attend(q_ptr, bounds_ptr, n_runs, keys_ptr, prefix_ptr, shifts_ptr, totals_ptr, bad_ptr,
+                  knots_ptr, coeffs_ptr, lin_ptr, nknots_ptr, ncoeffs_ptr, nlin_ptr, out_ptr,
+                  M, cap, dv, eps, log_cap,
+                  K: tl.constexpr, KN: tl.constexpr, CENTER: tl.constexpr, NORM: tl.constexpr,
+                  BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Decoding's attention: one program per batch row and block of queries, over every sorted run of
+    :class:`slicedkern.engines.triton._decode.DeviceRuns` (docs/mathematics.rst, "Decoding").
+
+    Storage per row ``b`` (``cap`` positions): ``keys`` the runs' sorted keys, ``prefix`` (cap, 2 cw)
+    the runs' inclusive prefix rows of ``[w, take, (y - shift) w, (y - shift) take]`` (``cw = dv +
+    1``), ``shifts`` the run's median key at its first position; ``bounds`` (2, n_runs) int64 the
+    runs' ``[start, end)``; ``totals`` (B, cw) the values' sum and the count of the keys taken;
+    ``bad`` (B,) int8 a row that took a non-finite key. Per query the profile sums over the runs
+    (values and indicator: ``knots``, ``coeffs``, ``lin``), NORM's divisor (0 none, 1 the count, 2 the
+    normaliser profile ``nknots``... over the indicator, floored at ``eps``, 1 for a query that sees
+    no key), CENTER's running mean, and NaN for a non-finite query or a ``bad`` row: the arithmetic
+    of :func:`slicedkern.engines._combine.combine`. ``out`` (B, M, dv) float64.
+    """
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    qm = i < M
+    cw = dv + 1
+    w = tl.arange(0, BLOCK_W)
+    wm = w < cw
+    x = tl.load(q_ptr + b * M + i, mask=qm, other=0.0).to(tl.float64)
+    finite = x == x
+    finite = finite & (x - x == 0.0)                      # neither NaN nor infinite
+    x = tl.where(finite, x, 0.0)
+    sums = tl.zeros((BLOCK_Q, BLOCK_W), dtype=tl.float64)
+    den = tl.zeros((BLOCK_Q,), dtype=tl.float64)
+    for r in range(n_runs):
+        start = tl.load(bounds_ptr + r)
+        size = tl.load(bounds_ptr + n_runs + r) - start
+        run_base = b * cap + start
+        xs = x - tl.load(shifts_ptr + run_base)
+        sums += _run_profile(x, xs, qm, keys_ptr, prefix_ptr, run_base, size, knots_ptr, coeffs_ptr, lin_ptr, b,
+                             w, wm, cw, log_cap, K)
+        if NORM == 2:
+            nsums = _run_profile(x, xs, qm, keys_ptr, prefix_ptr, run_base, size, nknots_ptr, ncoeffs_ptr,
+                                 nlin_ptr, b, w, wm, cw, log_cap, KN)
+            den += tl.sum(tl.where((w == dv)[None, :], nsums, 0.0), 1)
+    totals = tl.load(totals_ptr + b * cw + w, mask=wm, other=0.0)
+    count = tl.sum(tl.where(w == dv, totals, 0.0), 0)
+    acc = sums
+    if CENTER:
+        relu_count = tl.sum(tl.where((w == dv)[None, :], sums, 0.0), 1)
+        acc = acc - (relu_count / tl.maximum(count, 1.0))[:, None] * totals[None, :]
+    if NORM == 1:
+        acc = acc / tl.maximum(count, 1.0)
+    if NORM == 2:
+        divisor = tl.where(count > 0.0, tl.maximum(den, eps), 1.0)
+        acc = acc / divisor[:, None]
+    poisoned = tl.load(bad_ptr + b) != 0
+    acc = tl.where((finite & ~poisoned)[:, None], acc, float("nan"))
+    tl.store(out_ptr + b * M * dv + i[:, None] * dv + w[None, :], acc, mask=qm[:, None] & (w < dv)[None, :])
 
 
 def build() -> None:

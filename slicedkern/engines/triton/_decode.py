@@ -13,7 +13,6 @@ the number of runs, instead of the array-API runs' operators per run and knot.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 from ..._spec import Normalizer
 from ...kernels import Profile
@@ -47,7 +46,7 @@ class DeviceRuns(RunCounter):
     def __init__(self, xp, profile: Profile, *, center: bool, normalizer: Normalizer, dv: int):
         super().__init__()
         self.xp, self.profile, self.center, self.normalizer, self.dv = xp, profile, center, normalizer, dv
-        self._args: Callable | None = None
+        self._args: tuple | None = None           # the profile as the kernel reads it, at the first append
 
     def _setup(self, batch: tuple, bsz: int, device) -> None:
         xp = self.xp

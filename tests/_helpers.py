@@ -22,7 +22,7 @@ from slicedkern.engines import available as engines_available
 __all__ = ["ALL_BACKENDS", "Backend", "backend_ids", "make_backend", "backend_context", "jax_x64", "selected_backends",
            "require_selected", "assert_meta", "assert_close", "assert_values_close", "rel_err", "to_numpy",
            "scan_atol", "attention_atol", "names_argument", "scaled_kernel", "tie_scores", "queries_on_knots",
-           "N", "M", "C"]
+           "N", "M", "C", "DECODE_CHUNKS", "decode_data", "poison_decode_data"]
 
 #: Every backend the suite knows about (the one list shared with the bench and asv); the last two
 #: need a GPU.
@@ -423,3 +423,30 @@ def attention_atol(q, k, v, kernel, *, key_mask=None, center=False, normalize="c
     d_den = factor * eps_dtype * (2.0 * span + 1.0) * count
     out = 0.0 if expected is None else np.abs(np.asarray(to_numpy(expected), dtype=np.float64))
     return np.broadcast_to((d_num + out * d_den) / np.maximum(den, eps), shape)
+
+
+# -- decoding runs (tests/engines/test_sweep_decode.py, tests/engines/test_triton.py) ------------------
+#: Chunk sizes appended one after the other: 40 keys, carries into runs of every size.
+DECODE_CHUNKS = (1, 1, 3, 1, 5, 2, 7, 1, 1, 4, 14)
+
+
+def decode_data(rng, n=40, dv=3, batch=(2, 3)):
+    """``(q, k, v, mask)`` for decoding: tied keys (5 and 3), a query tied with a key (7 and 2), a
+    random key mask."""
+    q, k = rng.normal(size=batch + (n,)), rng.normal(size=batch + (n,))
+    k[..., 5] = k[..., 3]
+    q[..., 7] = k[..., 2]
+    v = rng.normal(size=batch + (n, dv))
+    mask = rng.random(batch + (n,)) > 0.2
+    return q, k, v, mask
+
+
+def poison_decode_data(q, k, v, mask):
+    """The NaN rule's case, in place, on two batch rows: row 0 takes a NaN key at position 10 (every
+    query that sees it is NaN); row 1 has an infinite value at 12 that its mask leaves out (not read)
+    and a NaN query at 20 (NaN alone)."""
+    mask[:] = True
+    k[0, 10] = np.nan
+    v[1, 12, 0] = np.inf
+    mask[1, 12] = False
+    q[1, 20] = np.nan

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("numba")
 
 import array_api_compat.numpy as xp  # noqa: E402
+from _helpers import DECODE_CHUNKS, decode_data, poison_decode_data  # noqa: E402
 
 import slicedkern  # noqa: E402
 from slicedkern._spec import Normalizer  # noqa: E402
@@ -20,21 +21,13 @@ from slicedkern.engines.sweep import host_runs  # noqa: E402
 from slicedkern.engines.sweep._decode import HostRuns  # noqa: E402
 from slicedkern.kernels import Hat, Profile, ReLU  # noqa: E402
 
-CHUNKS = (1, 1, 3, 1, 5, 2, 7, 1, 1, 4, 14)          # 40 keys: runs merge at every size
+CHUNKS = DECODE_CHUNKS
+_data = decode_data
 
 
 @pytest.fixture
 def rng():
     return np.random.default_rng(20261127)
-
-
-def _data(rng, n=40, dv=3, batch=(2, 3)):
-    q, k = rng.normal(size=batch + (n,)), rng.normal(size=batch + (n,))
-    k[..., 5] = k[..., 3]                              # tied keys
-    q[..., 7] = k[..., 2]                              # a query tied with a key
-    v = rng.normal(size=batch + (n, dv))
-    mask = rng.random(batch + (n,)) > 0.2
-    return q, k, v, mask
 
 
 def _decode(runs, q, k, v, mask):
@@ -83,11 +76,7 @@ def test_nan_rule(rng):
     """A non-finite key that takes part makes every later query of its row NaN; a masked one is not
     read; a non-finite query is NaN alone."""
     q, k, v, mask = _data(rng, batch=(2,))
-    mask[:] = True
-    k[0, 10] = np.nan
-    v[1, 12, 0] = np.inf
-    mask[1, 12] = False                                # masked: its value is not read
-    q[1, 20] = np.nan
+    poison_decode_data(q, k, v, mask)
     options = dict(center=True, normalizer=Normalizer("abs", 1e-6), dv=v.shape[-1])
     host = _decode(host_runs(PROFILES["relu"], xp=xp, **options), q, k, v, mask)
     generic = _decode(Runs(xp, xp.float64, PROFILES["relu"], **options), q, k, v, mask)

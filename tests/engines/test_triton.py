@@ -13,6 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from _helpers import DECODE_CHUNKS, decode_data, poison_decode_data  # noqa: E402
 
 import slicedkern  # noqa: E402
 from slicedkern import reference  # noqa: E402
@@ -312,7 +313,6 @@ def test_causal_bandwidth_and_weight_gradients(rng, small_leaves):
 
 
 # -- decoding: DecodeCache's runs on the device, one launch per attend ---------------------------------
-DECODE_CHUNKS = (1, 1, 3, 1, 5, 2, 7, 1, 1, 4, 14)          # 40 keys: runs merge at every size
 DECODE_PROFILES = {"relu": ReLU(), "hat": Hat(0.7), "general": None}
 
 
@@ -320,13 +320,6 @@ def _decode_profile(name):
     from slicedkern.kernels import Profile
     kernel = DECODE_PROFILES[name]
     return Profile((-0.5, 0.3), (1.5, -0.75), 0.25, -0.5) if kernel is None else Profile.of(kernel)
-
-
-def _decode_data(rng, batch=(2, 3), n=40, dv=3):
-    q, k = rng.normal(size=batch + (n,)), rng.normal(size=batch + (n,))
-    k[..., 5] = k[..., 3]                                   # tied keys
-    q[..., 7] = k[..., 2]                                   # a query tied with a key
-    return q, k, rng.normal(size=batch + (n, dv)), rng.random(batch + (n,)) > 0.2
 
 
 def _decode_steps(runs, q, k, v, mask):
@@ -354,7 +347,7 @@ def test_device_runs_equal_the_array_api_runs(rng, profile, normalize, center):
     from slicedkern._spec import Normalizer
     from slicedkern.engines.scan._decode import Runs
     from slicedkern.engines.triton._decode import DeviceRuns
-    q, k, v, mask = _decode_data(rng)
+    q, k, v, mask = decode_data(rng)
     options = dict(center=center, normalizer=Normalizer(normalize, 1e-6), dv=v.shape[-1])
     got = _decode_steps(DeviceRuns(xp, _decode_profile(profile), **options), q, k, v, mask)
     want = _decode_steps(Runs(xp, xp.float64, _decode_profile(profile), **options), q, k, v, mask)
@@ -372,12 +365,8 @@ def test_device_runs_nan_rule_growth_and_per_head_bandwidths(rng):
     from slicedkern.engines.scan._decode import Runs
     from slicedkern.engines.triton._decode import DeviceRuns
     from slicedkern.kernels import Profile, hat_profile
-    q, k, v, mask = _decode_data(rng, batch=(2,))
-    mask[:] = True
-    k[0, 10] = np.nan
-    v[1, 12, 0] = np.inf
-    mask[1, 12] = False                                     # masked: its value is not read
-    q[1, 20] = np.nan
+    q, k, v, mask = decode_data(rng, batch=(2,))
+    poison_decode_data(q, k, v, mask)
     runs = DeviceRuns(xp, Profile.of(ReLU()), center=True, normalizer=Normalizer("abs", 1e-6), dv=3)
     out = _decode_steps(runs, q, k, v, mask)
     seen = np.repeat(np.cumsum(DECODE_CHUNKS), DECODE_CHUNKS)      # keys appended when query j attends
@@ -386,7 +375,7 @@ def test_device_runs_nan_rule_growth_and_per_head_bandwidths(rng):
     assert runs.capacity == 64 and runs.length == 40        # 16 at the first append, doubled twice
     # a bandwidth per head (an array profile: per-row knots in the kernel), against the array-API runs
     # (held equal to the causal op in tests/test_decode.py)
-    q, k, v, _ = _decode_data(rng, batch=(1, 3))
+    q, k, v, _ = decode_data(rng, batch=(1, 3))
     profile = hat_profile([_t(np.array([[0.5, 1.0, 2.0]]))], [1.0])
     results = []
     for runs in (DeviceRuns(xp, profile, center=True, normalizer=Normalizer("abs", 1e-6), dv=3),

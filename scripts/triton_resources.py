@@ -2,11 +2,14 @@
 GPU on a machine without one (Triton's compiler and the ``ptxas`` / ``cuobjdump`` it ships):
 
     PYTHONPATH=. python scripts/triton_resources.py [--dtypes float32,bfloat16,float64] [--arch 90]
-        [--blocks 64,64,32]
+        [--blocks 64,64,32] [--calls forward,causal,decode]
 
-The forward's two launches (pass 1 ``tile_sums``, pass 2 ``merge_eval`` in attention's mode, ReLU
-with the "abs" normaliser, centred) are captured with their real arguments from the engine's own
-functions on CPU tensors, without running them, then compiled for ``sm_<arch>``. A kernel that
+The launches of a call are captured with their real arguments from the engine's own functions on
+CPU tensors, without running them, then compiled for ``sm_<arch>``: ``forward`` (pass 1
+``tile_sums``, pass 2 ``merge_eval`` in attention's mode, ReLU with the "abs" normaliser, centred),
+``causal`` (the same kernels as a level of causal attention runs them: indicator column, no
+epilogue) and ``decode`` (``decode_attend`` of ``DecodeCache``'s device runs, ReLU, centred, "abs";
+values in float64 whatever ``--dtypes`` says). A kernel that
 needs more registers than the 255 a thread may hold spills to a per-thread stack in local memory
 (``STACK``): on a GPU every spilled value is a memory round trip inside the tile loop
 (docs/benchmarks.rst, "On a GPU"). The figures come from the Triton installed here, which may not
@@ -79,6 +82,61 @@ def forward_launches(dtype, length: int = 1024, rows: int = 8, dv: int = 64) -> 
     return captured
 
 
+def _captured(names, run) -> list:
+    """``(name, jitted function, args, kwargs)`` of the launches of the kernels ``names`` that
+    ``run()`` makes, captured, not run (the first of each name)."""
+    from slicedkern.engines import triton as engine
+    from slicedkern.engines.triton import _sums
+    kernels = _sums.loaded()
+    captured = {}
+
+    class Captured:
+        def __init__(self, name, fn):
+            self.name, self.fn = name, fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                captured.setdefault(self.name, (self.name, self.fn, args, kwargs))
+            return launch
+    originals = {name: getattr(kernels, name) for name in names}
+    accepts = engine.interpreted
+    try:
+        engine.interpreted = lambda: True      # the engine takes the CPU tensors: nothing is launched
+        for name, fn in originals.items():
+            setattr(kernels, name, Captured(name, fn))
+        run()
+    finally:
+        engine.interpreted = accepts
+        for name, fn in originals.items():
+            setattr(kernels, name, fn)
+    return list(captured.values())
+
+
+def causal_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> list:
+    """The launches of one level of causal attention (the first of each kernel), captured."""
+    import slicedkern
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, heads, length, generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(1, heads, length, dv, generator=g).to(dtype)
+    return _captured(("tile_sums", "merge_eval"),
+                     lambda: slicedkern.relu_attention(q, k, v, causal=True, engine="triton"))
+
+
+def decode_launches(dtype, length: int = 1000, heads: int = 4, dv: int = 16) -> list:
+    """``decode_attend`` of a DecodeCache's device runs (``dtype`` unused: the runs hold float64)."""
+    import array_api_compat.torch as xp
+
+    from slicedkern._spec import Normalizer
+    from slicedkern.engines.triton._decode import DeviceRuns
+    from slicedkern.kernels import Profile, ReLU
+
+    def run():
+        runs = DeviceRuns(xp, Profile.of(ReLU()), center=True, normalizer=Normalizer("abs", 1e-6), dv=dv)
+        runs.append(torch.randn(heads, length), torch.randn(heads, length, dv))
+        runs.attend(torch.randn(heads, 1))
+    return _captured(("decode_attend",), run)
+
+
 def resources(fn, args, kwargs, arch: int) -> dict:
     """Compile ``fn`` for ``sm_<arch>`` at these arguments: ``REG`` (per thread), ``STACK`` (spilled
     bytes per thread), static ``SHARED`` (cuobjdump) and the dynamic shared memory Triton asks for."""
@@ -110,6 +168,7 @@ def main(argv=None):
     p.add_argument("--arch", type=int, default=90, help="compute capability, 90 for Hopper (H100, H200)")
     p.add_argument("--blocks", default=None, help="BLOCK_M,BLOCK_N,BLOCK_C instead of the engine's")
     p.add_argument("--warps", type=int, default=None, help="pass 2's warps instead of the engine's")
+    p.add_argument("--calls", default="forward", help="comma list of forward, causal, decode")
     a = p.parse_args(argv)
     from slicedkern.engines.triton import _sums
     if a.blocks:
@@ -118,9 +177,12 @@ def main(argv=None):
         _sums.MERGE_WARPS = a.warps
     print(f"triton {triton.__version__}, sm_{a.arch}, blocks (M, N, C) = {_sums.BLOCK_M, _sums.BLOCK_N, _sums.BLOCK_C}"
           f" (float64: at most 16 each), pass 2 on {_sums.MERGE_WARPS} warps")
-    for name in a.dtypes.split(","):
-        for kernel, fn, args, kwargs in forward_launches(getattr(torch, name)):
-            print(f"  {kernel:>10}  {name:>8}  {resources(fn, args, kwargs, a.arch)}", flush=True)
+    calls = {"forward": forward_launches, "causal": causal_launches, "decode": decode_launches}
+    for call in a.calls.split(","):
+        for name in a.dtypes.split(",") if call != "decode" else ["float64"]:
+            for kernel, fn, args, kwargs in calls[call](getattr(torch, name)):
+                print(f"  {call:>8}  {kernel:>13}  {name:>8}  {resources(fn, args, dict(kwargs), a.arch)}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,46 @@
+"""The triton engine's kernels compile for an H100 (``sm_90``) on a machine without a GPU, and hold
+their values in registers: ``scripts/triton_resources.py`` compiles each call's launches (captured
+with their real arguments, never run) with the compiler Triton ships, and reads the registers and
+the spill stack per thread (docs/benchmarks.rst, "On a GPU").
+
+It runs in a subprocess: the kernels must be built for the compiler, not for the interpreter that
+``tests/engines/test_triton.py`` builds them for in this process.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("triton", reason="the triton engine needs Triton: pip install 'slicedkern[triton]'")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_kernels_compile_for_hopper_without_spills():
+    """Forward, a causal level and decoding, float32 and bfloat16 values: every kernel compiles for
+    ``sm_90``; the forward's and the causal level's keep everything in registers (no stack), the
+    decoding kernel at most a few bytes of it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "triton_resources.py"), "--calls",
+                           "forward,causal,decode", "--dtypes", "float32,bfloat16"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = {}
+    for call, kernel, dtype, usage in re.findall(r"^\s+(\w+)\s+(\w+)\s+(\w+)\s+(\{.*\})$", done.stdout, re.M):
+        found[(call, kernel, dtype)] = ast.literal_eval(usage)
+    expected = {(call, kernel, dtype) for call in ("forward", "causal") for kernel in ("tile_sums", "merge_eval")
+                for dtype in ("float32", "bfloat16")} | {("decode", "decode_attend", "float64")}
+    assert set(found) == expected, done.stdout
+    for (call, kernel, dtype), usage in found.items():
+        assert 0 < usage["REG"] <= 255, (call, kernel, dtype, usage)
+        assert usage["STACK"] <= (64 if call == "decode" else 0), (call, kernel, dtype, usage)

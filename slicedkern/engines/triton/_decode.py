@@ -106,8 +106,7 @@ class DeviceRuns(RunCounter):
     def _build(self, s: int, e: int) -> None:
         """Sort the keys of positions ``[s, e)`` of every row and write their prefix rows."""
         xp = self.xp
-        keys, order = xp.sort(self.keys[:, s:e], axis=-1, stable=True), xp.argsort(self.keys[:, s:e], axis=-1,
-                                                                                 stable=True)
+        keys, order = self.keys[:, s:e].sort(dim=-1, stable=True)      # one sort: values and order
         shift = keys[:, (e - s) // 2:(e - s) // 2 + 1]
         w = xp.take_along_axis(self.values[:, s:e], order[..., None], axis=1)
         taken = xp.astype(xp.take_along_axis(self.taken[:, s:e], order, axis=1), xp.float64)[..., None]

@@ -36,9 +36,9 @@ def _storage(shape: tuple, dtype) -> np.ndarray:
     write lands on a page not touched yet; where the kernel compacts memory to find a huge page
     (``/sys/kernel/mm/transparent_hugepage/defrag`` = ``madvise``, this project's machines) that
     one write stalls for milliseconds. Measured at a cache of 2^20 keys, 4 heads of dimension 16:
-    the first append after the fill 18.6 ms with huge pages, 0.35 ms without; an append 49 µs
-    against 17 µs averaged over 512 tokens (docs/benchmarks.rst, "Decoding"). Small pages keep
-    every write's cost flat. Elsewhere (no ``MADV_NOHUGEPAGE``), or when small, ``np.empty``.
+    the first append after the fill 18 to 23 ms with huge pages, 0.4 to 7 ms without; with another
+    job on both cores, an append 49 µs against 17 µs averaged over 512 tokens (docs/benchmarks.rst,
+    "Decoding"). Elsewhere (no ``MADV_NOHUGEPAGE``), or when small, ``np.empty``.
     """
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize

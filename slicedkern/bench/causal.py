@@ -81,8 +81,9 @@ def _sdpa_length(torch, rows: int, length: int, dim: int, budget: float, backwar
 
 
 def causal_engines() -> list[str]:
-    """The registered engines with a causal mode, in the registry's order of preference."""
-    return [name for name in engines.ENGINE_NAMES if engines.get(name).supports_causal]
+    """The registered engines with a causal mode that run on CPU torch tensors here, in the registry's
+    order of preference (triton, whose causal mode runs on CUDA tensors, is not one of them)."""
+    return [name for name in engines.available("torch") if engines.get(name).supports_causal]
 
 
 def _attention_table(torch, sizes: Sequence[int], batch: int, dim: int, repeats: int, budget: float,

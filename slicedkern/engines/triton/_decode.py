@@ -91,9 +91,9 @@ class DeviceRuns(RunCounter):
         # the NaN rule: a key that takes part but is not finite is stored as a zero key that takes
         # no part, and marks its row
         finite = xp.isfinite(k) & xp.all(xp.isfinite(v), axis=-1)
-        take = finite if mask is None else finite & xp.reshape(mask, (bsz, t))
-        asked = xp.ones_like(take) if mask is None else xp.reshape(mask, (bsz, t))
-        self.bad = self.bad | xp.any(asked & ~finite, axis=-1)
+        mask = None if mask is None else xp.reshape(mask, (bsz, t))
+        take = finite if mask is None else finite & mask
+        self.bad = self.bad | xp.any(~finite if mask is None else mask & ~finite, axis=-1)
         n = self.n
         self.keys[:, n:n + t] = xp.where(finite, k, 0.0)
         self.values[:, n:n + t] = xp.where(take[..., None], v, 0.0)
@@ -134,6 +134,6 @@ class DeviceRuns(RunCounter):
                 knots, coeffs, lin, nknots, ncoeffs, nlin, out,
                 m, self.capacity, self.dv, float(self.normalizer.eps), max(1, math.ceil(math.log2(self.capacity + 1))),
                 K=K, KN=KN, CENTER=bool(self.center), NORM=norm, BLOCK_Q=BLOCK_Q,
-                BLOCK_W=max(2, 1 << (self.dv + 1 - 1).bit_length()))
+                BLOCK_W=max(2, 1 << self.dv.bit_length()))      # a power of two >= dv + 1
         out = xp.reshape(out, self._batch + (m, self.dv))
         return out if dtype is None else xp.astype(out, dtype)

@@ -36,7 +36,8 @@ except ImportError:      # imported without Triton (doctest collection): the eng
 __all__ = ["build", "interpreted", "tile_sums", "merge_eval", "decode_attend"]
 
 _JITTED = ("_rank", "_key_tile", "_tile", "_knot_ranks", "_below_sum", "_indicator_carry", "_indicator_tile",
-           "_indicator_linear", "_indicator_profile", "tile_sums", "merge_eval", "_run_profile", "decode_attend")
+           "_indicator_linear", "_indicator_profile", "_attention_epilogue", "tile_sums", "merge_eval", "_run_profile",
+           "decode_attend")
 _mode: list = []     # [interpreted?] once built
 
 
@@ -178,6 +179,21 @@ def _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry
     return total + linear
 
 
+def _attention_epilogue(acc, relu_count, count, totals, den, eps, CENTER: tl.constexpr, NORM: tl.constexpr):
+    """Attention's arithmetic on a block of profile sums ``acc`` (queries, columns), the compiled twin
+    of :func:`slicedkern.engines._combine.combine`: CENTER subtracts ``relu_count`` (queries,) times
+    the mean value ``totals / count`` (columns,); the divisor is NORM's (0 none, 1 the row's
+    ``count`` of valid keys, at least 1, 2 the normaliser sums ``den`` (queries,) floored at ``eps``,
+    and 1 for a row that sees no key: Normalizer.divisor)."""
+    if CENTER:
+        acc = acc - (relu_count / tl.maximum(count, 1.0))[:, None] * totals[None, :]
+    if NORM == 1:
+        acc = acc / tl.maximum(count, 1.0)
+    if NORM == 2:
+        acc = acc / tl.where(count > 0, tl.maximum(den, eps), 1.0)[:, None]
+    return acc
+
+
 def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, carry_ptr,
                knots_ptr, coeffs_ptr, lin_ptr, div_ptr, out_ptr,
                nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps,
@@ -274,19 +290,14 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
         first_block = tl.program_id(2) == 0
         if first_block:
             tl.store(count_ptr + row * n + dest, relu_count, mask=nm)
-        if CENTER:
-            acc += (-(relu_count / tl.maximum(valid, 1.0)))[:, None] * t0[None, :]
-        if NORM == 1:
-            acc = acc / tl.maximum(valid, 1.0)
+        raw = relu_count                  # read by _attention_epilogue only when NORM == 2
         if NORM == 2:
             raw = _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry_ptr, nknots_ptr,
                                      ncoeffs_ptr, nlin_ptr, row, m, C, c, nb, log_m, KN, STRICT, HAS_TAKE, ACC,
                                      BLOCK_M)
             if first_block:
                 tl.store(raw_ptr + row * n + dest, raw, mask=nm)
-            # a query that sees no key divides by 1 (Normalizer.divisor)
-            den = tl.where(valid > 0, tl.maximum(raw, eps), 1.0)
-            acc = acc / den[:, None]
+        acc = _attention_epilogue(acc, relu_count, valid, t0, raw, eps, CENTER, NORM)
     if HAS_DIV:
         acc = acc / tl.load(div_ptr + row * n + dest, mask=nm, other=1.0)[:, None]
     if DOT:
@@ -375,15 +386,8 @@ def decode_attend(q_ptr, bounds_ptr, n_runs, keys_ptr, prefix_ptr, shifts_ptr, t
             den += tl.sum(tl.where((w == dv)[None, :], nsums, 0.0), 1)
     totals = tl.load(totals_ptr + b * cw + w, mask=wm, other=0.0)
     count = tl.sum(tl.where(w == dv, totals, 0.0), 0)
-    acc = sums
-    if CENTER:
-        relu_count = tl.sum(tl.where((w == dv)[None, :], sums, 0.0), 1)
-        acc = acc - (relu_count / tl.maximum(count, 1.0))[:, None] * totals[None, :]
-    if NORM == 1:
-        acc = acc / tl.maximum(count, 1.0)
-    if NORM == 2:
-        divisor = tl.where(count > 0.0, tl.maximum(den, eps), 1.0)
-        acc = acc / divisor[:, None]
+    relu_count = tl.sum(tl.where((w == dv)[None, :], sums, 0.0), 1)
+    acc = _attention_epilogue(sums, relu_count, count, totals, den, eps, CENTER, NORM)
     poisoned = tl.load(bad_ptr + b) != 0
     acc = tl.where((finite & ~poisoned)[:, None], acc, float("nan"))
     tl.store(out_ptr + b * M * dv + i[:, None] * dv + w[None, :], acc, mask=qm[:, None] & (w < dv)[None, :])

@@ -3,7 +3,7 @@
 #
 #     bash scripts/gpu_check.sh [OUT_DIR]        (default: $OUT, else ./gpu_check_out)
 #
-# About 9 minutes in all, each part time-boxed, the most important first; every part writes its
+# At most GPU_CHECK_DEADLINE seconds (540) in all, each part time-boxed, the most important first; every part writes its
 # output under OUT_DIR as it goes, so a part that runs out of time loses nothing before it:
 #   1. nvidia-smi and the versions (which card made every number);
 #   2. the benchmark (scripts/gpu_bench.py): sort, device copy, forward and forward+backward of the
@@ -15,6 +15,8 @@
 #   5. the test subset on the GPU backends (torch on CUDA, CuPy, JAX on the GPU);
 #   6. the triton engine at 16K with the kernels' shapes of 2026-11-27 (tiles of 64 keys, pass 2 on 4
 #      warps, which spilled registers) against today's (16 keys, 8 warps), for the A/B.
+# It writes eight files, the most a device call brings back: log.txt, card.txt, bench.json,
+# bench.txt, profile.txt, test_triton.txt, test_backends.txt, tiles.txt.
 # The project needs no install (PYTHONPATH), or `pip install --no-deps -e .`; its one pure-Python
 # dependency, array_api_compat, was missing on the H100 image of 2026-11-27: copy the package folder
 # from a local venv into an ignored folder of the checkout (.gpudeps/array_api_compat), carry it, and
@@ -26,11 +28,25 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_INTERPRET=0
 start=$SECONDS
+# the whole check ends by GPU_CHECK_DEADLINE seconds (default 540, for a device call of 600 s): each
+# part runs for the smaller of its own limit and what is left, and a part with under 20 s left is skipped
+deadline=${GPU_CHECK_DEADLINE:-540}
 stamp() { echo "== $1 ($(( SECONDS - start )) s)" | tee -a "$out/log.txt"; }
+limit() {   # limit SECONDS: the time a part may take now, or 0 when too little is left
+    local left=$(( deadline - (SECONDS - start) ))
+    (( left > $1 )) && left=$1
+    (( left < 20 )) && left=0
+    echo $left
+}
+boxed() {   # boxed SECONDS COMMAND...: COMMAND under timeout, skipped (saying so) when too little is left
+    local t; t=$(limit "$1"); shift
+    if (( t == 0 )); then echo "skipped: the check's deadline of $deadline s is near" | tee -a "$out/log.txt"; return 124; fi
+    timeout "$t" "$@"
+}
 
 stamp "card and versions"
-nvidia-smi 2>&1 | tee "$out/nvidia-smi.txt"
-python - <<'PY' 2>&1 | tee "$out/versions.txt"
+nvidia-smi 2>&1 | tee "$out/card.txt"
+python - <<'PY' 2>&1 | tee -a "$out/card.txt"
 import importlib, platform
 print("python", platform.python_version())
 for name in ("torch", "triton", "jax", "cupy", "numba", "numpy", "slicedkern"):
@@ -48,29 +64,29 @@ python -c "import array_api_compat" 2>/dev/null || {
     exit 1
 }
 
-stamp "benchmark (budget 200 s)"
-timeout 260 python scripts/gpu_bench.py --engines triton,scan --causal-engines triton,scan --causal-lengths 1024,16384,65536 \
+stamp "benchmark (budget 190 s)"
+boxed 250 python scripts/gpu_bench.py --engines triton,scan --causal-engines triton,scan --causal-lengths 1024,16384,65536 \
     --decode-lengths 1024,65536,1048576 \
-    --budget 200 --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"
+    --budget 190 --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"
 
 # the kernels compiled by the benchmark serve every length (the binary search's depth is an argument)
 stamp "kernel table at L = 65536"
-timeout 90 python scripts/gpu_bench.py --lengths 65536 --engines triton --budget 0 --profile-length 65536 \
+boxed 80 python scripts/gpu_bench.py --lengths 65536 --engines triton --budget 0 --profile-length 65536 \
     --profile-dtypes bfloat16,float32 > "$out/profile.txt" 2>&1; cat "$out/profile.txt"
 
 # into a file, then its tail: a timeout kills a whole pipeline, and pytest's summary with it
 stamp "triton engine tests, compiled"
-timeout 75 python -m pytest -q -rf --tb=line -p no:cacheprovider tests/engines/test_triton.py \
+boxed 75 python -m pytest -q -rf --tb=line -p no:cacheprovider tests/engines/test_triton.py \
     > "$out/test_triton.txt" 2>&1; tail -25 "$out/test_triton.txt"
 
 stamp "GPU backends test subset"
-timeout 75 python -m pytest -q -rf --tb=line -p no:cacheprovider --backend torch_cuda,cupy,jax \
+boxed 70 python -m pytest -q -rf --tb=line -p no:cacheprovider --backend torch_cuda,cupy,jax \
     tests/test_attention.py tests/test_gradients.py > "$out/test_backends.txt" 2>&1; tail -25 "$out/test_backends.txt"
 stamp "triton tiles A/B at L = 16384 (64 keys on 4 warps, then the engine's own)"
-tiles_run() {     # tiles_run NAME [gpu_bench options]: into $out/tiles_NAME.txt
-    local name=$1; shift
-    timeout 60 python scripts/gpu_bench.py --lengths 16384 --engines triton --budget 40 "$@" \
-        > "$out/tiles_$name.txt" 2>&1; grep -E "device|triton" "$out/tiles_$name.txt"
+tiles_run() {     # tiles_run NAME [gpu_bench options]: appended to $out/tiles.txt
+    echo "-- tiles $1" >> "$out/tiles.txt"; shift
+    boxed 60 python scripts/gpu_bench.py --lengths 16384 --engines triton --budget 40 "$@" \
+        >> "$out/tiles.txt" 2>&1; grep -E "^-- |device|triton" "$out/tiles.txt"
 }
 tiles_run old --tiles 64,64,32,4
 tiles_run new

@@ -66,7 +66,7 @@ def combine(xp, ar, num_r, den_sum, totals, good, *, center: bool, normalizer: N
 class Cotangents(NamedTuple):
     """The cotangents of the sums :func:`combine` read, from :func:`pullback`."""
 
-    numerator: Any          # (..., lq, dv): of N
+    scale: Any              # (..., lq, 1): the cotangent of N is ``gout * scale`` (not materialised here)
     relu_count: Any         # (..., lq, 1): of R (centring), or None
     den: Any                # (..., lq, 1): of D (a summed normaliser), or None
     mean_weights: Any       # (..., lq, 1): R / count, what the centring mean's cotangent carries, or None
@@ -82,15 +82,24 @@ def pullback(xp, gout, out, *, relu_count, den, count, value_sums, good, center:
     (read only when centring; values are zero on the keys that take no part); ``good`` (..., lq, 1)
     bool, False on the rows the forward made NaN. A clamped normaliser (``D < eps``) is a constant:
     no cotangent reaches ``D`` there.
+
+    The cotangent of ``N`` is ``gout`` times a per-query factor: it is returned as that factor
+    (``scale``), so that an engine that reads ``gout`` in its kernels scales it there and no
+    ``(lq, dv)`` array of it is written (the triton engine; docs/architecture.rst, "Engines").
     """
     work = gout.dtype
     zero = xp.zeros((), dtype=work, device=array_device(gout))
     den_c = normalizer.divisor(xp, count, den)
-    numerator = gout * (xp.astype(good, work) / den_c)
+    scale = xp.broadcast_to(xp.astype(good, work) / den_c, good.shape)
     count_c = clamp_min(xp, count, 1.0)
-    cot_r = -xp.vecdot(numerator, value_sums / count_c)[..., None] if center else None
+    cot_r = None
+    if center:
+        mean = value_sums / count_c
+        # one mean per batch row (every key seen): a matrix product, which broadcasts no (lq, dv) copy
+        gm = gout @ xp.matrix_transpose(mean) if mean.shape[-2] == 1 else xp.vecdot(gout, mean)[..., None]
+        cot_r = -(scale * gm)
     cot_den = None
     if normalizer.summed:
         dot = xp.astype(xp.vecdot(gout, xp.astype(out, work))[..., None], work)
         cot_den = xp.where(good & (den >= normalizer.eps), -dot / den_c, zero)
-    return Cotangents(numerator, cot_r, cot_den, relu_count / count_c if center else None)
+    return Cotangents(scale, cot_r, cot_den, relu_count / count_c if center else None)

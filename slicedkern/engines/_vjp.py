@@ -78,6 +78,11 @@ class AllKeys:
         """The engine's pull-back of the profile sums over the keys each query sees."""
         return self.engine.profiles_vjp(x, y, w, profiles, cotangents, xp=xp, param_grads=param_grads)
 
+    def sums_vjp(self, profile, normalizer, gout, cot, silent, *, center: bool, dv_sub, dv_factor, xp):
+        """The pull-back of attention's sums (:func:`sums_vjp`; an engine's view may fuse it)."""
+        return sums_vjp(self, profile, normalizer, gout, cot, silent, center=center, dv_sub=dv_sub,
+                        dv_factor=dv_factor, xp=xp)
+
 
 class SeenKeys(AllKeys):
     """Query ``i`` sees the valid keys ``j <= i + lk - lq`` (causal attention; docs/mathematics.rst,
@@ -119,13 +124,11 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
     Returns ``(dq, dk, dv, (dknots, dcoeffs))``.
 
     The keys each query sees are the engine's :meth:`~slicedkern.engines._base.Engine.key_view`
-    (every key, the causal prefix, or a shard of either); the quotient rule is :func:`._combine.pullback`.
-    The values and the valid-key indicator are pulled back together, in one profile-sum VJP of
-    ``[v | indicator]``: the value columns with the cotangent ``g / den`` (per-query factors), the
-    indicator column with the centring and normaliser terms; one sort of the keys and one of the
-    queries serve both. The centring mean's cotangent goes back to the keys through the view's
-    adjoint of its sums. NaN where the forward's output was: on bad queries, and on every key of a
-    batch row with a bad key (causal: of a batch row in which some query saw a bad key).
+    (every key, the causal prefix, or a shard of either); the quotient rule is :func:`._combine.pullback`,
+    and the view pulls the sums back (:meth:`AllKeys.sums_vjp`: :func:`sums_vjp`, or an engine's fused
+    form). The centring mean's cotangent goes back to the keys through the view's adjoint of its sums.
+    NaN where the forward's output was: on bad queries, and on every key of a batch row with a bad key
+    (causal: of a batch row in which some query saw a bad key).
     """
     work = q.dtype
     if q.shape[-1] == 0 or k.shape[-1] == 0:
@@ -140,11 +143,36 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
     takef = xp.astype(keys.take, work)
     count, value_sums = keys.totals(xp, values=center)                  # (..., lq or 1, 1 | Dv)
     good = keys.good[..., None]                                         # (..., lq, 1)
-    zero = xp.zeros((), dtype=work, device=array_device(q))
     cot = pullback(xp, gout, out, relu_count=aux["relu_count"], den=aux.get("den"), count=count,
                    value_sums=value_sums, good=good, center=center, normalizer=normalizer)
-    gnum = cot.numerator                                                # (..., lq, Dv), work dtype
+    silent = _silent_rows(xp, profile, normalizer, aux.get("den"), good, uniform=keys.collective)
+    # mean_i = (sum of the values query i sees) / count_i, and R_i = relu_count_i multiplies it: its
+    # cotangent reaches the values as a term subtracted from dv; keys not taken get no gradient, and
+    # bad rows get NaN (the forward's NaN policy): a factor of dv
+    mean_term = keys.to_keys(xp, cot.mean_weights * cot.scale, gout) if center else None
+    nan = xp.asarray(float("nan"), dtype=work, device=array_device(q))
+    key_factor = xp.where(keys.row_bad[..., None], nan, takef)[..., None]
+    dq, dk, dv, param = keys.sums_vjp(profile, normalizer, gout, cot, silent, center=center, dv_sub=mean_term,
+                                      dv_factor=key_factor, xp=xp)
+    dq = xp.where(keys.good, dq, nan)
+    dk = xp.where(keys.row_bad[..., None], nan, dk)
+    return dq, dk, dv, param
 
+
+def sums_vjp(keys, profile: Profile, normalizer: Normalizer, gout, cot, silent, *, center: bool, dv_sub, dv_factor,
+             xp):
+    """The pull-back of attention's sums over the keys each query sees (``keys``, a view): of the
+    value sums ``N`` with the cotangent ``gout * cot.scale``, of ``R`` with ``cot.relu_count``
+    (``center``) and of the normaliser's sum with ``cot.den``; ``(dq, dk, dv, (dknots, dcoeffs))``,
+    with ``dv = (pulled-back value sums - dv_sub) * dv_factor`` (``dv_sub`` (..., 1 or lk, dv) or
+    None, ``dv_factor`` (..., lk, 1)).
+
+    The values and the valid-key indicator are pulled back together, in one profile-sum VJP of
+    ``[v | indicator]``: one sort of the keys and one of the queries, and the rank searches of shared
+    knots, serve both. ``silent`` (:func:`_silent_rows`): the rows whose cotangent reaches ``dq``
+    and ``dk`` but not ``dv``.
+    """
+    gnum = gout * cot.scale                                             # (..., lq, Dv), work dtype
     indicator_profiles, indicator_cots = [], []
     if center:
         indicator_profiles.append(profile)
@@ -152,46 +180,37 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
     if normalizer.summed:
         indicator_profiles.append(normalizer.profile)
         indicator_cots.append(cot.den)
-    if indicator_profiles:
-        # one pull-back for the values and the indicator column (the last column of ``w``): one sort
-        # of the keys, one of the queries, and the rank searches of shared knots, for both
-        dv_cols = keys.v.shape[-1]
-        columns = [keys.v, xp.astype(takef, keys.v.dtype)[..., None]]
-        silent = _silent_rows(xp, profile, normalizer, aux.get("den"), good, uniform=keys.collective)
-        value_cots = [gnum]
-        if silent is not None:
-            # Rows whose normaliser sum is exactly 0 while the profile vanishes wherever it does (ReLU
-            # attention; ties, a first key): their output is 0 and their value gradient exactly 0,
-            # but g / eps times the rounding of the sums over the queries (|q| 2^-52 a pair) would
-            # reach dv: 1.7e10 for -0.9 at |q| = 1e20 (issue 23, item 10). Their cotangent goes
-            # through a copy of the value columns whose gradient is dropped: dq and dk keep its
-            # tie-rule terms (H(0) = 1), dv gets none of it.
-            columns.append(keys.v)
-            value_cots = [xp.where(silent, zero, gnum), xp.where(silent, gnum, zero)]
-        w = xp.concat(columns, axis=-1)
-        profiles = [profile.with_(columns=slice(0, dv_cols))] + [
-            p.with_(columns=slice(dv_cols, dv_cols + 1)) for p in indicator_profiles]
-        if silent is not None:
-            profiles.append(profile.with_(columns=slice(dv_cols + 1, 2 * dv_cols + 1)))
-        dq, dk, dw, params = keys.profiles_vjp(keys.q, keys.k, w, profiles,
-                                               value_cots[:1] + indicator_cots + value_cots[1:], xp=xp)
-        dv = dw[..., :dv_cols]
-        if silent is not None:
-            params = add_params(params[:1], params[-1:]) + params[1:-1]
-        params = add_params(params[:1], params[1:2]) if center else params[:1]
-    else:
+    if not indicator_profiles:
         dq, dk, dv, params = keys.profiles_vjp(keys.q, keys.k, keys.v, [profile], [gnum], xp=xp)
-    if center:
-        # mean_i = (sum of the values query i sees) / count_i, and R_i = relu_count_i multiplies it
-        dv = dv - keys.to_keys(xp, cot.mean_weights, gnum)
+        return dq, dk, _finish_dv(dv, dv_sub, dv_factor), params[0]
+    dv_cols = keys.v.shape[-1]
+    zero = xp.zeros((), dtype=gnum.dtype, device=array_device(gnum))
+    columns = [keys.v, xp.astype(keys.take, keys.v.dtype)[..., None]]
+    value_cots = [gnum]
+    if silent is not None:
+        # Rows whose normaliser sum is exactly 0 while the profile vanishes wherever it does (ReLU
+        # attention; ties, a first key): their output is 0 and their value gradient exactly 0,
+        # but g / eps times the rounding of the sums over the queries (|q| 2^-52 a pair) would
+        # reach dv: 1.7e10 for -0.9 at |q| = 1e20 (issue 23, item 10). Their cotangent goes
+        # through a copy of the value columns whose gradient is dropped: dq and dk keep its
+        # tie-rule terms (H(0) = 1), dv gets none of it.
+        columns.append(keys.v)
+        value_cots = [xp.where(silent, zero, gnum), xp.where(silent, gnum, zero)]
+    w = xp.concat(columns, axis=-1)
+    profiles = [profile.with_(columns=slice(0, dv_cols))] + [
+        p.with_(columns=slice(dv_cols, dv_cols + 1)) for p in indicator_profiles]
+    if silent is not None:
+        profiles.append(profile.with_(columns=slice(dv_cols + 1, 2 * dv_cols + 1)))
+    dq, dk, dw, params = keys.profiles_vjp(keys.q, keys.k, w, profiles,
+                                           value_cots[:1] + indicator_cots + value_cots[1:], xp=xp)
+    if silent is not None:
+        params = add_params(params[:1], params[-1:]) + params[1:-1]
+    params = add_params(params[:1], params[1:2]) if center else params[:1]
+    return dq, dk, _finish_dv(dw[..., :dv_cols], dv_sub, dv_factor), params[0]
 
-    # keys not taken get no gradient; bad rows get NaN (the forward's NaN policy)
-    nan = xp.asarray(float("nan"), dtype=work, device=array_device(q))
-    key_factor = xp.where(keys.row_bad[..., None], nan, takef)[..., None]
-    dv = dv * key_factor
-    dq = xp.where(keys.good, dq, nan)
-    dk = xp.where(keys.row_bad[..., None], nan, dk)
-    return dq, dk, dv, params[0]
+
+def _finish_dv(dv, dv_sub, dv_factor):
+    return (dv if dv_sub is None else dv - dv_sub) * dv_factor
 
 
 def _silent_rows(xp, profile: Profile, normalizer: Normalizer, den, good, *, uniform: bool = False):

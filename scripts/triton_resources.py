@@ -1,16 +1,17 @@
-"""Registers, spill stack and shared memory of the triton engine's forward kernels, compiled for a
+"""Registers, spill stack and shared memory of the triton engine's kernels, compiled for a
 GPU on a machine without one (Triton's compiler and the ``ptxas`` / ``cuobjdump`` it ships):
 
     PYTHONPATH=. python scripts/triton_resources.py [--dtypes float32,bfloat16,float64] [--arch 90]
-        [--blocks 64,64,32] [--calls forward,causal,decode]
+        [--blocks 64,64,32] [--calls forward,causal,backward,decode]
 
 The launches of a call are captured with their real arguments from the engine's own functions on
 CPU tensors, without running them, then compiled for ``sm_<arch>``: ``forward`` (pass 1
 ``tile_sums``, pass 2 ``merge_eval`` in attention's mode, ReLU with the "abs" normaliser, centred),
 ``causal`` (the same kernels as a level of causal attention runs them: indicator column, no
-epilogue) and ``decode`` (``decode_attend`` of ``DecodeCache``'s device runs, ReLU, centred, "abs";
-values in float64 whatever ``--dtypes`` says). A kernel that
-needs more registers than the 255 a thread may hold spills to a per-thread stack in local memory
+epilogue), ``backward`` (every variant a forward and its backward compile) and ``decode``
+(``decode_attend`` of ``DecodeCache``'s device runs, ReLU, centred, "abs"; values in float64
+whatever ``--dtypes`` says). A kernel that needs more registers than the 255 a thread may hold
+spills to a per-thread stack in local memory
 (``STACK``): on a GPU every spilled value is a memory round trip inside the tile loop
 (docs/benchmarks.rst, "On a GPU"). The figures come from the Triton installed here, which may not
 be the GPU machine's.
@@ -75,16 +76,17 @@ def forward_launches(dtype, length: int = 1024, rows: int = 8, dv: int = 64) -> 
             setattr(kernels, name, Captured(name, fn))
         table = _sums.build_table(xp, y, w, ones=True)
         _sums.attend(xp, table, _sums.sort_queries(xp, x), Profile.of(ReLU()), Normalizer("abs", 1e-6), (rows,),
-                     center=True, divisor=None, dtype=dtype)
+                     center=True, factor=None, dtype=dtype)
     finally:
         for name, fn in originals.items():
             setattr(kernels, name, fn)
     return captured
 
 
-def _captured(names, run) -> list:
+def _captured(names, run, variants: bool = False) -> list:
     """``(name, jitted function, args, kwargs)`` of the launches of the kernels ``names`` that
-    ``run()`` makes, captured, not run (the first of each name)."""
+    ``run()`` makes, captured, not run: the first of each name, or with ``variants`` the first of
+    each compiled variant (a kernel and its constexpr arguments), named ``<kernel>_<i>``."""
     from slicedkern.engines import triton as engine
     from slicedkern.engines.triton import _sums
     kernels = _sums.loaded()
@@ -96,7 +98,11 @@ def _captured(names, run) -> list:
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                captured.setdefault(self.name, (self.name, self.fn, args, kwargs))
+                key = (self.name, repr(sorted(kwargs.items()))) if variants else self.name
+                if key not in captured:
+                    number = sum(seen[0] == self.name for seen in captured)
+                    label = f"{self.name}_{number}" if variants else self.name
+                    captured[key] = (label, self.fn, args, kwargs)
             return launch
     originals = {name: getattr(kernels, name) for name in names}
     accepts = engine.interpreted
@@ -120,6 +126,22 @@ def causal_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> 
     v = torch.randn(1, heads, length, dv, generator=g).to(dtype)
     return _captured(("tile_sums", "merge_eval"),
                      lambda: slicedkern.relu_attention(q, k, v, causal=True, engine="triton"))
+
+
+def backward_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> list:
+    """Every compiled variant of the kernels that attention's forward and backward launch (ReLU,
+    centred, "abs" normaliser), captured; the forward's come first (``_0``). Nothing runs, so the
+    backward reads unset residuals: its one data-dependent branch (``_vjp._silent_rows``) adds a
+    launch of a variant it has already, or not."""
+    import slicedkern
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, heads, length, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    v = torch.randn(1, heads, length, dv, generator=g).to(dtype).requires_grad_()
+
+    def run():
+        out = slicedkern.relu_attention(q, k, v, engine="triton")
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    return _captured(("tile_sums", "merge_eval"), run, variants=True)
 
 
 def decode_launches(dtype, length: int = 1000, heads: int = 4, dv: int = 16) -> list:
@@ -168,7 +190,7 @@ def main(argv=None):
     p.add_argument("--arch", type=int, default=90, help="compute capability, 90 for Hopper (H100, H200)")
     p.add_argument("--blocks", default=None, help="BLOCK_M,BLOCK_N,BLOCK_C instead of the engine's")
     p.add_argument("--warps", type=int, default=None, help="pass 2's warps instead of the engine's")
-    p.add_argument("--calls", default="forward", help="comma list of forward, causal, decode")
+    p.add_argument("--calls", default="forward", help="comma list of forward, causal, backward, decode")
     a = p.parse_args(argv)
     from slicedkern.engines.triton import _sums
     if a.blocks:
@@ -177,7 +199,8 @@ def main(argv=None):
         _sums.MERGE_WARPS = a.warps
     print(f"triton {triton.__version__}, sm_{a.arch}, blocks (M, N, C) = {_sums.BLOCK_M, _sums.BLOCK_N, _sums.BLOCK_C}"
           f" (float64: at most 16 each), pass 2 on {_sums.MERGE_WARPS} warps")
-    calls = {"forward": forward_launches, "causal": causal_launches, "decode": decode_launches}
+    calls = {"forward": forward_launches, "causal": causal_launches, "backward": backward_launches,
+             "decode": decode_launches}
     for call in a.calls.split(","):
         for name in a.dtypes.split(",") if call != "decode" else ["float64"]:
             for kernel, fn, args, kwargs in calls[call](getattr(torch, name)):

@@ -25,21 +25,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_kernels_compile_for_hopper_without_spills():
-    """Forward, a causal level and decoding, float32 and bfloat16 values: every kernel compiles for
-    ``sm_90``; the forward's and the causal level's keep everything in registers (no stack), the
-    decoding kernel at most a few bytes of it."""
+    """Forward, a causal level, a forward with its backward (every variant compiled: 3 of pass 1, 6
+    of pass 2) and decoding, float32 and bfloat16 values: every kernel compiles for ``sm_90``; all
+    but the decoding kernel keep everything in registers (no stack), that one at most a few bytes
+    of it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "triton_resources.py"), "--calls",
-                           "forward,causal,decode", "--dtypes", "float32,bfloat16"],
+                           "forward,causal,backward,decode", "--dtypes", "float32,bfloat16"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     found = {}
     for call, kernel, dtype, usage in re.findall(r"^\s+(\w+)\s+(\w+)\s+(\w+)\s+(\{.*\})$", done.stdout, re.M):
         found[(call, kernel, dtype)] = ast.literal_eval(usage)
     expected = {(call, kernel, dtype) for call in ("forward", "causal") for kernel in ("tile_sums", "merge_eval")
-                for dtype in ("float32", "bfloat16")} | {("decode", "decode_attend", "float64")}
+                for dtype in ("float32", "bfloat16")} | {("decode", "decode_attend", "float64")} | {
+        ("backward", f"{kernel}_{i}", dtype) for kernel, variants in (("tile_sums", 3), ("merge_eval", 6))
+        for i in range(variants) for dtype in ("float32", "bfloat16")}
     assert set(found) == expected, done.stdout
     for (call, kernel, dtype), usage in found.items():
         assert 0 < usage["REG"] <= 255, (call, kernel, dtype, usage)

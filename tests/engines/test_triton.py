@@ -435,6 +435,42 @@ def test_traffic_of_the_forward():
     assert traffic.count(48, 8, 1, backward=True)["sorts"] == 2
 
 
+def test_traffic_of_the_backward():
+    """The backward's structure (issue 26, item 2): the forward's table of keys kept (its carry a
+    residual: no pass 1 over the keys again), one table of the cotangent rows over the sorted
+    queries, scaled as the kernels read them, and one of the two indicator cotangents; evaluations
+    for dq (the values' and the two indicator columns'), dk (the same, reflected) and dv, which is
+    written centred, masked and in the values' dtype by its epilogue. Large intermediates: the
+    cotangent and the output lifted to float64 (the quotient rule's row dots read them) and the
+    values with the NaN policy's zeros; none of the pulled-back sums."""
+    if DEVICE != "cpu":
+        pytest.skip("counted under the interpreter, on CPU tensors (the counts do not depend on the device)")
+    found = _traffic().count(48, 8, 1, backward=True)
+    assert found["launches"] == {"tile_sums": 1 + 2, "merge_eval": 1 + 3 + 3 + 1}
+    assert found["large intermediates"] <= 3, found
+    assert found["large float64"] <= 2, found
+
+
+def test_relu_normaliser_gradients_at_large_tied_scores():
+    """Rows whose ReLU normaliser is exactly 0 send their cotangent to dq and dk but not to dv
+    (engines/_vjp.py, ``_silent_rows``): on the triton engine, a second cotangent table with those
+    rows' factors zeroed. Scores of 1e20 with ties: dv within 1e-12 of the dense reference, where
+    the rounding of the sums over the queries would put 1.7e10 (issue 23, item 10)."""
+    worst = 0.0
+    for seed in (80, 100, 114, 138, 174):
+        rng = np.random.default_rng(seed)
+        scores = rng.integers(-9, 9, size=(1, 18)).astype(float) * 1e20
+        v, g = rng.normal(size=(1, 18, 1)), _t(rng.normal(size=(1, 18, 1)))
+        grads = []
+        for module, engine in ((slicedkern, "triton"), (reference, None)):
+            args = [_t(a).requires_grad_() for a in (scores, scores, v)]
+            kw = {"engine": engine} if engine else {}
+            out = module.relu_attention(*args, normalize="relu", **kw)
+            grads.append(torch.autograd.grad((out * g).sum(), args[2])[0])
+        worst = max(worst, float((grads[0] - grads[1]).abs().max()))
+    assert worst < 1e-12
+
+
 def test_traffic_of_the_causal_forward(small_leaves):
     """Causal: per level of the divide and conquer one sort of the left blocks' keys and one of the
     right blocks' queries, one tile-sum launch and one evaluation launch per profile (the values

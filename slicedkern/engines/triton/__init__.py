@@ -11,12 +11,16 @@ launch as the values, and written as the backward's residuals; the output is wri
 dtype (the result's: the op casts the values to it), so no cast or float64 copy of it follows
 (docs/architecture.rst, "Engines").
 
-The backward is the generic one (:mod:`.._vjp`) over this engine's profile-sum pull-back, with two
-differences: it reads the forward's sorted keys and queries (residuals of ``n`` elements each), so
-a forward and its backward sort each array once; and the score gradients' dot products with the
-cotangent and with the values are taken in pass 2's epilogue, so no ``(n, D)`` array of derivative
-sums is written. Its remaining ``(n, D)`` temporaries are the generic backward's (issue 26: a fused
-backward is the next step).
+The backward is the generic one (:mod:`.._vjp`: the NaN rule, the quotient rule) with attention's
+sums pulled back on these kernels (:func:`_sums_vjp`, fixed profiles): it reads the forward's sorted
+keys and queries and its table's carry (residuals), so a forward and its backward sort each array
+once and sum the values' tiles once; the score gradients' dot products with the cotangent and with
+the values are taken in pass 2's epilogue, the cotangent rows are scaled by the quotient rule's
+factor as the kernels read them, and ``dv`` is written centred, masked and in the values' dtype, so
+no ``(n, D)`` array of sums is written. What remains of ``(n, D)`` temporaries is the quotient rule's
+row dots' float64 copies of the cotangent and the output, and the NaN policy's copy of the values
+(``scripts/triton_traffic.py``). Learned bandwidths and mixture weights take the generic pull-back
+over the scan's knot sums.
 
 Causal attention is the scan's divide and conquer over positions (:mod:`..scan._causal`) with these
 kernels at every level: the left blocks' keys as rows of one pass 1, the right blocks' queries as
@@ -48,8 +52,9 @@ from ._sums import Queries, attend, build_table, interpreted, profile_dot, profi
 __all__ = ["TritonEngine"]
 
 #: attention's residuals, in order ("den" only with a summed normaliser): the backward's per-query
-#: sums, and the forward's sorted keys and queries with their permutations (Engine.aux_of)
-_RESIDUALS = ("take", "relu_count", "key_order", "key_perm", "query_order", "query_perm", "den")
+#: sums, the forward's sorted keys and queries with their permutations, and the carry of its table of
+#: ``[v | indicator]`` (R, tiles + 1, 2 (dv + 1)) float64 (Engine.aux_of)
+_RESIDUALS = ("take", "relu_count", "key_order", "key_perm", "query_order", "query_perm", "key_carry", "den")
 #: Positions per dense leaf block of causal attention: the (64, 64) products of a block cost less on a
 #: GPU than the six levels of launches they replace (issue 26 asks for a 64-128 dense bottom chunk).
 CAUSAL_LEAF = 64
@@ -139,9 +144,9 @@ class TritonEngine(Engine):
             return xp.zeros(x.shape + (c,), dtype=x.dtype, device=x.device)
         sc = screen(xp, x, y, w, None, defer=False)
         table = build_table(xp, _rows(xp, sc.y, 1), _row_view(xp, w, 2), take=_rows(xp, sc.table_take, 1))
-        divisor = _rows(xp, sc.divisor(xp, 1.0), 1)
+        factor = _rows(xp, sc.divisor(xp, 1.0), 1)          # 1, or NaN where the NaN policy says
         out = profile_sum(xp, table, sort_queries(xp, _rows(xp, sc.x, 1)), profile, batch, column_range(profile, c),
-                          strict=True, divisor=divisor)
+                          strict=True, factor=factor)
         return xp.reshape(out, batch + (n, out.shape[-1]))
 
     def attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp, for_backward=False):
@@ -156,9 +161,10 @@ class TritonEngine(Engine):
                             ones=True)
         xr = sort_queries(xp, _rows(xp, sc.x, 1))
         out, relu_count, raw = attend(xp, table, xr, profile, normalizer, batch, center=center,
-                                      divisor=_rows(xp, sc.divisor(xp, 1.0), 1), dtype=v.dtype)
+                                      factor=_rows(xp, sc.divisor(xp, 1.0), 1), dtype=v.dtype)
         # the sorted orders go to the backward too (n elements each): it sorts nothing again
-        residuals = [sc.take, xp.reshape(relu_count, batch + (lq, 1)), table.keys, table.perm, xr.sorted, xr.perm]
+        residuals = [sc.take, xp.reshape(relu_count, batch + (lq, 1)), table.keys, table.perm, xr.sorted, xr.perm,
+                     table.carry]
         if raw is not None:
             residuals.append(xp.reshape(raw, batch + (lq, 1)))
         return xp.reshape(out, batch + (lq, dv)), tuple(residuals)
@@ -187,7 +193,7 @@ class TritonEngine(Engine):
         if causal or aux is None or "query_perm" not in aux:
             return super().key_view(q, k, v, key_mask, aux, causal=causal, xp=xp)
         return _SortedKeys(self, q, k, v, key_mask, xp, (aux["key_order"], aux["key_perm"], aux["query_order"],
-                                                         aux["query_perm"]))
+                                                         aux["query_perm"]), aux["key_carry"])
 
     def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True, orders=None):
         """The pull-back of profile sums; ``orders``: the (R, m) / (R, n) sorted keys, their int32
@@ -251,12 +257,80 @@ class TritonEngine(Engine):
 
 class _SortedKeys(AllKeys):
     """Every key of the row (:class:`~slicedkern.engines._vjp.AllKeys`), pulled back over the
-    forward's sorted orders: the backward of attention on the triton engine sorts nothing."""
+    forward's sorted orders: the backward of attention on the triton engine sorts nothing; with
+    fixed profiles its sums are pulled back by :func:`_sums_vjp`, on the forward's table of keys."""
 
-    def __init__(self, engine, q, k, v, key_mask, xp, orders):
+    def __init__(self, engine, q, k, v, key_mask, xp, orders, key_carry):
         super().__init__(engine, q, k, v, key_mask, xp)
-        self.orders = orders
+        self.orders, self.key_carry = orders, key_carry
 
     def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
         return self.engine.profiles_vjp(x, y, w, profiles, cotangents, xp=xp, param_grads=param_grads,
                                         orders=self.orders)
+
+    def sums_vjp(self, profile, normalizer, gout, cot, silent, *, center: bool, dv_sub, dv_factor, xp):
+        if not (profile.is_fixed and (not normalizer.summed or normalizer.profile.is_fixed)):
+            # array parameters (learned bandwidths, mixture weights) take their gradients from the
+            # scan's knot sums over materialised cotangents: the generic pull-back
+            return super().sums_vjp(profile, normalizer, gout, cot, silent, center=center, dv_sub=dv_sub,
+                                    dv_factor=dv_factor, xp=xp)
+        return _sums_vjp(xp, self, profile, normalizer, gout, cot, silent, center=center, dv_sub=dv_sub,
+                         dv_factor=dv_factor)
+
+
+def _sums_vjp(xp, keys: _SortedKeys, profile, normalizer, gout, cot, silent, *, center: bool, dv_sub, dv_factor):
+    """:func:`slicedkern.engines._vjp.sums_vjp` on the kernels, for fixed profiles: the same
+    pull-back, with no ``(n, dv)`` array but the gradient ``dv`` itself (issue 26, item 2).
+
+    * ``dq``: the derivative sums of the values over the forward's table of keys (its carry is a
+      residual: no pass 1), dotted with ``gout`` in pass 2's epilogue and scaled by the quotient
+      rule's factor per query (``cot.scale``); the indicator column's derivative sums, one column,
+      times the indicator cotangents (centring, normaliser);
+    * ``dv`` and ``dk``: the reflected profile over a table of the sorted queries whose rows are
+      ``gout`` times ``cot.scale``, scaled as the kernels read them (never written scaled); ``dk``'s
+      dot with the values in pass 2's epilogue, the indicator cotangents (two columns at most) in a
+      table of their own; ``dv_sub`` and ``dv_factor`` applied in pass 2's epilogue, which writes
+      ``dv`` in the values' dtype.
+    """
+    x, y, v = keys.q, keys.k, keys.v
+    batch, n, m, dv = tuple(x.shape[:-1]), x.shape[-1], y.shape[-1], v.shape[-1]
+    key_order, key_perm, query_order, query_perm = keys.orders
+    xq = Queries(query_order, query_perm)
+    yq = Queries(xp.astype(key_order, xp.float64), key_perm)
+    xr = _rows(xp, x, 1)
+    vr, gr = _row_view(xp, v, 2), _row_view(xp, gout, 2)
+    takef = xp.astype(_rows(xp, keys.take, 1), xp.float64)
+    scale = _rows(xp, xp.astype(xp.broadcast_to(cot.scale, batch + (n, 1))[..., 0], xp.float64), 1)
+    indicator = ([(profile, cot.relu_count)] if center else []) + (
+        [(normalizer.profile, cot.den)] if normalizer.summed else [])
+    indicator_cots = [_rows(xp, xp.astype(xp.broadcast_to(c, batch + (n, 1))[..., 0], xp.float64), 1)
+                      for _, c in indicator]
+
+    keyed = build_table(xp, _rows(xp, y, 1), vr, take=_rows(xp, keys.take, 1), ones=True, presorted=yq,
+                        carry=keys.key_carry)
+    dq = profile_dot(xp, keyed, xq, profile.with_(derivative=True), batch, range(0, dv), gr, 0,
+                     strict=False) * scale
+    for (p, _), c in zip(indicator, indicator_cots):
+        sums = profile_sum(xp, keyed, xq, p.with_(derivative=True), batch, range(dv, dv + 1), strict=False)
+        dq = dq + sums[..., 0] * c
+
+    queried = build_table(xp, xr, gr, scale=scale, presorted=xq)
+    reflected = profile.reflect()
+    dk = profile_dot(xp, queried, yq, reflected.with_(derivative=True), batch, range(0, dv), vr, 0, strict=True)
+    if silent is not None:
+        # the silent rows' cotangent reaches dq and dk, not dv (_vjp.sums_vjp)
+        kept = scale * (1.0 - xp.astype(_rows(xp, silent[..., 0], 1), xp.float64))
+        queried = build_table(xp, xr, gr, scale=kept, presorted=xq)
+    sub = None if dv_sub is None else _rows(xp, xp.astype(xp.broadcast_to(dv_sub, batch + (1, dv))[..., 0, :],
+                                                          xp.float64), 1)
+    factor = _rows(xp, xp.astype(xp.broadcast_to(dv_factor, batch + (m, 1))[..., 0], xp.float64), 1)
+    dvs = profile_sum(xp, queried, yq, reflected, batch, range(0, dv), strict=True, sub=sub, factor=factor,
+                      dtype=v.dtype)
+    if indicator:
+        extra = build_table(xp, xr, xp.concat([c[..., None] for c in indicator_cots], axis=-1), presorted=xq)
+        for i, (p, _) in enumerate(indicator):
+            sums = profile_sum(xp, extra, yq, p.reflect().with_(derivative=True), batch, range(i, i + 1),
+                               strict=True)
+            dk = dk + sums[..., 0] * takef
+    none = (tuple(None for _ in profile.knots), tuple(None for _ in profile.coeffs))
+    return (xp.reshape(dq, batch + (n,)), xp.reshape(dk, batch + (m,)), xp.reshape(dvs, batch + (m, dv)), none)

@@ -41,9 +41,9 @@ _JITTED = ("_rank", "_key_tile", "_tile", "_knot_ranks", "_below_sum", "_indicat
 _mode: list = []     # [interpreted?] once built
 
 
-def tile_sums(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, agg_ptr,
+def tile_sums(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, agg_ptr,
               m, c, C, nb, sw_r, sw_m, sw_c,
-              HAS_TAKE: tl.constexpr, ONES: tl.constexpr, ACC: tl.constexpr,
+              HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """Pass 1: one tile of sorted keys x one block of columns: the tile's sums ``[w | (y - shift) w]``
     (float64), nothing per key."""
@@ -52,8 +52,8 @@ def tile_sums(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, agg_ptr,
     cb = tl.program_id(2)
     j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    wv, y, _ = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c,
-                     HAS_TAKE, ONES, ACC)
+    wv, y, _ = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, row, j, cols, m, c, sw_r, sw_m,
+                     sw_c, HAS_TAKE, ONES, SCALE, ACC)
     tot = row * nb * 2 * C + blk * 2 * C + cols
     cm = cols < C
     tl.store(agg_ptr + tot, tl.sum(wv.to(tl.float64), 0), mask=cm)
@@ -73,16 +73,20 @@ def _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, HAS_TAKE: tl.c
     return p, tl.where(ok, y, 0.0), ok
 
 
-def _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c,
-          HAS_TAKE: tl.constexpr, ONES: tl.constexpr, ACC: tl.constexpr):
+def _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c,
+          HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr):
     """The weight rows of the sorted keys ``j`` (gathered through ``perm``, zero for the keys that
-    take no part, the indicator in column ``c`` when ONES), their shifted keys in ACC and whether
-    they take part."""
+    take no part, times the key's ``scale`` (R, m) float64 when SCALE, the indicator in column ``c``
+    when ONES), their shifted keys in ACC and whether they take part."""
     p, y, ok = _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, HAS_TAKE, ACC)
     wm = ok[:, None] & (cols[None, :] < c)
     wv = tl.load(w_ptr + row * sw_r + p[:, None] * sw_m + cols[None, :] * sw_c, mask=wm, other=0.0)
     # ``where``, not a product: a masked key's weight may be NaN and must not reach the sums
     wv = tl.where(wm, wv.to(ACC), 0.0)
+    if SCALE:
+        # the backward's cotangent rows g_i times the quotient rule's factor of query i: the scaled
+        # rows are never written (docs/architecture.rst, "Engines")
+        wv = wv * tl.load(scale_ptr + row * m + p, mask=ok, other=0.0).to(ACC)[:, None]
     if ONES:
         wv = tl.where(ok[:, None] & (cols[None, :] == c), 1.0, wv).to(ACC)
     return wv, y, ok
@@ -194,13 +198,14 @@ def _attention_epilogue(acc, relu_count, count, totals, den, eps, CENTER: tl.con
     return acc
 
 
-def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, carry_ptr,
-               knots_ptr, coeffs_ptr, lin_ptr, div_ptr, out_ptr,
+def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, carry_ptr,
+               knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr, out_ptr,
                nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps,
                dot_ptr, sd_r, sd_n, sd_c, dot_col0,
                n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m,
-               K: tl.constexpr, STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_DIV: tl.constexpr,
-               HAS_TAKE: tl.constexpr, ONES: tl.constexpr, ACC: tl.constexpr,
+               K: tl.constexpr, STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_FACTOR: tl.constexpr,
+               SUB: tl.constexpr,
+               HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
                ATTN: tl.constexpr, CENTER: tl.constexpr, NORM: tl.constexpr, KN: tl.constexpr, DOT: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     """Pass 2: ``out[perm_i, :] = (profile sum over columns col0 .. col0 + width) / div_i``
@@ -210,7 +215,8 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     read one contiguous range of sorted keys: the carry (float64 sums of the tiles before it) plus,
     tile by tile over the range, the sums of the keys below each query as a masked product
     ``[j < rank_i] @ rows_j`` in ACC (float32 over the span, float64 in the carry). The rows are
-    re-gathered from ``w`` through the key permutation: nothing per key is stored between the passes.
+    re-gathered from ``w`` through the key permutation (times ``scale`` when SCALE, as pass 1 read
+    them): nothing per key is stored between the passes.
     The profile ``intercept + slope r + sum_k coeffs[k] ReLU(r - knots[k])`` (per batch row:
     ``knots``, ``coeffs`` (R, K), ``lin`` (R, 2) = slope, intercept), or its derivative when DERIV.
 
@@ -221,7 +227,10 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     ``nlin`` (KN knots) over the indicator, floored at ``eps``, 1 for a query that sees no key;
     docs/mathematics.rst, "Attention"). The first column block writes ``relu_count`` and the
     normaliser's sum (R, n), float64 in the queries' original order: the backward's residuals.
-    ``div`` (HAS_DIV) stays the NaN policy's factor (1, or NaN on a bad query or row).
+    Then SUB subtracts the row ``sub`` (R, width) float64 from every query's sums, and HAS_FACTOR
+    multiplies them by the query's ``factor`` (R, n): the NaN policy's (1, or NaN on a bad query or
+    row) in the forward, the key mask's and the NaN policy's on ``dv`` in the backward, whose SUB
+    is the centring mean's term.
 
     DOT (the backward's score gradients): instead of the rows, their dot product with the rows of
     ``dot`` (strides ``sd_*``, columns from ``dot_col0``) at the same queries, read in their own
@@ -253,8 +262,8 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
             i0, i1 = _indicator_carry(carry_ptr, ind, first, C, (BLOCK_N,))
         for blk in range(first, last):
             j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-            wv, y, ok = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c,
-                              HAS_TAKE, ONES, ACC)
+            wv, y, ok = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, row, j, cols, m, c, sw_r,
+                              sw_m, sw_c, HAS_TAKE, ONES, SCALE, ACC)
             below = (j[None, :] < rank[:, None]).to(ACC)
             q0 = _below_sum(below, wv, q0, ACC)
             if not DERIV:
@@ -298,8 +307,10 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
             if first_block:
                 tl.store(raw_ptr + row * n + dest, raw, mask=nm)
         acc = _attention_epilogue(acc, relu_count, valid, t0, raw, eps, CENTER, NORM)
-    if HAS_DIV:
-        acc = acc / tl.load(div_ptr + row * n + dest, mask=nm, other=1.0)[:, None]
+    if SUB:
+        acc = acc - tl.load(sub_ptr + row * width + cl, mask=cm, other=0.0)[None, :]
+    if HAS_FACTOR:
+        acc = acc * tl.load(factor_ptr + row * n + dest, mask=nm, other=1.0)[:, None]
     if DOT:
         gv = tl.load(dot_ptr + row * sd_r + dest[:, None] * sd_n + (dot_col0 + cl)[None, :] * sd_c,
                      mask=nm[:, None] & cm[None, :], other=0.0).to(tl.float64)

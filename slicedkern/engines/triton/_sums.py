@@ -58,6 +58,7 @@ class Table(NamedTuple):
     take: Any    # (R, m) int8 the keys that take part, or None
     C: int       # columns of the sums (the weight columns, plus the indicator column)
     ones: bool   # whether column c is the indicator
+    scale: Any = None   # (R, m) float64 per-key factors of the weights' rows, in the keys' own order, or None
 
     @property
     def totals(self):
@@ -97,33 +98,40 @@ def sort_queries(xp, x) -> Queries:
     return Queries(xp.astype(values, xp.float64).contiguous(), perm)
 
 
-def build_table(xp, y, w, *, take=None, ones=False, presorted: Queries | None = None) -> Table:
+def build_table(xp, y, w, *, take=None, ones=False, scale=None, presorted: Queries | None = None,
+                carry=None) -> Table:
     """Sort the keys ``y`` (R, m) and sum ``[w, (y - shift) w]`` (R, m, c) per tile of sorted keys
     (pass 1); the tile sums' float64 prefix is the carry.
 
     ``take`` (R, m) bool zeroes the weights of the keys that take no part; ``ones`` adds the
-    indicator column (``take``, or ones) without a concatenated copy of ``w``; ``presorted``: ``y``
-    sorted already (:func:`sort_queries` of it), so that an array is sorted once per call.
+    indicator column (``take``, or ones) without a concatenated copy of ``w``; ``scale`` (R, m)
+    float64 multiplies each key's weight row (not the indicator), without a scaled copy of ``w``;
+    ``presorted``: ``y`` sorted already (:func:`sort_queries` of it), so that an array is sorted once
+    per call; ``carry``: the carry of this same table, kept from an earlier call (attention's forward
+    for its backward), so that pass 1 is not run again.
     """
     rows, m = y.shape
     c = w.shape[-1]
     keys, perm = _sort(xp, y) if presorted is None else presorted
     shift = xp.astype(keys[:, m // 2], xp.float64).contiguous()
     C = c + (1 if ones else 0)
-    block_m, _, block_c = _blocks(xp, w)
-    nb = triton_cdiv(m, block_m)
-    dev = y.device
-    sums = xp.empty((rows, nb, 2 * C), dtype=xp.float64, device=dev)
     take_arg = xp.astype(take, xp.int8).contiguous() if take is not None else None
-    grid = (rows, nb, triton_cdiv(C, block_c))
-    k = loaded()
-    k.tile_sums[grid](keys, shift, perm, w, take_arg if take is not None else perm, sums,
-                      m, c, C, nb, w.stride(0), w.stride(1), w.stride(2),
-                      HAS_TAKE=take is not None, ONES=ones, ACC=_tl_dtype(k, _acc_dtype(xp, w), xp),
-                      BLOCK_M=block_m, BLOCK_C=block_c)
-    zero = xp.zeros((rows, 1, 2 * C), dtype=xp.float64, device=dev)
-    carry = xp.concat([zero, xp.cumulative_sum(sums, axis=1)], axis=1)
-    return Table(keys, perm, shift, carry, w, take_arg, C, ones)
+    scale_arg = xp.astype(scale, xp.float64).contiguous() if scale is not None else None
+    if carry is None:
+        block_m, _, block_c = _blocks(xp, w)
+        nb = triton_cdiv(m, block_m)
+        dev = y.device
+        sums = xp.empty((rows, nb, 2 * C), dtype=xp.float64, device=dev)
+        grid = (rows, nb, triton_cdiv(C, block_c))
+        k = loaded()
+        k.tile_sums[grid](keys, shift, perm, w, take_arg if take is not None else perm,
+                          scale_arg if scale is not None else shift, sums,
+                          m, c, C, nb, w.stride(0), w.stride(1), w.stride(2),
+                          HAS_TAKE=take is not None, ONES=ones, SCALE=scale is not None,
+                          ACC=_tl_dtype(k, _acc_dtype(xp, w), xp), BLOCK_M=block_m, BLOCK_C=block_c)
+        zero = xp.zeros((rows, 1, 2 * C), dtype=xp.float64, device=dev)
+        carry = xp.concat([zero, xp.cumulative_sum(sums, axis=1)], axis=1)
+    return Table(keys, perm, shift, carry, w, take_arg, C, ones, scale_arg)
 
 
 def _tl_dtype(k, dtype, xp):
@@ -173,11 +181,12 @@ def _build_profile_args(xp, pairs, slope, intercept, batch, rows: int, dev):
 
 
 def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, out, *, strict: bool,
-              divisor=None, attention=None, dot=None):
+              factor=None, sub=None, attention=None, dot=None):
     """Launch pass 2 into ``out`` (R, n, len(cols)); ``attention`` = ``(center, normalizer, count, raw)``
     for attention's fused epilogue (``count`` and ``raw`` the (R, n) float64 residuals it writes);
     ``dot`` = ``(rows, col0)``: write the rows' dot products with ``rows[..., col0:col0 + len(cols)]``
-    ((R, n, ...) in any strides and dtype) into ``out`` (R, n, column blocks) instead."""
+    ((R, n, ...) in any strides and dtype) into ``out`` (R, n, column blocks) instead; ``sub``
+    (R, len(cols)) float64 subtracted from every query's sums, then ``factor`` (R, n) multiplying them."""
     x = queries.sorted
     rows, n = x.shape
     m = table.keys.shape[-1]
@@ -203,32 +212,36 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
     k = loaded()
     k.merge_eval[grid](
         x, queries.perm, table.keys, table.shift, table.perm, w,
-        table.take if table.take is not None else table.perm, table.carry, knots, coeffs, lin,
-        divisor if divisor is not None else x, out,
+        table.take if table.take is not None else table.perm,
+        table.scale if table.scale is not None else table.shift, table.carry, knots, coeffs, lin,
+        factor if factor is not None else x, sub if sub is not None else x, out,
         nknots, ncoeffs, nlin, count, raw, eps,
         against, against.stride(0), against.stride(1), against.stride(2), dot_col0,
         n, m, c, table.C, nb, cols.start, width, w.stride(0), w.stride(1), w.stride(2),
         max(1, math.ceil(math.log2(m + 1))),
         K=K, STRICT=strict, DERIV=bool(profile.derivative),
-        HAS_DIV=divisor is not None, HAS_TAKE=table.take is not None, ONES=table.ones,
+        HAS_FACTOR=factor is not None, SUB=sub is not None, HAS_TAKE=table.take is not None, ONES=table.ones,
+        SCALE=table.scale is not None,
         ACC=_tl_dtype(k, _acc_dtype(xp, w), xp), ATTN=attention is not None, CENTER=bool(center), NORM=norm,
         KN=kn, DOT=dot is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c, num_warps=MERGE_WARPS)
     return out
 
 
 def profile_sum(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, *, strict: bool,
-                divisor=None):
-    """``(sum over the profile of table columns cols) / divisor``, (R, n, len(cols)) float64.
+                factor=None, sub=None, dtype=None):
+    """``((sum over the profile of table columns cols) - sub) * factor``, (R, n, len(cols)) in
+    ``dtype`` (float64 by default).
 
-    ``queries``: :func:`sort_queries` of the (R, n) queries; ``divisor`` (R, n) float64 or None, in
-    the queries' original order; ``batch`` the batch shape the profile's array parameters broadcast
-    to. The result in the queries' original order (pass 2, one launch).
+    ``queries``: :func:`sort_queries` of the (R, n) queries; ``factor`` (R, n) float64 or None, in
+    the queries' original order; ``sub`` (R, len(cols)) float64 or None; ``batch`` the batch shape
+    the profile's array parameters broadcast to. The result in the queries' original order (pass 2,
+    one launch).
     """
     rows, n = queries.sorted.shape
-    out = xp.empty((rows, n, len(cols)), dtype=xp.float64, device=queries.sorted.device)
+    out = xp.empty((rows, n, len(cols)), dtype=dtype or xp.float64, device=queries.sorted.device)
     if len(cols) == 0 or rows == 0 or n == 0:
         return out
-    return _evaluate(xp, table, queries, profile, batch, cols, out, strict=strict, divisor=divisor)
+    return _evaluate(xp, table, queries, profile, batch, cols, out, strict=strict, factor=factor, sub=sub)
 
 
 def profile_dot(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, rows_, col0: int, *,
@@ -248,13 +261,14 @@ def profile_dot(xp, table: Table, queries: Queries, profile: Profile, batch, col
     return xp.sum(partial, axis=-1)
 
 
-def attend(xp, table: Table, queries: Queries, profile: Profile, normalizer, batch, *, center: bool, divisor,
+def attend(xp, table: Table, queries: Queries, profile: Profile, normalizer, batch, *, center: bool, factor,
            dtype):
     """Attention's forward in one pass-2 launch: ``(out, relu_count, raw)``.
 
     ``table``: the keys with the values and the indicator column (``build_table(..., ones=True)``);
     ``out`` (R, n, dv) in ``dtype``: the profile sum of the values, centred when ``center``,
-    divided by the normaliser's divisor and by ``divisor`` (the NaN policy's factor, (R, n));
+    divided by the normaliser's divisor and multiplied by ``factor`` (the NaN policy's, (R, n): 1 or
+    NaN);
     ``relu_count`` (R, n) the profile summed over the valid keys, ``raw`` (R, n) the normaliser's
     profile sum (None unless ``normalizer.summed``), float64: the backward's residuals.
     """
@@ -266,6 +280,6 @@ def attend(xp, table: Table, queries: Queries, profile: Profile, normalizer, bat
     count = xp.empty((rows, n), dtype=xp.float64, device=dev)
     raw = xp.empty((rows, n), dtype=xp.float64, device=dev) if normalizer.summed else None
     if rows and n:
-        _evaluate(xp, table, queries, profile, batch, range(0, width), out, strict=True, divisor=divisor,
+        _evaluate(xp, table, queries, profile, batch, range(0, width), out, strict=True, factor=factor,
                   attention=(center, normalizer, count, raw if raw is not None else count))
     return out[..., :dv], count, raw

@@ -299,15 +299,17 @@ def _sums_vjp(xp, keys: _SortedKeys, profile, normalizer, gout, cot, silent, *, 
     yq = Queries(xp.astype(key_order, xp.float64), key_perm)
     xr = _rows(xp, x, 1)
     vr, gr = _row_view(xp, v, 2), _row_view(xp, gout, 2)
-    takef = xp.astype(_rows(xp, keys.take, 1), xp.float64)
-    scale = _rows(xp, xp.astype(xp.broadcast_to(cot.scale, batch + (n, 1))[..., 0], xp.float64), 1)
+    take = _rows(xp, keys.take, 1)
+
+    def per_row(a, shape):           # (..., n or m, 1) or (..., 1, dv) factors as (R, n or m or dv) float64
+        return _rows(xp, xp.astype(xp.reshape(xp.broadcast_to(a, batch + shape), batch + (-1,)), xp.float64), 1)
+
+    scale = per_row(cot.scale, (n, 1))
     indicator = ([(profile, cot.relu_count)] if center else []) + (
         [(normalizer.profile, cot.den)] if normalizer.summed else [])
-    indicator_cots = [_rows(xp, xp.astype(xp.broadcast_to(c, batch + (n, 1))[..., 0], xp.float64), 1)
-                      for _, c in indicator]
+    indicator_cots = [per_row(c, (n, 1)) for _, c in indicator]
 
-    keyed = build_table(xp, _rows(xp, y, 1), vr, take=_rows(xp, keys.take, 1), ones=True, presorted=yq,
-                        carry=keys.key_carry)
+    keyed = build_table(xp, _rows(xp, y, 1), vr, take=take, ones=True, presorted=yq, carry=keys.key_carry)
     dq = profile_dot(xp, keyed, xq, profile.with_(derivative=True), batch, range(0, dv), gr, 0,
                      strict=False) * scale
     for (p, _), c in zip(indicator, indicator_cots):
@@ -319,18 +321,16 @@ def _sums_vjp(xp, keys: _SortedKeys, profile, normalizer, gout, cot, silent, *, 
     dk = profile_dot(xp, queried, yq, reflected.with_(derivative=True), batch, range(0, dv), vr, 0, strict=True)
     if silent is not None:
         # the silent rows' cotangent reaches dq and dk, not dv (_vjp.sums_vjp)
-        kept = scale * (1.0 - xp.astype(_rows(xp, silent[..., 0], 1), xp.float64))
+        kept = scale * (1.0 - per_row(silent, (n, 1)))
         queried = build_table(xp, xr, gr, scale=kept, presorted=xq)
-    sub = None if dv_sub is None else _rows(xp, xp.astype(xp.broadcast_to(dv_sub, batch + (1, dv))[..., 0, :],
-                                                          xp.float64), 1)
-    factor = _rows(xp, xp.astype(xp.broadcast_to(dv_factor, batch + (m, 1))[..., 0], xp.float64), 1)
-    dvs = profile_sum(xp, queried, yq, reflected, batch, range(0, dv), strict=True, sub=sub, factor=factor,
-                      dtype=v.dtype)
+    sub = None if dv_sub is None else per_row(dv_sub, (1, dv))
+    dvs = profile_sum(xp, queried, yq, reflected, batch, range(0, dv), strict=True, sub=sub,
+                      factor=per_row(dv_factor, (m, 1)), dtype=v.dtype)
     if indicator:
         extra = build_table(xp, xr, xp.concat([c[..., None] for c in indicator_cots], axis=-1), presorted=xq)
         for i, (p, _) in enumerate(indicator):
             sums = profile_sum(xp, extra, yq, p.reflect().with_(derivative=True), batch, range(i, i + 1),
                                strict=True)
-            dk = dk + sums[..., 0] * takef
+            dk = dk + sums[..., 0] * xp.astype(take, xp.float64)
     none = (tuple(None for _ in profile.knots), tuple(None for _ in profile.coeffs))
     return (xp.reshape(dq, batch + (n,)), xp.reshape(dk, batch + (m,)), xp.reshape(dvs, batch + (m, dv)), none)

@@ -141,7 +141,7 @@ def backward_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -
     def run():
         out = slicedkern.relu_attention(q, k, v, engine="triton")
         torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-    return _captured(("tile_sums", "merge_eval"), run, variants=True)
+    return _captured(("tile_sums", "merge_eval", "row_dots", "column_sums"), run, variants=True)
 
 
 def decode_launches(dtype, length: int = 1000, heads: int = 4, dv: int = 16) -> list:

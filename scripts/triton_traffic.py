@@ -77,7 +77,7 @@ def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32
     v = torch.randn(1, heads, length, dim, generator=g, dtype=dtype).requires_grad_(backward)
     cot = torch.ones(1, heads, length, dim, dtype=dtype)
     try:
-        with Recorder(length * dim * heads, (q, k, v)) as rec:
+        with Recorder(length * dim * heads, (q, k, v, cot)) as rec:
             out = slicedkern.relu_attention(q, k, v, causal=causal, engine="triton")
             grads = torch.autograd.grad(out, (q, k, v), cot) if backward else ()
     finally:

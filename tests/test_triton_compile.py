@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_kernels_compile_for_hopper_without_spills():
     """Forward, a causal level, a forward with its backward (every variant compiled: 3 of pass 1, 6
-    of pass 2) and decoding, float32 and bfloat16 values: every kernel compiles for ``sm_90``; all
+    of pass 2, and the quotient rule's row dots and column sums) and decoding, float32 and bfloat16
+    values: every kernel compiles for ``sm_90``; all
     but the decoding kernel keep everything in registers (no stack), that one at most a few bytes
     of it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -41,7 +42,8 @@ def test_kernels_compile_for_hopper_without_spills():
         found[(call, kernel, dtype)] = ast.literal_eval(usage)
     expected = {(call, kernel, dtype) for call in ("forward", "causal") for kernel in ("tile_sums", "merge_eval")
                 for dtype in ("float32", "bfloat16")} | {("decode", "decode_attend", "float64")} | {
-        ("backward", f"{kernel}_{i}", dtype) for kernel, variants in (("tile_sums", 3), ("merge_eval", 6))
+        ("backward", f"{kernel}_{i}", dtype)
+        for kernel, variants in (("tile_sums", 3), ("merge_eval", 6), ("row_dots", 1), ("column_sums", 1))
         for i in range(variants) for dtype in ("float32", "bfloat16")}
     assert set(found) == expected, done.stdout
     for (call, kernel, dtype), usage in found.items():

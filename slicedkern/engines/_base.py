@@ -172,12 +172,12 @@ class Engine:
         """``(dq, dk, dv, (dknots, dcoeffs))`` of attention with cotangent ``g`` (any float dtype), given
         the forward's ``out`` and ``residuals``; knot / coefficient gradients are aligned with
         ``profile.knots`` / ``profile.coeffs`` (``None`` for float parameters)."""
-        return _vjp.attention_vjp(self, q, k, v, profile, as_work(xp, g, q.dtype), out, self.aux_of(residuals),
+        return _vjp.attention_vjp(self, q, k, v, profile, g, out, self.aux_of(residuals),
                                   key_mask=key_mask, center=center, normalizer=normalizer, causal=False, xp=xp)
 
     def causal_attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
         """:meth:`attention_vjp` of :meth:`causal_attention` (engines with ``supports_causal``)."""
-        return _vjp.attention_vjp(self, q, k, v, profile, as_work(xp, g, q.dtype), out, self.aux_of(residuals),
+        return _vjp.attention_vjp(self, q, k, v, profile, g, out, self.aux_of(residuals),
                                   key_mask=key_mask, center=center, normalizer=normalizer, causal=True, xp=xp)
 
     def key_view(self, q, k, v, key_mask, aux, *, causal: bool, xp):

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 from .._lib.namespace import array_device, clamp_min
 from .._spec import Normalizer
 
-__all__ = ["combine", "pullback", "Cotangents"]
+__all__ = ["combine", "pullback", "row_dot", "Cotangents"]
 
 
 def combine(xp, ar, num_r, den_sum, totals, good, *, center: bool, normalizer: Normalizer, dv: int):
@@ -72,34 +72,43 @@ class Cotangents(NamedTuple):
     mean_weights: Any       # (..., lq, 1): R / count, what the centring mean's cotangent carries, or None
 
 
+def row_dot(xp, a, b):
+    """``<a_i, b_i>`` for every row ``i``: (..., lq, 1) in ``a``'s dtype, ``a`` (..., lq, dv) and ``b``
+    (..., lq or 1, dv) (lifted to ``a``'s dtype). One ``b`` row for every query is a matrix product,
+    which broadcasts no (lq, dv) copy of it."""
+    b = xp.astype(b, a.dtype)
+    return a @ xp.matrix_transpose(b) if b.shape[-2] == 1 else xp.vecdot(a, b)[..., None]
+
+
 def pullback(xp, gout, out, *, relu_count, den, count, value_sums, good, center: bool,
-             normalizer: Normalizer) -> Cotangents:
+             normalizer: Normalizer, dot=None) -> Cotangents:
     """The quotient rule of :func:`combine` (docs/mathematics.rst, "The backward pass").
 
-    ``gout`` and ``out`` (..., lq, dv) in the work dtype; ``relu_count`` and ``den`` (..., lq, 1) the
+    ``gout`` and ``out`` (..., lq, dv); ``relu_count`` and ``den`` (..., lq, 1) the
     forward's ``R`` and unclamped ``D`` (``den`` read only when ``normalizer.summed``); ``count``
     (..., lq or 1, 1) the valid keys seen; ``value_sums`` (..., lq or 1, dv) the sum of their values
     (read only when centring; values are zero on the keys that take no part); ``good`` (..., lq, 1)
     bool, False on the rows the forward made NaN. A clamped normaliser (``D < eps``) is a constant:
-    no cotangent reaches ``D`` there.
+    no cotangent reaches ``D`` there. ``dot(a, b)``: the row dots, (..., lq, 1) in the work dtype
+    (``count``'s), :func:`row_dot` by default (``gout`` then in the work dtype); an engine passes
+    its own to read ``gout`` and ``out`` in their dtypes (the triton engine's kernel).
 
     The cotangent of ``N`` is ``gout`` times a per-query factor: it is returned as that factor
     (``scale``), so that an engine that reads ``gout`` in its kernels scales it there and no
     ``(lq, dv)`` array of it is written (the triton engine; docs/architecture.rst, "Engines").
     """
-    work = gout.dtype
-    zero = xp.zeros((), dtype=work, device=array_device(gout))
+    work = count.dtype
+    if dot is None:
+        def dot(a, b):
+            return row_dot(xp, a, b)
+    zero = xp.zeros((), dtype=work, device=array_device(count))
     den_c = normalizer.divisor(xp, count, den)
     scale = xp.broadcast_to(xp.astype(good, work) / den_c, good.shape)
     count_c = clamp_min(xp, count, 1.0)
     cot_r = None
     if center:
-        mean = value_sums / count_c
-        # one mean per batch row (every key seen): a matrix product, which broadcasts no (lq, dv) copy
-        gm = gout @ xp.matrix_transpose(mean) if mean.shape[-2] == 1 else xp.vecdot(gout, mean)[..., None]
-        cot_r = -(scale * gm)
+        cot_r = -(scale * dot(gout, value_sums / count_c))
     cot_den = None
     if normalizer.summed:
-        dot = xp.astype(xp.vecdot(gout, xp.astype(out, work))[..., None], work)
-        cot_den = xp.where(good & (den >= normalizer.eps), -dot / den_c, zero)
+        cot_den = xp.where(good & (den >= normalizer.eps), -dot(gout, out) / den_c, zero)
     return Cotangents(scale, cot_r, cot_den, relu_count / count_c if center else None)

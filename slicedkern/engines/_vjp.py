@@ -10,13 +10,13 @@ backward pass" and "Causal attention").
 
 from __future__ import annotations
 
-from .._lib.namespace import array_device
+from .._lib.namespace import array_device, as_work
 from .._spec import Normalizer
 from ..backends import holds_everywhere
 from ..kernels import Profile
 from ._causal_grid import CausalGrid, running_sum, screen_causal
-from ._combine import pullback
-from ._nanpolicy import sanitize_keys
+from ._combine import pullback, row_dot
+from ._nanpolicy import sanitize_keys, screen
 
 __all__ = ["kernel_sum_vjp", "attention_vjp", "attention_aux", "AllKeys", "SeenKeys", "add_params",
            "vanishes_where_normalizer_does"]
@@ -52,12 +52,37 @@ class AllKeys:
     collective = False
 
     def __init__(self, engine, q, k, v, key_mask, xp):
-        self.q, self.k, self.v, q_ok, row_ok = sanitize_keys(xp, q, k, v, key_mask)
-        take = xp.broadcast_to(row_ok[..., None], k.shape)
-        self.take = take if key_mask is None else take & key_mask
-        self.good = q_ok & row_ok[..., None]          # (..., lq): the forward's row is not NaN
-        self.row_bad = ~row_ok                        # (...): every key's gradient is NaN
-        self.engine = engine
+        sc = screen(xp, q, k, v, key_mask, defer=False)
+        self.q, self.k, self.take, self.raw_v = sc.x, sc.y, sc.take, v
+        self.good = sc.q_ok & sc.row_ok[..., None]    # (..., lq): the forward's row is not NaN
+        self.row_bad = ~sc.row_ok                     # (...): every key's gradient is NaN
+        self.engine, self.xp, self._v = engine, xp, None
+
+    @property
+    def v(self):
+        """The values, zero on the keys that take no part (:func:`sanitize_keys`'s): made on first
+        use, so that a view whose kernels skip those keys themselves never copies the values. (Not
+        ``functools.cached_property``: its lock, before Python 3.12, stops ``torch.compile``.)"""
+        if self._v is None:
+            xp = self.xp
+            zero = xp.asarray(0.0, dtype=self.raw_v.dtype, device=array_device(self.raw_v))
+            self._v = xp.where(self.take[..., None], self.raw_v, zero)
+        return self._v
+
+    @v.setter
+    def v(self, values):
+        self._v = values
+
+    def cotangent(self, xp, g):
+        """The output's cotangent ``g`` (any float dtype) as this view's pull-back reads it: in the
+        work dtype (an engine's view may read it in its own, :meth:`row_dot` and :meth:`to_keys`
+        with it)."""
+        return as_work(xp, g, self.q.dtype)
+
+    def row_dot(self, xp, g, b):
+        """``<g_i, b_i>`` per query, (..., lq, 1) in the work dtype: the quotient rule's row dots
+        (:func:`._combine.row_dot`), ``g`` from :meth:`cotangent` and ``b`` (..., lq or 1, Dv)."""
+        return row_dot(xp, g, b)
 
     def seen(self, xp, a):
         """``a`` (..., lk, c) summed over the keys each query sees: (..., 1, c) in the work dtype."""
@@ -118,7 +143,9 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
     """VJP of attention on ``engine``; with ``causal``, of causal attention (docs/mathematics.rst,
     "Causal attention"), on an engine that has ``causal_profiles_vjp``.
 
-    ``out`` is the forward output and ``aux`` the per-query residuals it returned (``relu_count``:
+    ``gout`` is the output's cotangent in any float dtype (the view lifts it to the work dtype, or
+    reads it in its own: :meth:`AllKeys.cotangent`), ``out`` the forward output and ``aux`` the
+    per-query residuals it returned (``relu_count``:
     the profile summed over the valid-key indicator; ``den``: the unclamped normaliser sum), or
     ``None`` (the sweep keeps none): then they are recomputed here, one sort-scan of one column each.
     Returns ``(dq, dk, dv, (dknots, dcoeffs))``.
@@ -136,6 +163,7 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
         # forwards' own early returns have it
         causal = False
     keys = engine.key_view(q, k, v, key_mask, aux, causal=causal, xp=xp)
+    gout = keys.cotangent(xp, gout)
     if aux is None:
         if causal:
             raise ValueError("causal attention's backward needs the forward's residuals")
@@ -144,7 +172,8 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
     count, value_sums = keys.totals(xp, values=center)                  # (..., lq or 1, 1 | Dv)
     good = keys.good[..., None]                                         # (..., lq, 1)
     cot = pullback(xp, gout, out, relu_count=aux["relu_count"], den=aux.get("den"), count=count,
-                   value_sums=value_sums, good=good, center=center, normalizer=normalizer)
+                   value_sums=value_sums, good=good, center=center, normalizer=normalizer,
+                   dot=lambda a, b: keys.row_dot(xp, a, b))
     silent = _silent_rows(xp, profile, normalizer, aux.get("den"), good, uniform=keys.collective)
     # mean_i = (sum of the values query i sees) / count_i, and R_i = relu_count_i multiplies it: its
     # cotangent reaches the values as a term subtracted from dv; keys not taken get no gradient, and

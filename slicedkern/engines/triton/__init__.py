@@ -17,8 +17,10 @@ keys and queries and its table's carry (residuals), so a forward and its backwar
 once and sum the values' tiles once; the score gradients' dot products with the cotangent and with
 the values are taken in pass 2's epilogue, the cotangent rows are scaled by the quotient rule's
 factor as the kernels read them, and ``dv`` is written centred, masked and in the values' dtype, so
-no ``(n, D)`` array of sums is written. What remains of ``(n, D)`` temporaries is the quotient rule's
-row dots' float64 copies of the cotangent and the output, and the NaN policy's copy of the values
+no ``(n, D)`` array of sums is written; the cotangent and the output are read in their own dtype by
+the quotient rule's row dots (:func:`._sums.row_dots`, :func:`._sums.column_sums`, float64
+accumulators), and the values as given (the kernels skip the keys that take no part), so a forward
+and its backward allocate nothing of ``n * D`` elements but the output and the gradients
 (``scripts/triton_traffic.py``). Learned bandwidths and mixture weights take the generic pull-back
 over the scan's knot sums.
 
@@ -47,7 +49,17 @@ from ..sortscan.pullback import ColumnSums, column_range, knot_grads
 from ..sortscan.sums import queries, sort_keys
 from ..sortscan.wide import arithmetic
 from ._decode import DeviceRuns
-from ._sums import Queries, attend, build_table, interpreted, profile_dot, profile_sum, sort_queries
+from ._sums import (
+    Queries,
+    attend,
+    build_table,
+    column_sums,
+    interpreted,
+    profile_dot,
+    profile_sum,
+    row_dots,
+    sort_queries,
+)
 
 __all__ = ["TritonEngine"]
 
@@ -268,12 +280,33 @@ class _SortedKeys(AllKeys):
         return self.engine.profiles_vjp(x, y, w, profiles, cotangents, xp=xp, param_grads=param_grads,
                                         orders=self.orders)
 
+    def cotangent(self, xp, g):
+        # read by the kernels in its own dtype and strides: no float64 copy of it
+        return g
+
+    def row_dot(self, xp, g, b):
+        batch, lq = tuple(g.shape[:-2]), g.shape[-2]
+        b = xp.broadcast_to(b, batch + tuple(b.shape[-2:]))
+        dots = row_dots(xp, _row_view(xp, g, 2), _row_view(xp, b, 2))
+        return xp.reshape(dots, batch + (lq, 1))
+
+    def to_keys(self, xp, weights, g):
+        batch, dv = tuple(g.shape[:-2]), g.shape[-1]
+        weights = _rows(xp, xp.broadcast_to(weights, g.shape[:-1] + (1,))[..., 0], 1)
+        return xp.reshape(column_sums(xp, weights, _row_view(xp, g, 2)), batch + (1, dv))
+
+    def totals(self, xp, *, values: bool):
+        # the forward's table of [v | indicator] over the keys that take part: its last carry row
+        batch, dv = tuple(self.k.shape[:-1]), self.raw_v.shape[-1]
+        sums = xp.astype(xp.reshape(self.key_carry[:, -1, :dv + 1], batch + (1, dv + 1)), self.q.dtype)
+        return sums[..., dv:], sums[..., :dv] if values else None
+
     def sums_vjp(self, profile, normalizer, gout, cot, silent, *, center: bool, dv_sub, dv_factor, xp):
         if not (profile.is_fixed and (not normalizer.summed or normalizer.profile.is_fixed)):
             # array parameters (learned bandwidths, mixture weights) take their gradients from the
-            # scan's knot sums over materialised cotangents: the generic pull-back
-            return super().sums_vjp(profile, normalizer, gout, cot, silent, center=center, dv_sub=dv_sub,
-                                    dv_factor=dv_factor, xp=xp)
+            # scan's knot sums over materialised cotangents: the generic pull-back, in the work dtype
+            return super().sums_vjp(profile, normalizer, as_work(xp, gout, self.q.dtype), cot, silent, center=center,
+                                    dv_sub=dv_sub, dv_factor=dv_factor, xp=xp)
         return _sums_vjp(xp, self, profile, normalizer, gout, cot, silent, center=center, dv_sub=dv_sub,
                          dv_factor=dv_factor)
 
@@ -292,7 +325,7 @@ def _sums_vjp(xp, keys: _SortedKeys, profile, normalizer, gout, cot, silent, *, 
       table of their own; ``dv_sub`` and ``dv_factor`` applied in pass 2's epilogue, which writes
       ``dv`` in the values' dtype.
     """
-    x, y, v = keys.q, keys.k, keys.v
+    x, y, v = keys.q, keys.k, keys.raw_v      # the kernels skip the keys that take no part (take)
     batch, n, m, dv = tuple(x.shape[:-1]), x.shape[-1], y.shape[-1], v.shape[-1]
     key_order, key_perm, query_order, query_perm = keys.orders
     xq = Queries(query_order, query_perm)
@@ -331,6 +364,8 @@ def _sums_vjp(xp, keys: _SortedKeys, profile, normalizer, gout, cot, silent, *, 
         for i, (p, _) in enumerate(indicator):
             sums = profile_sum(xp, extra, yq, p.reflect().with_(derivative=True), batch, range(i, i + 1),
                                strict=True)
-            dk = dk + sums[..., 0] * xp.astype(take, xp.float64)
+            dk = dk + sums[..., 0]
+    # the raw values of the keys that take no part were read (they may hold anything): zero there
+    dk = xp.where(take, dk, xp.zeros((), dtype=dk.dtype, device=dk.device))
     none = (tuple(None for _ in profile.knots), tuple(None for _ in profile.coeffs))
     return (xp.reshape(dq, batch + (n,)), xp.reshape(dk, batch + (m,)), xp.reshape(dvs, batch + (m, dv)), none)

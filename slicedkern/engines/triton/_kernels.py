@@ -19,9 +19,11 @@ Layout (the batch flattened to ``R`` rows):
   (``C = c + ONES`` columns, ``ONES`` the indicator column ``take``), float64; their exclusive prefix
   is the ``carry`` (R, nb + 1, 2 C), the last row the totals;
 * pass 2, :func:`merge_eval`: per block of sorted queries and per knot, the carry at the block's
-  first rank plus the masked sums of the tiles its ranks span, accumulated in the accumulator dtype
-  (float32 for float32 / half weights) over the tiles a block of queries spans, in float64 in the
-  carry (docs/mathematics.rst, "Numerics"); the output row is written through the query permutation.
+  first rank plus the sums of the tiles its ranks span, their terms formed pair by pair
+  (:func:`_pairs`) and accumulated in the accumulator dtype (float32 for float32 / half weights)
+  over the tiles a block of queries spans, in float64 in the carry (docs/mathematics.rst,
+  "Numerics"); the output row is written through the query permutation;
+* :func:`row_dots` and :func:`column_sums`, the backward's quotient-rule reductions, in float64.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ try:
 except ImportError:      # imported without Triton (doctest collection): the engine declines before build()
     triton = tl = knobs = None
 
-__all__ = ["build", "interpreted", "tile_sums", "merge_eval", "decode_attend"]
+__all__ = ["build", "interpreted", "tile_sums", "merge_eval", "decode_attend", "row_dots", "column_sums"]
 
-_JITTED = ("_rank", "_key_tile", "_tile", "_knot_ranks", "_below_sum", "_indicator_carry", "_indicator_tile",
+_JITTED = ("_rank", "_key_tile", "_tile", "_knot_ranks", "_below_sum", "_indicator_carry", "_pairs",
            "_indicator_linear", "_indicator_profile", "_attention_epilogue", "tile_sums", "merge_eval", "_run_profile",
-           "decode_attend")
+           "decode_attend", "row_dots", "column_sums")
 _mode: list = []     # [interpreted?] once built
 
 
@@ -57,16 +59,19 @@ def tile_sums(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, agg_ptr
     tot = row * nb * 2 * C + blk * 2 * C + cols
     cm = cols < C
     tl.store(agg_ptr + tot, tl.sum(wv.to(tl.float64), 0), mask=cm)
-    tl.store(agg_ptr + tot + C, tl.sum((wv * y[:, None]).to(tl.float64), 0), mask=cm)
+    # the products in float64 with the exact shifted keys: the carry's sums of y w are the terms that
+    # cancel against s P0 in pass 2 (docs/mathematics.rst, "Numerics")
+    tl.store(agg_ptr + tot + C, tl.sum(wv.to(tl.float64) * y[:, None], 0), mask=cm)
 
 
-def _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, HAS_TAKE: tl.constexpr, ACC: tl.constexpr):
-    """The sorted keys ``j``: their original positions, their shifted keys in ACC (zero for the keys
-    that take no part) and whether they take part."""
+def _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, HAS_TAKE: tl.constexpr):
+    """The sorted keys ``j``: their original positions, their shifted keys in float64 (exact for
+    float32 keys: the shift is one of them; zero for the keys that take no part) and whether they
+    take part."""
     jm = j < m
     p = tl.load(perm_ptr + row * m + j, mask=jm, other=0).to(tl.int64)
     shift = tl.load(shift_ptr + row)
-    y = (tl.load(keys_ptr + row * m + j, mask=jm, other=0.0).to(tl.float64) - shift).to(ACC)
+    y = tl.load(keys_ptr + row * m + j, mask=jm, other=0.0).to(tl.float64) - shift
     ok = jm
     if HAS_TAKE:
         ok = ok & (tl.load(take_ptr + row * m + p, mask=jm, other=0) != 0)
@@ -77,8 +82,8 @@ def _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, row, j, col
           HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr):
     """The weight rows of the sorted keys ``j`` (gathered through ``perm``, zero for the keys that
     take no part, times the key's ``scale`` (R, m) float64 when SCALE, the indicator in column ``c``
-    when ONES), their shifted keys in ACC and whether they take part."""
-    p, y, ok = _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, HAS_TAKE, ACC)
+    when ONES), their shifted keys in float64 and whether they take part."""
+    p, y, ok = _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, HAS_TAKE)
     wm = ok[:, None] & (cols[None, :] < c)
     wv = tl.load(w_ptr + row * sw_r + p[:, None] * sw_m + cols[None, :] * sw_c, mask=wm, other=0.0)
     # ``where``, not a product: a masked key's weight may be NaN and must not reach the sums
@@ -146,10 +151,12 @@ def _indicator_carry(carry_ptr, ind, first, C, shape):
     return i0, i1
 
 
-def _indicator_tile(below, y, ok, ACC: tl.constexpr):
-    """One tile's indicator sums below each query's rank: the keys that take part and their shifted
-    keys (``y`` is zero for the others), in ACC, returned in float64."""
-    return tl.sum(below * ok.to(ACC)[None, :], 1).to(tl.float64), tl.sum(below * y[None, :], 1).to(tl.float64)
+def _pairs(s, y, j, rank):
+    """``s_i - y_j`` for the keys ``j`` of a tile below each query's ``rank`` (zero for the others),
+    float64 (queries, keys): a tile's ReLU terms formed pair by pair, so that a query just above
+    its keys gets its small sum from small terms rather than from ``s P0 - P1``, whose terms are
+    as large as the scores (docs/mathematics.rst, "Numerics")."""
+    return tl.where(j[None, :] < rank[:, None], s[:, None] - y[None, :], 0.0)
 
 
 def _indicator_linear(carry_ptr, ind, nb, C, xs, slope, intercept):
@@ -172,13 +179,13 @@ def _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry
         cf = tl.load(coeffs_ptr + row * K + k)
         rank, first, last = _knot_ranks(x, t, nm, keys_ptr, row, m, log_m, STRICT, BLOCK_M)
         i0, i1 = _indicator_carry(carry_ptr, ind, first, C, x.shape)
+        s = xs - t
+        span = tl.zeros(x.shape, dtype=tl.float64)
         for blk in range(first, last):
             j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-            _, y, ok = _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, HAS_TAKE, ACC)
-            t0, t1 = _indicator_tile((j[None, :] < rank[:, None]).to(ACC), y, ok, ACC)
-            i0 += t0
-            i1 += t1
-        total += cf * ((xs - t) * i0 - i1)
+            _, y, ok = _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, HAS_TAKE)
+            span += tl.sum(tl.where(ok[None, :], _pairs(s, y, j, rank), 0.0), 1)
+        total += cf * (s * i0 - i1 + span)
     linear, _ = _indicator_linear(carry_ptr, ind, nb, C, xs, tl.load(lin_ptr + row * 2), tl.load(lin_ptr + row * 2 + 1))
     return total + linear
 
@@ -213,8 +220,9 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
 
     Per knot the block's ranks are increasing (``x - t`` keeps the order of ``x``), so its queries
     read one contiguous range of sorted keys: the carry (float64 sums of the tiles before it) plus,
-    tile by tile over the range, the sums of the keys below each query as a masked product
-    ``[j < rank_i] @ rows_j`` in ACC (float32 over the span, float64 in the carry). The rows are
+    tile by tile over the range, the profile's terms of the keys below each query as a product
+    ``[(s_i - y_j) if j < rank_i else 0] @ rows_j`` (DERIV: ``[j < rank_i] @ rows_j``) in ACC
+    (float32 over the span, float64 in the carry). The rows are
     re-gathered from ``w`` through the key permutation (times ``scale`` when SCALE, as pass 1 read
     them): nothing per key is stored between the passes.
     The profile ``intercept + slope r + sum_k coeffs[k] ReLU(r - knots[k])`` (per batch row:
@@ -253,36 +261,37 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
         t = tl.load(knots_ptr + row * K + k)
         cf = tl.load(coeffs_ptr + row * K + k)
         rank, first, last = _knot_ranks(x, t, nm, keys_ptr, row, m, log_m, STRICT, BLOCK_M)
+        s = xs - t
         # the span's sums in ACC (float32 for float32 / half weights): a block's span is a few
         # tiles when the queries and keys are alike, and float64 tiles here spill registers on an
-        # H100 (scripts/triton_resources.py; docs/benchmarks.rst, "On a GPU")
-        q0 = tl.zeros((BLOCK_N, BLOCK_C), dtype=ACC)
-        q1 = tl.zeros((BLOCK_N, BLOCK_C), dtype=ACC)
+        # H100 (scripts/triton_resources.py; docs/benchmarks.rst, "On a GPU"). The profile's
+        # terms are formed pair by pair (_pairs, in float64, then rounded once): the span's sum
+        # is then accurate to ACC's rounding of itself, not of the scores' size
+        q = tl.zeros((BLOCK_N, BLOCK_C), dtype=ACC)
         if ATTN:
             i0, i1 = _indicator_carry(carry_ptr, ind, first, C, (BLOCK_N,))
+            ispan = tl.zeros((BLOCK_N,), dtype=tl.float64)
         for blk in range(first, last):
             j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
             wv, y, ok = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, row, j, cols, m, c, sw_r,
                               sw_m, sw_c, HAS_TAKE, ONES, SCALE, ACC)
-            below = (j[None, :] < rank[:, None]).to(ACC)
-            q0 = _below_sum(below, wv, q0, ACC)
-            if not DERIV:
-                q1 = _below_sum(below, wv * y[:, None], q1, ACC)
-            if ATTN:
-                s0, s1 = _indicator_tile(below, y, ok, ACC)
-                i0 += s0
-                i1 += s1
+            if DERIV:
+                q = _below_sum((j[None, :] < rank[:, None]).to(ACC), wv, q, ACC)
+            else:
+                pairs = _pairs(s, y, j, rank)
+                q = _below_sum(pairs.to(ACC), wv, q, ACC)
+                if ATTN:
+                    ispan += tl.sum(tl.where(ok[None, :], pairs, 0.0), 1)
         # then the float64 carry: the sums of the tiles before the span
         base = row * (nb + 1) * 2 * C + first * 2 * C + cols
-        p0 = tl.load(carry_ptr + base, mask=cm, other=0.0)[None, :] + q0.to(tl.float64)
-        p1 = tl.load(carry_ptr + base + C, mask=cm, other=0.0)[None, :] + q1.to(tl.float64)
+        p0 = tl.load(carry_ptr + base, mask=cm, other=0.0)[None, :]
         if DERIV:
-            acc += cf * p0
+            acc += cf * (p0 + q.to(tl.float64))
         else:
-            s = xs - t
-            acc += cf * (s[:, None] * p0 - p1)
+            p1 = tl.load(carry_ptr + base + C, mask=cm, other=0.0)[None, :]
+            acc += cf * (s[:, None] * p0 - p1 + q.to(tl.float64))
             if ATTN:
-                relu_count += cf * (s * i0 - i1)
+                relu_count += cf * (s * i0 - i1 + ispan)
     slope = tl.load(lin_ptr + row * 2)
     intercept = tl.load(lin_ptr + row * 2 + 1)
     total = row * (nb + 1) * 2 * C + nb * 2 * C + cols
@@ -402,6 +411,43 @@ def decode_attend(q_ptr, bounds_ptr, n_runs, keys_ptr, prefix_ptr, shifts_ptr, t
     poisoned = tl.load(bad_ptr + b) != 0
     acc = tl.where((finite & ~poisoned)[:, None], acc, float("nan"))
     tl.store(out_ptr + b * M * dv + i[:, None] * dv + w[None, :], acc, mask=qm[:, None] & (w < dv)[None, :])
+
+
+def row_dots(a_ptr, b_ptr, out_ptr, n, d, sa_r, sa_n, sa_d, sb_r, sb_n, sb_d,
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``out[r, i] = <a[r, i], b[r, i]>`` (R, n) float64, each operand read in its own dtype and
+    strides (``sb_n = 0``: one ``b`` row for every ``i``): the quotient rule's row dots without a
+    float64 copy of either (docs/architecture.rst, "Engines")."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    im = i < n
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float64)
+    for start in range(0, d, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        mask = im[:, None] & (cols < d)[None, :]
+        a = tl.load(a_ptr + row * sa_r + i[:, None] * sa_n + cols[None, :] * sa_d, mask=mask, other=0.0)
+        b = tl.load(b_ptr + row * sb_r + i[:, None] * sb_n + cols[None, :] * sb_d, mask=mask, other=0.0)
+        acc += tl.sum(a.to(tl.float64) * b.to(tl.float64), 1)
+    tl.store(out_ptr + row * n + i, acc, mask=im)
+
+
+def column_sums(weights_ptr, g_ptr, out_ptr, n, d, sg_r, sg_n, sg_d, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """``out[r, c] = sum over i of weights[r, i] g[r, i, c]`` (R, d) float64, ``weights`` (R, n)
+    float64 and ``g`` read in its own dtype and strides: the centring mean's cotangent taken to
+    the keys without a float64 copy of ``g``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = cols < d
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float64)
+    for start in range(0, n, BLOCK_N):
+        i = start + tl.arange(0, BLOCK_N)
+        im = i < n
+        w = tl.load(weights_ptr + row * n + i, mask=im, other=0.0)
+        g = tl.load(g_ptr + row * sg_r + i[:, None] * sg_n + cols[None, :] * sg_d, mask=im[:, None] & cm[None, :],
+                    other=0.0)
+        acc += tl.sum(w[:, None] * g.to(tl.float64), 0)
+    tl.store(out_ptr + row * d + cols, acc, mask=cm)
 
 
 def build() -> None:

@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 
 from ...kernels import Profile, is_fixed
 
-__all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_dot", "attend", "loaded",
-           "interpreted"]
+__all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_dot", "attend", "row_dots",
+           "column_sums", "loaded", "interpreted"]
 
 #: Keys per tile, queries per block and columns per block. With 16 keys a tile and pass 2 on 8 warps,
 #: its float32 and bfloat16 forms hold every value in registers on an H100 (sm_90); 64 keys a tile on
@@ -27,6 +27,9 @@ __all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "pr
 BLOCK_M = 16
 BLOCK_N = 64
 BLOCK_C = 32
+#: rows and columns a program of the row-dot and column-sum reductions reads at a time
+BLOCK_ROWS = 64
+BLOCK_COLS = 32
 #: warps of a pass-2 program (:func:`._kernels.merge_eval`)
 MERGE_WARPS = 8
 _MODULE = "slicedkern.engines.triton._kernels"
@@ -72,17 +75,26 @@ class Queries(NamedTuple):
     perm: Any    # (R, n) int32: the original position of each sorted query
 
 
-def _blocks(xp, w) -> tuple[int, int, int]:
-    """Keys per tile, queries per block and columns per block for the weights ``w``: at most 16 each
-    in float64, whose tile products are broadcast sums in registers rather than ``tl.dot``
-    (:func:`._kernels._below_sum`)."""
-    if w.dtype == xp.float64:
+def _wide(xp, w, scale) -> bool:
+    """Whether a table's tile sums run in float64: for float64 weights, and for rows scaled per key
+    (``scale``: the backward's cotangent rows times the quotient rule's ``1 / D``, huge where a
+    normaliser sum ``D`` is tiny, whose terms then cancel against the normaliser's to a small
+    gradient: in float32 the rounding of the huge terms is the gradient, 1e-1 against 1e-7 seen on
+    the "relu" normaliser; tests/engines/test_triton.py, ``test_low_precision_gradients``)."""
+    return w.dtype == xp.float64 or scale is not None
+
+
+def _blocks(xp, w, scale=None) -> tuple[int, int, int]:
+    """Keys per tile, queries per block and columns per block for the weights ``w`` (scaled by
+    ``scale``): at most 16 each in float64 (:func:`_wide`), whose tile products are broadcast sums
+    in registers rather than ``tl.dot`` (:func:`._kernels._below_sum`)."""
+    if _wide(xp, w, scale):
         return min(BLOCK_M, 16), min(BLOCK_N, 16), min(BLOCK_C, 16)
     return BLOCK_M, BLOCK_N, BLOCK_C
 
 
-def _acc_dtype(xp, w):
-    return xp.float64 if w.dtype == xp.float64 else xp.float32
+def _acc_dtype(xp, w, scale=None):
+    return xp.float64 if _wide(xp, w, scale) else xp.float32
 
 
 def _sort(xp, a):
@@ -118,7 +130,7 @@ def build_table(xp, y, w, *, take=None, ones=False, scale=None, presorted: Queri
     take_arg = xp.astype(take, xp.int8).contiguous() if take is not None else None
     scale_arg = xp.astype(scale, xp.float64).contiguous() if scale is not None else None
     if carry is None:
-        block_m, _, block_c = _blocks(xp, w)
+        block_m, _, block_c = _blocks(xp, w, scale)
         nb = triton_cdiv(m, block_m)
         dev = y.device
         sums = xp.empty((rows, nb, 2 * C), dtype=xp.float64, device=dev)
@@ -128,7 +140,7 @@ def build_table(xp, y, w, *, take=None, ones=False, scale=None, presorted: Queri
                           scale_arg if scale is not None else shift, sums,
                           m, c, C, nb, w.stride(0), w.stride(1), w.stride(2),
                           HAS_TAKE=take is not None, ONES=ones, SCALE=scale is not None,
-                          ACC=_tl_dtype(k, _acc_dtype(xp, w), xp), BLOCK_M=block_m, BLOCK_C=block_c)
+                          ACC=_tl_dtype(k, _acc_dtype(xp, w, scale), xp), BLOCK_M=block_m, BLOCK_C=block_c)
         zero = xp.zeros((rows, 1, 2 * C), dtype=xp.float64, device=dev)
         carry = xp.concat([zero, xp.cumulative_sum(sums, axis=1)], axis=1)
     return Table(keys, perm, shift, carry, w, take_arg, C, ones, scale_arg)
@@ -206,7 +218,7 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
     nb = table.carry.shape[1] - 1
     w = table.w
     c = w.shape[-1]
-    block_m, block_n, block_c = _blocks(xp, w)
+    block_m, block_n, block_c = _blocks(xp, w, table.scale)
     grid = (rows, triton_cdiv(n, block_n), triton_cdiv(width, block_c))
     against, dot_col0 = dot if dot is not None else (w, 0)
     k = loaded()
@@ -221,8 +233,8 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
         max(1, math.ceil(math.log2(m + 1))),
         K=K, STRICT=strict, DERIV=bool(profile.derivative),
         HAS_FACTOR=factor is not None, SUB=sub is not None, HAS_TAKE=table.take is not None, ONES=table.ones,
-        SCALE=table.scale is not None,
-        ACC=_tl_dtype(k, _acc_dtype(xp, w), xp), ATTN=attention is not None, CENTER=bool(center), NORM=norm,
+        SCALE=table.scale is not None, ACC=_tl_dtype(k, _acc_dtype(xp, w, table.scale), xp),
+        ATTN=attention is not None, CENTER=bool(center), NORM=norm,
         KN=kn, DOT=dot is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c, num_warps=MERGE_WARPS)
     return out
 
@@ -256,7 +268,8 @@ def profile_dot(xp, table: Table, queries: Queries, profile: Profile, batch, col
     dev = queries.sorted.device
     if len(cols) == 0 or rows == 0 or n == 0:
         return xp.zeros((rows, n), dtype=xp.float64, device=dev)
-    partial = xp.empty((rows, n, triton_cdiv(len(cols), _blocks(xp, table.w)[2])), dtype=xp.float64, device=dev)
+    blocks = triton_cdiv(len(cols), _blocks(xp, table.w, table.scale)[2])
+    partial = xp.empty((rows, n, blocks), dtype=xp.float64, device=dev)
     _evaluate(xp, table, queries, profile, batch, cols, partial, strict=strict, dot=(rows_, col0))
     return xp.sum(partial, axis=-1)
 
@@ -283,3 +296,28 @@ def attend(xp, table: Table, queries: Queries, profile: Profile, normalizer, bat
         _evaluate(xp, table, queries, profile, batch, range(0, width), out, strict=True, factor=factor,
                   attention=(center, normalizer, count, raw if raw is not None else count))
     return out[..., :dv], count, raw
+
+
+def row_dots(xp, a, b):
+    """``<a[r, i], b[r, i]>`` for every row ``i``: (R, n) float64, from ``a`` (R, n, d) and ``b``
+    (R, n or 1, d) read in their own dtypes and strides (one launch; no float64 copy of either)."""
+    rows, n, d = a.shape
+    out = xp.empty((rows, n), dtype=xp.float64, device=a.device)
+    if rows and n:
+        sb_n = 0 if b.shape[1] == 1 else b.stride(1)
+        loaded().row_dots[(rows, triton_cdiv(n, BLOCK_ROWS))](
+            a, b, out, n, d, a.stride(0), a.stride(1), a.stride(2), b.stride(0), sb_n, b.stride(2),
+            BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS)
+    return out
+
+
+def column_sums(xp, weights, g):
+    """``sum over i of weights[r, i] g[r, i]``: (R, d) float64, from ``weights`` (R, n) and ``g``
+    (R, n, d) read in its own dtype and strides (one launch; no float64 copy of ``g``)."""
+    rows, n, d = g.shape
+    weights = xp.astype(weights, xp.float64).contiguous()
+    out = xp.zeros((rows, d), dtype=xp.float64, device=g.device)
+    if rows and d and n:
+        loaded().column_sums[(rows, triton_cdiv(d, BLOCK_COLS))](
+            weights, g, out, n, d, g.stride(0), g.stride(1), g.stride(2), BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS)
+    return out

@@ -8,7 +8,8 @@ The launches of a call are captured with their real arguments from the engine's 
 CPU tensors, without running them, then compiled for ``sm_<arch>``: ``forward`` (pass 1
 ``tile_sums``, pass 2 ``merge_eval`` in attention's mode, ReLU with the "abs" normaliser, centred),
 ``causal`` (the same kernels as a level of causal attention runs them: indicator column, no
-epilogue), ``backward`` (every variant a forward and its backward compile) and ``decode``
+epilogue; and the merge of its bottom-up merge sort), ``backward`` (every variant a forward and its
+backward compile) and ``decode``
 (``decode_attend`` of ``DecodeCache``'s device runs, ReLU, centred, "abs"; values in float64
 whatever ``--dtypes`` says). A kernel that needs more registers than the 255 a thread may hold
 spills to a per-thread stack in local memory
@@ -124,7 +125,7 @@ def causal_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> 
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, heads, length, generator=g).to(dtype) for _ in range(2))
     v = torch.randn(1, heads, length, dv, generator=g).to(dtype)
-    return _captured(("tile_sums", "merge_eval"),
+    return _captured(("tile_sums", "merge_eval", "merge_runs"),
                      lambda: slicedkern.relu_attention(q, k, v, causal=True, engine="triton"))
 
 

@@ -515,13 +515,36 @@ def test_relu_normaliser_gradients_at_large_tied_scores():
     assert worst < 1e-12
 
 
+@pytest.mark.parametrize("n, run", [(2, 1), (16, 1), (48, 8), (64, 32), (200, 100)])
+def test_merge_runs_is_a_stable_sort(n, run):
+    """One step of the causal levels' bottom-up merge sort (``_kernels.merge_runs``): runs of ``run``
+    sorted (with ties: scores from 5 values) merged in pairs give exactly the stable sort of the runs
+    of ``2 run``, values and indices within the run, with a run of 100 entries (not a power of two)
+    and one row longer than a program's block."""
+    import array_api_compat.torch as xp
+
+    from slicedkern.engines.triton import _sums
+    g = torch.Generator().manual_seed(n + run)
+    a = torch.randint(-2, 3, (3, n), generator=g).to(device=DEVICE, dtype=torch.float64) * 0.25
+    values, perm = a.reshape(3, n // run, run).sort(dim=-1, stable=True)
+    merged, merged_perm = _sums.merge_runs(xp, values.reshape(3, n).contiguous(),
+                                           perm.reshape(3, n).to(torch.int32).contiguous(), run)
+    want, want_perm = a.reshape(3, n // (2 * run), 2 * run).sort(dim=-1, stable=True)
+    assert torch.equal(merged, want.reshape(3, n))
+    assert torch.equal(merged_perm.long(), want_perm.reshape(3, n))
+
+
 def test_traffic_of_the_causal_forward(small_leaves):
-    """Causal: per level of the divide and conquer one sort of the left blocks' keys and one of the
-    right blocks' queries, one tile-sum launch and one evaluation launch per profile (the values
+    """Causal: one segmented sort of each score array in runs of a leaf, and one bottom-up merge
+    sort from there (issue 26, item 4): per level one merge launch per array for the next level
+    (none after the last), one tile-sum launch and one evaluation launch per profile (the values
     with the indicator, and the "abs" normaliser's), whatever the number of blocks; 48 positions
-    with leaves of 4: levels of 4, 8, 16 and 32 positions."""
+    with leaves of 4: levels of 4, 8, 16 and 32 positions. The backward takes the same orders from
+    the same merges: it sorts each array once more, not once per level."""
     if DEVICE != "cpu":
         pytest.skip("counted under the interpreter, on CPU tensors (the counts do not depend on the device)")
     found = _traffic().count(48, 8, 1, backward=False, causal=True)
-    assert found["launches"] == {"tile_sums": 4, "merge_eval": 8}
-    assert found["sorts"] == 8
+    assert found["launches"] == {"tile_sums": 4, "merge_eval": 8, "merge_runs": 2 * 3}
+    assert found["sorts"] == 2
+    both = _traffic().count(48, 8, 1, backward=True, causal=True)
+    assert both["sorts"] == 4 and both["launches"]["merge_runs"] == 2 * 2 * 3

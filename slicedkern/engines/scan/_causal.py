@@ -76,12 +76,26 @@ class Levels(NamedTuple):
     leaf block in float64 work (None: :data:`LEAF`); double-float work always has leaves of one.
     ``native_values``: attention's forward gives ``sums`` the values in their own dtype (kernels
     that sum float32 / half tiles into float64 carries), not cast to the work dtype.
+    ``orders(xp, x, y, leaf)``: an iterator over the levels, smallest blocks first, of the sorted
+    orders each level's ``sums`` and ``vjp`` then take as ``orders=`` (the left blocks' sorted keys
+    and the right blocks' sorted queries, with their permutations), so that the levels sort
+    nothing themselves (the triton engine's bottom-up merge sort); None: each level sorts its own.
     """
 
     sums: Callable
     vjp: Callable
     leaf: int | None = None
     native_values: bool = False
+    orders: Callable | None = None
+
+
+def _level_orders(xp, levels: Levels, x, y, leaf: int):
+    """Per level, the keyword arguments that pass it its sorted orders (:attr:`Levels.orders`)."""
+    if levels.orders is None:
+        while True:
+            yield {}
+    for orders in levels.orders(xp, x, y, leaf):
+        yield {"orders": orders}
 
 
 #: The scan's own levels: :mod:`slicedkern.engines.sortscan` with the blocks as a batch axis.
@@ -188,12 +202,13 @@ def causal_sums(xp, ar, x, y, w, take, profiles, levels: Levels = SCAN_LEVELS):
     sums = [ar.lift(_blocks(xp, s, leaf, 1)) for s in leaf_sums(xp, x, y, weights, profiles, leaf)]
     expand = _per_block({})
     blocked = [expand(p) for p in profiles]
+    orders = _level_orders(xp, levels, x, y, leaf)
     for size in _block_sizes(n, leaf):
         keys, _ = _halves(xp, y, size, 0)
         _, qs = _halves(xp, x, size, 0)
         vals, _ = _halves(xp, w, size, 1)
         kept, _ = _halves(xp, take, size, 0)
-        level = levels.sums(xp, ar, qs, keys, vals, kept, blocked)
+        level = levels.sums(xp, ar, qs, keys, vals, kept, blocked, **next(orders))
         sums = [_add_level(xp, ar, acc, part, 1, right=True) for acc, part in zip(sums, level)]
     return [each(ar, lambda a: _unblocked(xp, a, 1), acc) for acc in sums]
 
@@ -313,12 +328,14 @@ def causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True, 
     expand = _per_block({})
     blocked = [expand(p) for p in profiles]
     plain = Plain(xp)          # the pull-backs come back as plain arrays, whatever the work arithmetic
+    orders = _level_orders(xp, levels, xq, yk, leaf)
     for size in _block_sizes(n, leaf):
         keys, _ = _halves(xp, yk, size, 0)
         _, qs = _halves(xp, xq, size, 0)
         vals, _ = _halves(xp, wk, size, 1)
         gs = [_halves(xp, g, size, 1)[1] for g in gq]
-        pdx, pdy, pdw, pparams = levels.vjp(qs, keys, vals, blocked, gs, xp=xp, param_grads=param_grads)
+        pdx, pdy, pdw, pparams = levels.vjp(qs, keys, vals, blocked, gs, xp=xp, param_grads=param_grads,
+                                            **next(orders))
         dx = _add_level(xp, plain, dx, pdx, 0, right=True)
         dy = _add_level(xp, plain, dy, pdy, 0, right=False)
         dw = _add_level(xp, plain, dw, pdw, 1, right=False)

@@ -26,9 +26,11 @@ over the scan's knot sums.
 
 Causal attention is the scan's divide and conquer over positions (:mod:`..scan._causal`) with these
 kernels at every level: the left blocks' keys as rows of one pass 1, the right blocks' queries as
-rows of one pass 2, so a level is one sort of each and two launches, whatever the number of blocks;
-the pairs inside blocks of :data:`CAUSAL_LEAF` positions are summed densely, and the backward is the
-same levels' pull-backs (issue 26: the bottom-up merge sort shared by the levels is the next step).
+rows of one pass 2, so a level is two launches per profile, whatever the number of blocks. The
+levels sort nothing: each score array is sorted once in runs of :data:`CAUSAL_LEAF` positions and
+merged bottom-up, one merge launch per level (:func:`_level_orders`), which gives every level its
+sorted blocks. The pairs inside the leaves are summed densely, and the backward is the same levels'
+pull-backs over the same merges.
 
 It serves torch tensors: chosen automatically for CUDA tensors when Triton is installed, and on
 request (``engine="triton"`` / :func:`~slicedkern.use_engine`) for CPU tensors too, which Triton runs
@@ -55,6 +57,7 @@ from ._sums import (
     build_table,
     column_sums,
     interpreted,
+    merge_runs,
     profile_dot,
     profile_sum,
     row_dots,
@@ -88,19 +91,56 @@ def _row_view(xp, a, core: int):
     return xp.reshape(a, (rows,) + shape[len(shape) - core:])
 
 
-def _level_sums(xp, ar, qs, keys, vals, kept, profiles):
+def _level_sums(xp, ar, qs, keys, vals, kept, profiles, orders=None):
     """One level of causal attention (:class:`~slicedkern.engines.scan._causal.Levels`): every
     block pair a row of one pass 1 and one pass 2 per profile; ``vals`` in the values' own dtype (the
-    float32 tiles of the non-causal forward, float64 carries); float64 sums, lifted into ``ar``."""
+    float32 tiles of the non-causal forward, float64 carries); float64 sums, lifted into ``ar``.
+    ``orders``: the level's sorted keys and queries (:func:`_level_orders`), or None to sort them."""
     batch, s, c = tuple(qs.shape[:-1]), qs.shape[-1], vals.shape[-1]
-    table = build_table(xp, _rows(xp, keys, 1), _row_view(xp, vals, 2), take=_rows(xp, kept, 1), ones=True)
-    xr = sort_queries(xp, _rows(xp, qs, 1))
+    key_order, key_perm, query_order, query_perm = orders if orders is not None else (None,) * 4
+    presorted = None if orders is None else Queries(key_order, key_perm)
+    table = build_table(xp, _rows(xp, keys, 1), _row_view(xp, vals, 2), take=_rows(xp, kept, 1), ones=True,
+                        presorted=presorted)
+    xr = sort_queries(xp, _rows(xp, qs, 1)) if orders is None else Queries(query_order, query_perm)
     sums = []
     for p in profiles:
         cols = column_range(p, c + 1)
         part = profile_sum(xp, table, xr, p, batch, cols, strict=True)
         sums.append(ar.lift(as_work(xp, xp.reshape(part, batch + (s, len(cols))), qs.dtype)))
     return sums
+
+
+def _level_orders(xp, x, y, leaf: int):
+    """The sorted orders of every level of causal attention from one bottom-up merge sort per score
+    array (:attr:`~slicedkern.engines.scan._causal.Levels.orders`; issue 26, item 4).
+
+    ``x`` and ``y`` (..., n), the queries and keys on the positions, ``n`` a power of two: sorted
+    once in runs of ``leaf`` positions (one segmented sort each), then per level the left blocks'
+    keys (the even runs) and the right blocks' queries (the odd runs) are taken, as
+    ``(key_order, key_perm, query_order, query_perm)`` with one row per block pair, and the runs
+    merged in pairs (:func:`._sums.merge_runs`, one launch each) for the next level. Lazy: nothing
+    is sorted unless a level asks."""
+    n = x.shape[-1]
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+
+    def runs(a):
+        values, perm = sort_queries(xp, xp.reshape(a, (rows * (n // leaf), leaf)))
+        return xp.reshape(values, (rows, n)), xp.reshape(perm, (rows, n))
+
+    def half(a, size, side):
+        return xp.reshape(xp.reshape(a, (rows, n // (2 * size), 2, size))[:, :, side, :],
+                          (rows * (n // (2 * size)), size)).contiguous()
+
+    (keys, key_perm), (queries, query_perm) = runs(y), runs(x)
+    size = leaf
+    while size < n:
+        yield (half(keys, size, 0), half(key_perm, size, 0), half(queries, size, 1), half(query_perm, size, 1))
+        if 2 * size < n:
+            keys, key_perm = merge_runs(xp, keys, key_perm, size)
+            queries, query_perm = merge_runs(xp, queries, query_perm, size)
+        size *= 2
 
 
 def decodes(k) -> bool:
@@ -182,7 +222,7 @@ class TritonEngine(Engine):
         return xp.reshape(out, batch + (lq, dv)), tuple(residuals)
 
     def _levels(self) -> Levels:
-        return Levels(_level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True)
+        return Levels(_level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True, orders=_level_orders)
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
         out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,

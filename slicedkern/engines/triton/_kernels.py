@@ -35,11 +35,11 @@ try:
 except ImportError:      # imported without Triton (doctest collection): the engine declines before build()
     triton = tl = knobs = None
 
-__all__ = ["build", "interpreted", "tile_sums", "merge_eval", "decode_attend", "row_dots", "column_sums"]
+__all__ = ["build", "interpreted", "tile_sums", "merge_eval", "decode_attend", "row_dots", "column_sums", "merge_runs"]
 
 _JITTED = ("_rank", "_key_tile", "_tile", "_knot_ranks", "_below_sum", "_indicator_carry", "_pairs",
            "_indicator_linear", "_indicator_profile", "_attention_epilogue", "tile_sums", "merge_eval", "_run_profile",
-           "decode_attend", "row_dots", "column_sums")
+           "decode_attend", "row_dots", "column_sums", "merge_runs")
 _mode: list = []     # [interpreted?] once built
 
 
@@ -448,6 +448,35 @@ def column_sums(weights_ptr, g_ptr, out_ptr, n, d, sg_r, sg_n, sg_d, BLOCK_N: tl
                     other=0.0)
         acc += tl.sum(w[:, None] * g.to(tl.float64), 0)
     tl.store(out_ptr + row * d + cols, acc, mask=cm)
+
+
+def merge_runs(values_ptr, perm_ptr, merged_ptr, merged_perm_ptr, n, run, log_run, BLOCK: tl.constexpr):
+    """One step of a bottom-up merge sort: each row's sorted runs of ``run`` entries (``n`` a
+    multiple of ``2 run``), merged in adjacent pairs into sorted runs of ``2 run``, stably (a left
+    entry before an equal right one). Each entry finds its rank in its partner run by a binary
+    search of ``log_run`` = log2(run) + 1 steps and is written at its own index plus that rank;
+    ``perm`` (int32, the entry's index within its run) moves with it, plus ``run`` for the right
+    run's entries. The causal levels' sorted blocks, each level's from the one below
+    (docs/architecture.rst, "Engines")."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    im = i < n
+    v = tl.load(values_ptr + row * n + i, mask=im, other=0.0)
+    p = tl.load(perm_ptr + row * n + i, mask=im, other=0)
+    pair = i // (2 * run)
+    right = (i // run) % 2 == 1
+    base = pair * 2 * run
+    partner = base + tl.where(right, 0, run)
+    pos = tl.zeros((BLOCK,), dtype=tl.int64)
+    for step in range(log_run):
+        cand = pos + (1 << (log_run - 1 - step))
+        inside = cand <= run
+        other = tl.load(values_ptr + row * n + partner + cand - 1, mask=im & inside, other=0.0)
+        below = (other < v) | (right & (other == v))
+        pos = tl.where(inside & below, cand, pos)
+    dest = base + i % run + pos
+    tl.store(merged_ptr + row * n + dest, v, mask=im)
+    tl.store(merged_perm_ptr + row * n + dest, p + tl.where(right, run, 0).to(p.dtype), mask=im)
 
 
 def build() -> None:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from ...kernels import Profile, is_fixed
 
 __all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_dot", "attend", "row_dots",
-           "column_sums", "loaded", "interpreted"]
+           "column_sums", "merge_runs", "loaded", "interpreted"]
 
 #: Keys per tile, queries per block and columns per block. With 16 keys a tile and pass 2 on 8 warps,
 #: its float32 and bfloat16 forms hold every value in registers on an H100 (sm_90); 64 keys a tile on
@@ -321,3 +321,14 @@ def column_sums(xp, weights, g):
         loaded().column_sums[(rows, triton_cdiv(d, BLOCK_COLS))](
             weights, g, out, n, d, g.stride(0), g.stride(1), g.stride(2), BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS)
     return out
+
+
+def merge_runs(xp, values, perm, run: int):
+    """``values`` (R, n), sorted in runs of ``run`` with ``perm`` (R, n) int32 each entry's index in
+    its run, merged in adjacent pairs: sorted runs of ``2 run`` and their indices (one launch)."""
+    rows, n = values.shape
+    merged, merged_perm = xp.empty_like(values), xp.empty_like(perm)
+    if rows and n:
+        loaded().merge_runs[(rows, triton_cdiv(n, BLOCK_ROWS))](
+            values, perm, merged, merged_perm, n, run, run.bit_length(), BLOCK=BLOCK_ROWS)
+    return merged, merged_perm

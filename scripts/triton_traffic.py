@@ -4,6 +4,7 @@ forward and the forward+backward of ReLU attention, under Triton's interpreter o
 counts do not depend on the device; no GPU needed):
 
     TRITON_INTERPRET=1 PYTHONPATH=. python scripts/triton_traffic.py [--length 256] [--dim 16] [--causal]
+        [--bandwidths]
 
 and the host's share of a call (:func:`host_cost`, ``--host``): with the Triton launches replaced by
 no-ops, the torch operators that would each launch a kernel on a GPU (views and bare allocations
@@ -54,7 +55,10 @@ class Recorder(TorchDispatchMode):
         return out
 
 
-def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32, causal: bool = False) -> dict:
+def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32, causal: bool = False,
+          bandwidths: bool = False) -> dict:
+    """The counts of one call of ReLU attention (centred, "abs"), or with ``bandwidths`` of hat
+    attention with one bandwidth per head, learned (its gradient taken too)."""
     from slicedkern.engines.triton import _sums
     kernels = _sums.loaded()
     launches = collections.Counter()
@@ -76,10 +80,15 @@ def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32
     k = torch.randn(1, heads, length, generator=g, dtype=dtype).requires_grad_(backward)
     v = torch.randn(1, heads, length, dim, generator=g, dtype=dtype).requires_grad_(backward)
     cot = torch.ones(1, heads, length, dim, dtype=dtype)
+    width = torch.linspace(0.5, 1.5, heads, dtype=dtype).requires_grad_(backward)
     try:
         with Recorder(length * dim * heads, (q, k, v, cot)) as rec:
-            out = slicedkern.relu_attention(q, k, v, causal=causal, engine="triton")
-            grads = torch.autograd.grad(out, (q, k, v), cot) if backward else ()
+            if bandwidths:
+                out = slicedkern.hat_attention(q, k, v, width, causal=causal, engine="triton")
+            else:
+                out = slicedkern.relu_attention(q, k, v, causal=causal, engine="triton")
+            inputs = (q, k, v, width) if bandwidths else (q, k, v)
+            grads = torch.autograd.grad(out, inputs, cot) if backward else ()
     finally:
         for name, jitted in originals.items():
             setattr(kernels, name, jitted)
@@ -173,9 +182,13 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--host", action="store_true", help="the host's share of a call instead (launches skipped)")
     p.add_argument("--causal", action="store_true", help="causal attention (the levels of the divide and conquer)")
+    p.add_argument("--bandwidths", action="store_true", help="hat attention with learned per-head bandwidths")
     a = p.parse_args(argv)
     for backward in (False, True):
-        found = (host_cost if a.host else count)(a.length, a.dim, a.heads, backward, causal=a.causal)
+        if a.host:
+            found = host_cost(a.length, a.dim, a.heads, backward, causal=a.causal)
+        else:
+            found = count(a.length, a.dim, a.heads, backward, causal=a.causal, bandwidths=a.bandwidths)
         print(f"{'causal ' if a.causal else ''}{'forward+backward' if backward else 'forward'}, L = {a.length}, "
               f"D = {a.dim}, H = {a.heads}, float32:")
         for key, value in found.items():

@@ -63,6 +63,10 @@ class Engine:
     supports_causal = False
     #: whether the engine gives causal profile sums uncombined (``causal_profile_sums``)
     gives_causal_sums = False
+    #: whether the engine's non-causal ``attention`` takes ``row_ok`` ((batch) bool or None: the batch
+    #: rows whose array bandwidths are good) and makes the other rows NaN itself, in its own
+    #: epilogue, so that no masked copy of the output is written here
+    folds_row_ok = False
     #: whether the engine's forward and backward run collectives: every rank must run the backward
     collective = False
 
@@ -133,12 +137,15 @@ class Engine:
             return self.kernel_sum(x, y, w, Profile.of(spec.kernel), xp=xp), ()
         q, k, v, mask, params = unpack(spec, arrays)
         options = dict(key_mask=mask, center=spec.center, normalizer=spec.normalizer, xp=xp)
+        ok = bandwidth_ok(xp, spec, params)
         if spec.causal:
             out, residuals = self.causal_attention(q, k, v, profile_of(spec, params), **options)
+        elif self.folds_row_ok and ok is not None:
+            return self.attention(q, k, v, profile_of(spec, params), for_backward=for_backward, row_ok=ok,
+                                  **options)
         else:
             out, residuals = self.attention(q, k, v, profile_of(spec, params), for_backward=for_backward,
                                             **options)
-        ok = bandwidth_ok(xp, spec, params)
         if ok is not None:
             nan = xp.asarray(float("nan"), dtype=out.dtype, device=array_device(out))
             out = xp.where(ok[..., None, None], out, nan)

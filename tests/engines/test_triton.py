@@ -139,9 +139,14 @@ def test_value_width_across_column_blocks(rng):
         np.testing.assert_allclose(_np(got), _np(want), rtol=1e-8, atol=1e-10, err_msg=label)
 
 
-def test_bandwidth_and_weight_gradients(rng):
-    q, k, v, _ = _data(rng)
-    b = rng.uniform(0.3, 1.5, size=(3,))                     # one bandwidth per head (batch dim 1)
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+def test_bandwidth_and_weight_gradients(rng, ties):
+    """Per-head bandwidths and mixture weights, their gradients from the kernels' knot sums
+    (``_knot_grads``; the tie on the side ``strict_knots`` says), equal to the scan's; dyadic scores
+    put ties on the knots."""
+    q, k, v, _ = _data(rng, ties=ties)
+    # one bandwidth per head (batch dim 1); dyadic with ties, so that differences fall on the knots
+    b = rng.choice([0.25, 0.5, 0.75], size=(3,)) if ties else rng.uniform(0.3, 1.5, size=(3,))
     w = np.array([1.0, -0.5])
     grads = []
     for engine in ("triton", "scan"):
@@ -493,6 +498,18 @@ def test_traffic_of_the_backward():
     found = _traffic().count(48, 8, 1, backward=True)
     assert found["launches"] == {"tile_sums": 1 + 2, "merge_eval": 1 + 3 + 3 + 1, "row_dots": 2, "column_sums": 1}
     assert found["large intermediates"] == 0, found
+
+
+def test_traffic_of_the_backward_with_learned_bandwidths():
+    """Hat attention with a learned bandwidth per head: its knot and coefficient gradients are the
+    knots' ReLU and step sums dotted with the cotangent in pass 2's epilogue (``_knot_grads``), and
+    the bandwidths' NaN rule is the forward's factor (``Engine.folds_row_ok``): no intermediate of
+    n * D elements or more, forward or backward (before: 14, the generic pull-back's)."""
+    if DEVICE != "cpu":
+        pytest.skip("counted under the interpreter, on CPU tensors (the counts do not depend on the device)")
+    found = _traffic().count(48, 8, 2, backward=True, bandwidths=True)
+    assert found["large intermediates"] == 0, found
+    assert found["sorts"] == 2
 
 
 def test_relu_normaliser_gradients_at_large_tied_scores():

@@ -12,7 +12,7 @@ dtype (the result's: the op casts the values to it), so no cast or float64 copy 
 (docs/architecture.rst, "Engines").
 
 The backward is the generic one (:mod:`.._vjp`: the NaN rule, the quotient rule) with attention's
-sums pulled back on these kernels (:func:`_sums_vjp`, fixed profiles): it reads the forward's sorted
+sums pulled back on these kernels (:func:`_sums_vjp`): it reads the forward's sorted
 keys and queries and its table's carry (residuals), so a forward and its backward sort each array
 once and sum the values' tiles once; the score gradients' dot products with the cotangent and with
 the values are taken in pass 2's epilogue, the cotangent rows are scaled by the quotient rule's
@@ -21,8 +21,9 @@ no ``(n, D)`` array of sums is written; the cotangent and the output are read in
 the quotient rule's row dots (:func:`._sums.row_dots`, :func:`._sums.column_sums`, float64
 accumulators), and the values as given (the kernels skip the keys that take no part), so a forward
 and its backward allocate nothing of ``n * D`` elements but the output and the gradients
-(``scripts/triton_traffic.py``). Learned bandwidths and mixture weights take the generic pull-back
-over the scan's knot sums.
+(``scripts/triton_traffic.py``). Learned bandwidths and mixture weights get their gradients from
+the same table: each array knot's ReLU and step sums dotted with the cotangent in pass 2's epilogue
+(:func:`_knot_grads`).
 
 Causal attention is the scan's divide and conquer over positions (:mod:`..scan._causal`) with these
 kernels at every level: the left blocks' keys as rows of one pass 1, the right blocks' queries as
@@ -35,7 +36,7 @@ pull-backs over the same merges.
 It serves torch tensors: chosen automatically for CUDA tensors when Triton is installed, and on
 request (``engine="triton"`` / :func:`~slicedkern.use_engine`) for CPU tensors too, which Triton runs
 only under its interpreter (``TRITON_INTERPRET=1``, how the tests run it). Parameter gradients
-(array bandwidths and mixture weights) come from the scan's knot sums, as on the sweep engine.
+of causal attention (array bandwidths and mixture weights) come from the scan's knot sums.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from __future__ import annotations
 import importlib.util
 
 from ..._lib.namespace import as_work
+from ...kernels import Profile, is_fixed
 from .._base import Engine
 from .._nanpolicy import screen
 from .._vjp import AllKeys
@@ -159,6 +161,7 @@ class TritonEngine(Engine):
     name = "triton"
     supports_causal = True
     gives_causal_sums = True
+    folds_row_ok = True
 
     @staticmethod
     def installed() -> bool:
@@ -201,7 +204,7 @@ class TritonEngine(Engine):
                           strict=True, factor=factor)
         return xp.reshape(out, batch + (n, out.shape[-1]))
 
-    def attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp, for_backward=False):
+    def attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp, for_backward=False, row_ok=None):
         batch, lq, lk, dv = tuple(q.shape[:-1]), q.shape[-1], k.shape[-1], v.shape[-1]
         dt, dev = q.dtype, q.device
         if lq == 0 or lk == 0:
@@ -212,8 +215,11 @@ class TritonEngine(Engine):
         table = build_table(xp, _rows(xp, sc.y, 1), _row_view(xp, v, 2), take=_rows(xp, sc.table_take, 1),
                             ones=True)
         xr = sort_queries(xp, _rows(xp, sc.x, 1))
+        factor = sc.divisor(xp, 1.0)             # 1, or NaN where the NaN policy says
+        if row_ok is not None:                   # and NaN on the rows whose bandwidths are bad (Engine.forward)
+            factor = xp.where(row_ok[..., None], factor, xp.asarray(float("nan"), dtype=factor.dtype, device=dev))
         out, relu_count, raw = attend(xp, table, xr, profile, normalizer, batch, center=center,
-                                      factor=_rows(xp, sc.divisor(xp, 1.0), 1), dtype=v.dtype)
+                                      factor=_rows(xp, factor, 1), dtype=v.dtype)
         # the sorted orders go to the backward too (n elements each): it sorts nothing again
         residuals = [sc.take, xp.reshape(relu_count, batch + (lq, 1)), table.keys, table.perm, xr.sorted, xr.perm,
                      table.carry]
@@ -342,9 +348,9 @@ class _SortedKeys(AllKeys):
         return sums[..., dv:], sums[..., :dv] if values else None
 
     def sums_vjp(self, profile, normalizer, gout, cot, silent, *, center: bool, dv_sub, dv_factor, xp):
-        if not (profile.is_fixed and (not normalizer.summed or normalizer.profile.is_fixed)):
-            # array parameters (learned bandwidths, mixture weights) take their gradients from the
-            # scan's knot sums over materialised cotangents: the generic pull-back, in the work dtype
+        if normalizer.summed and not normalizer.profile.is_fixed:
+            # a normaliser with array parameters (none of the named ones has them): the generic
+            # pull-back over the scan's knot sums, in the work dtype
             return super().sums_vjp(profile, normalizer, as_work(xp, gout, self.q.dtype), cot, silent, center=center,
                                     dv_sub=dv_sub, dv_factor=dv_factor, xp=xp)
         return _sums_vjp(xp, self, profile, normalizer, gout, cot, silent, center=center, dv_sub=dv_sub,
@@ -407,5 +413,27 @@ def _sums_vjp(xp, keys: _SortedKeys, profile, normalizer, gout, cot, silent, *, 
             dk = dk + sums[..., 0]
     # the raw values of the keys that take no part were read (they may hold anything): zero there
     dk = xp.where(take, dk, xp.zeros((), dtype=dk.dtype, device=dk.device))
-    none = (tuple(None for _ in profile.knots), tuple(None for _ in profile.coeffs))
-    return (xp.reshape(dq, batch + (n,)), xp.reshape(dk, batch + (m,)), xp.reshape(dvs, batch + (m, dv)), none)
+    params = _knot_grads(xp, keyed, xq, profile, batch, gr, scale, indicator_cots[0] if center else None, dv)
+    return (xp.reshape(dq, batch + (n,)), xp.reshape(dk, batch + (m,)), xp.reshape(dvs, batch + (m, dv)), params)
+
+
+def _knot_grads(xp, keyed, xq, profile, batch, gr, scale, cot_r, dv):
+    """``(dknots, dcoeffs)`` of attention's value profile (None for its fixed numbers) on the
+    kernels, over the forward's table of keys: per array knot ``t`` its ReLU sums (for the
+    coefficient) and step sums (for the knot, the tie as ``profile.strict_knots`` says) of the
+    values dotted with ``gout`` in pass 2's epilogue and scaled by the quotient rule's factor, plus
+    the indicator column's times the centring cotangent ``cot_r`` ((R, n), or None), summed over
+    the queries: what :func:`~slicedkern.engines.sortscan.pullback.knot_grads` sums over
+    materialised cotangents, with none written here."""
+    def summed(unit, strict):
+        rows = profile_dot(xp, keyed, xq, unit, batch, range(0, dv), gr, 0, strict=strict) * scale
+        if cot_r is not None:
+            rows = rows + profile_sum(xp, keyed, xq, unit, batch, range(dv, dv + 1), strict=strict)[..., 0] * cot_r
+        return xp.reshape(xp.sum(rows, axis=-1), batch)
+
+    dknots, dcoeffs = [], []
+    for knot, coeff, strict in zip(profile.knots, profile.coeffs, profile.strict_knots):
+        unit = Profile([knot], [1.0])
+        dcoeffs.append(None if is_fixed(coeff) else summed(unit, True))
+        dknots.append(None if is_fixed(knot) else -coeff * summed(unit.with_(derivative=True), strict))
+    return tuple(dknots), tuple(dcoeffs)

@@ -37,13 +37,15 @@ class Recorder(TorchDispatchMode):
 
     def __init__(self, big: int, given):
         super().__init__()
-        self.big, self.ops, self.large = big, collections.Counter(), []
+        self.big, self.ops, self.large, self.sorted_dtypes = big, collections.Counter(), [], []
         self.seen = {t.untyped_storage().data_ptr() for t in given}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket.__name__)
         self.ops[name] += 1
+        if name in ("sort", "argsort"):
+            self.sorted_dtypes.append(args[0].dtype)
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if not isinstance(t, torch.Tensor) or name in ("set_", "copy_"):
                 continue
@@ -95,6 +97,7 @@ def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32
     kept = {t.untyped_storage().data_ptr() for t in (out, *grads)}
     large = [(op, n, dt) for op, n, dt, ptr in rec.large if ptr not in kept]
     return {"launches": dict(launches), "sorts": rec.ops["sort"] + rec.ops["argsort"],
+            "sorted dtypes": sorted({str(dt).replace("torch.", "") for dt in rec.sorted_dtypes}),
             "large intermediates": len(large),
             "large float64": sum(dt == torch.float64 for _, _, dt in large),
             "large bytes / (n D itemsize)": sum(n * dt.itemsize for _, n, dt in large)

@@ -205,6 +205,25 @@ def test_low_precision_gradients(rng, dtype, tol, name, op):
         assert float((got.double() - want).norm() / want.norm()) <= tol, label
 
 
+@pytest.mark.parametrize("name, op", [ATTENTION[0], ATTENTION[4]], ids=["relu-abs", "hat"])
+def test_float32_scores_with_masks_and_ties(rng, name, op):
+    """float32 scores are sorted as float32 (``_sums._sort``, ``narrow``): with dyadic ties and a key
+    mask, whose masked keys the NaN policy moves to the valid keys' mean (not a float32 number: it is
+    rounded before the sort, and the kernels read it rounded), forward and gradients against the
+    float64 reference on the same rounded inputs, normwise within float32's rounding."""
+    q, k, v, mask = _data(rng, ties=True)
+    cot = rng.normal(size=SHAPE_Q + (DV,))
+    results = []
+    for module, engine, cast in ((slicedkern, "triton", torch.float32), (reference, None, torch.float64)):
+        args = [_t(a, torch.float32).to(cast).requires_grad_() for a in (q, k, v)]
+        kw = {"engine": engine} if engine else {}
+        out = op(module, a=args, key_mask=_t(mask, torch.bool), **kw)
+        results.append((out, *torch.autograd.grad((out * _t(cot, cast)).sum(), args)))
+    for got, want, label in zip(*results, ("out", "q", "k", "v")):
+        assert got.dtype == torch.float32
+        assert np.linalg.norm(_np(got) - _np(want)) <= 1e-6 * np.linalg.norm(_np(want)), label
+
+
 def test_float32_gradients_where_a_normaliser_sum_is_tiny():
     """A query just above the lowest key: its "relu" normaliser sum is 1e-4, its cotangent row is
     scaled by 1e4 in the tables of the backward, and the value and normaliser terms of the keys'
@@ -478,6 +497,8 @@ def test_traffic_of_the_forward():
     found = traffic.count(48, 8, 1, backward=False)
     assert found["launches"] == {"tile_sums": 1, "merge_eval": 1}
     assert found["sorts"] == 2
+    # float32 scores, lifted to float64 by the op, are sorted as the float32 numbers they are
+    assert found["sorted dtypes"] == ["float32"]
     assert found["large intermediates"] == 0
     # the backward reuses the forward's sorted orders (its residuals): still one sort per array
     assert traffic.count(48, 8, 1, backward=True)["sorts"] == 2

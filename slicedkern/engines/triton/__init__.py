@@ -1,6 +1,7 @@
 """The **triton** engine: the sort-scan as two Triton passes, for torch tensors.
 
-The keys and the queries are sorted with ``torch.sort`` (int32 permutations); everything after the
+The keys and the queries are sorted with ``torch.sort`` (int32 permutations; scores of float32 or
+narrower, which the op lifts to float64, as the float32 numbers they are); everything after the
 sorts runs in Triton kernels (:mod:`._kernels`): pass 1 sums the value rows per tile of sorted keys
 (float64 carries between tiles), pass 2 evaluates each block of sorted queries over the tiles its
 ranks span, re-reading the values rather than a stored prefix table, and writes the combined output
@@ -212,9 +213,12 @@ class TritonEngine(Engine):
             zeros = xp.zeros(q.shape + (1,), dtype=dt, device=dev)
             return xp.zeros(q.shape + (dv,), dtype=dt, device=dev), (take, zeros, zeros)
         sc = screen(xp, q, k, v, key_mask, defer=False)
+        # values narrower than float64 mean scores of float32 or narrower (the op casts the values to
+        # the result's dtype, promoted over all three), lifted exactly: sorted as float32
+        narrow = v.dtype != xp.float64
         table = build_table(xp, _rows(xp, sc.y, 1), _row_view(xp, v, 2), take=_rows(xp, sc.table_take, 1),
-                            ones=True)
-        xr = sort_queries(xp, _rows(xp, sc.x, 1))
+                            ones=True, narrow=narrow)
+        xr = sort_queries(xp, _rows(xp, sc.x, 1), narrow)
         factor = sc.divisor(xp, 1.0)             # 1, or NaN where the NaN policy says
         if row_ok is not None:                   # and NaN on the rows whose bandwidths are bad (Engine.forward)
             factor = xp.where(row_ok[..., None], factor, xp.asarray(float("nan"), dtype=factor.dtype, device=dev))

@@ -97,21 +97,28 @@ def _acc_dtype(xp, w, scale=None):
     return xp.float64 if _wide(xp, w, scale) else xp.float32
 
 
-def _sort(xp, a):
-    """Sorted values (float32 for float32 / half inputs, float64 for float64) and an int32 permutation."""
-    work = xp.float64 if a.dtype == xp.float64 else xp.float32
+def _sort(xp, a, narrow: bool = False):
+    """Sorted values (float32 for float32 / half inputs, float64 for float64) and an int32 permutation.
+
+    ``narrow``: ``a`` is float64 holding float32 numbers (scores lifted to the work dtype from
+    float32 or narrower): sorted as float32, which is exact and moves half the bytes (issue 26,
+    item 1). A number that is not one (the NaN policy's fill of masked keys, a mean) is rounded
+    first; the kernels then read that rounded key, so its place and its value agree (and a masked
+    key weighs nothing)."""
+    work = xp.float64 if a.dtype == xp.float64 and not narrow else xp.float32
     values, perm = xp.astype(a, work).sort(dim=-1, stable=True)
     return values.contiguous(), xp.astype(perm, xp.int32).contiguous()
 
 
-def sort_queries(xp, x) -> Queries:
-    """The queries ``x`` (R, n), sorted once (float64 values: the knots' arithmetic runs in float64)."""
-    values, perm = _sort(xp, x)
+def sort_queries(xp, x, narrow: bool = False) -> Queries:
+    """The queries ``x`` (R, n), sorted once (float64 values: the knots' arithmetic runs in float64);
+    ``narrow`` as :func:`_sort` says."""
+    values, perm = _sort(xp, x, narrow)
     return Queries(xp.astype(values, xp.float64).contiguous(), perm)
 
 
 def build_table(xp, y, w, *, take=None, ones=False, scale=None, presorted: Queries | None = None,
-                carry=None) -> Table:
+                carry=None, narrow: bool = False) -> Table:
     """Sort the keys ``y`` (R, m) and sum ``[w, (y - shift) w]`` (R, m, c) per tile of sorted keys
     (pass 1); the tile sums' float64 prefix is the carry.
 
@@ -120,11 +127,11 @@ def build_table(xp, y, w, *, take=None, ones=False, scale=None, presorted: Queri
     float64 multiplies each key's weight row (not the indicator), without a scaled copy of ``w``;
     ``presorted``: ``y`` sorted already (:func:`sort_queries` of it), so that an array is sorted once
     per call; ``carry``: the carry of this same table, kept from an earlier call (attention's forward
-    for its backward), so that pass 1 is not run again.
+    for its backward), so that pass 1 is not run again; ``narrow`` as :func:`_sort` says.
     """
     rows, m = y.shape
     c = w.shape[-1]
-    keys, perm = _sort(xp, y) if presorted is None else presorted
+    keys, perm = _sort(xp, y, narrow) if presorted is None else presorted
     shift = xp.astype(keys[:, m // 2], xp.float64).contiguous()
     C = c + (1 if ones else 0)
     take_arg = xp.astype(take, xp.int8).contiguous() if take is not None else None

@@ -277,6 +277,37 @@ def test_nan_policy_and_empty_rows(rng):
     np.testing.assert_allclose(out, want, rtol=1e-9, atol=1e-11)
 
 
+def test_nan_policy_of_float32_values_read_off_the_totals(rng):
+    """float32 values: their finiteness is read off the table's float64 totals (the NaN policy's
+    deferred check), not from a pass over them. An infinite value of a key that takes part makes its
+    batch row NaN (not inf: the check, not the arithmetic, decides), an infinite one of a masked key
+    changes nothing, a NaN query its own row; forward against the scan, and the gradients NaN on
+    exactly the rows the output is NaN on. (Under the interpreter, NumPy would warn of the ``inf *
+    0`` the kernels compute on the bad row.)"""
+    q, k, v, mask = _data(rng)
+    mask[0, 0, 5], mask[1, 1, 3] = True, False
+    v[0, 0, 5, 1] = np.inf                   # takes part: row (0, 0) is NaN, not inf
+    v[1, 1, 3, 0] = np.inf                   # masked: ignored
+    q[1, 2, 4] = np.nan                      # its own row only
+    outs = []
+    for engine in ("triton", "scan"):
+        args = [_t(a, torch.float32).requires_grad_() for a in (q, k, v)]
+        with np.errstate(invalid="ignore", over="ignore"):
+            out = slicedkern.relu_attention(*args, key_mask=_t(mask, torch.bool), engine=engine)
+            grads = torch.autograd.grad(out.sum(), args)
+        outs.append((_np(out), *(_np(g) for g in grads)))
+    (out, dq, dk, dv), (want, *_) = outs
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    assert np.isnan(out[0, 0]).all() and np.isnan(out[1, 2, 4]).all()
+    assert np.isnan(out).sum() == out[0, 0].size + out.shape[-1]
+    np.testing.assert_allclose(np.nan_to_num(out), np.nan_to_num(want), rtol=1e-5, atol=1e-6)
+    bad = np.zeros(q.shape[:-1], dtype=bool)
+    bad[0, 0] = True
+    assert np.isnan(dk[bad]).all() and np.isnan(dv[bad]).all() and np.isnan(dq[bad]).all()
+    assert np.isfinite(dk[~bad]).all() and np.isfinite(dv[~bad]).all()
+    assert np.isnan(dq[1, 2, 4]) and np.isfinite(np.delete(dq[1, 2], 4)).all()
+
+
 @pytest.mark.exhaustive            # under the interpreter a tile of 2 keys costs minutes; the default
 def test_many_tiles_and_column_blocks(rng, monkeypatch):   # profile crosses tiles with the 8-key ones
     """Tiles of 2 keys, blocks of 4 queries, 2 columns: a query block reads several tiles, the
@@ -476,13 +507,17 @@ def _traffic():
 
 def test_host_work_of_a_warm_call_makes_no_profile_arrays():
     """On a GPU at small L the host's operators are the time (docs/benchmarks.rst, "On a GPU"): a
-    fixed profile's knot, coefficient and slope arrays are made by the first call only."""
+    fixed profile's knot, coefficient and slope arrays are made by the first call only, and the
+    NaN policy makes no pass over the values."""
     if DEVICE != "cpu":
         pytest.skip("counted on CPU tensors, the launches skipped")
     for backward in (False, True):
         found = _traffic().host_cost(16, 4, 2, backward, repeat=1)
         assert not {"full", "stack", "fill"} & set(found["by op"]), found["by op"]
         assert found["operators"] > 0 and found["launches"]["merge_eval"] >= 1
+        # float32 values: their finiteness is read off the table's totals, and the backward reuses
+        # the forward's verdicts, so no pass (aminmax) over the values, forward or backward
+        assert "aminmax" not in found["by op"], found["by op"]
 
 
 def test_traffic_of_the_forward():

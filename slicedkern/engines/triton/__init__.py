@@ -45,6 +45,7 @@ from __future__ import annotations
 import importlib.util
 
 from ..._lib.namespace import as_work
+from ...backends import quiet_nonfinite
 from ...kernels import Profile, is_fixed
 from .._base import Engine
 from .._nanpolicy import screen
@@ -70,9 +71,11 @@ from ._sums import (
 __all__ = ["TritonEngine"]
 
 #: attention's residuals, in order ("den" only with a summed normaliser): the backward's per-query
-#: sums, the forward's sorted keys and queries with their permutations, and the carry of its table of
-#: ``[v | indicator]`` (R, tiles + 1, 2 (dv + 1)) float64 (Engine.aux_of)
-_RESIDUALS = ("take", "relu_count", "key_order", "key_perm", "query_order", "query_perm", "key_carry", "den")
+#: sums, the forward's sorted keys and queries with their permutations, the carry of its table of
+#: ``[v | indicator]`` (R, tiles + 1, 2 (dv + 1)) float64, and its NaN policy's verdicts (the queries
+#: whose row is not NaN, the batch rows that are good) (Engine.aux_of)
+_RESIDUALS = ("take", "relu_count", "key_order", "key_perm", "query_order", "query_perm", "key_carry", "good",
+              "row_ok", "den")
 #: Positions per dense leaf block of causal attention: the (64, 64) products of a block cost less on a
 #: GPU than the six levels of launches they replace (issue 26 asks for a 64-128 dense bottom chunk).
 CAUSAL_LEAF = 64
@@ -212,21 +215,25 @@ class TritonEngine(Engine):
             take = xp.ones(k.shape, dtype=xp.bool, device=dev) if key_mask is None else key_mask
             zeros = xp.zeros(q.shape + (1,), dtype=dt, device=dev)
             return xp.zeros(q.shape + (dv,), dtype=dt, device=dev), (take, zeros, zeros)
-        sc = screen(xp, q, k, v, key_mask, defer=False)
         # values narrower than float64 mean scores of float32 or narrower (the op casts the values to
-        # the result's dtype, promoted over all three), lifted exactly: sorted as float32
+        # the result's dtype, promoted over all three), lifted exactly: sorted as float32; and their
+        # float64 sums cannot overflow, so the values' finiteness is read off the table's totals
+        # (the NaN policy's deferred check) rather than from a pass over them
         narrow = v.dtype != xp.float64
-        table = build_table(xp, _rows(xp, sc.y, 1), _row_view(xp, v, 2), take=_rows(xp, sc.table_take, 1),
-                            ones=True, narrow=narrow)
+        sc = screen(xp, q, k, v, key_mask, defer=narrow and quiet_nonfinite(xp))
+        table_take = None if sc.table_take is None else _rows(xp, sc.table_take, 1)
+        table = build_table(xp, _rows(xp, sc.y, 1), _row_view(xp, v, 2), take=table_take, ones=True, narrow=narrow)
+        sc.settle(xp, xp.reshape(table.totals, batch + (1, -1)), dv)
         xr = sort_queries(xp, _rows(xp, sc.x, 1), narrow)
         factor = sc.divisor(xp, 1.0)             # 1, or NaN where the NaN policy says
         if row_ok is not None:                   # and NaN on the rows whose bandwidths are bad (Engine.forward)
             factor = xp.where(row_ok[..., None], factor, xp.asarray(float("nan"), dtype=factor.dtype, device=dev))
         out, relu_count, raw = attend(xp, table, xr, profile, normalizer, batch, center=center,
                                       factor=_rows(xp, factor, 1), dtype=v.dtype)
-        # the sorted orders go to the backward too (n elements each): it sorts nothing again
+        # the sorted orders and the screening go to the backward too (n elements each): it sorts and
+        # screens nothing again
         residuals = [sc.take, xp.reshape(relu_count, batch + (lq, 1)), table.keys, table.perm, xr.sorted, xr.perm,
-                     table.carry]
+                     table.carry, sc.q_ok & sc.row_ok[..., None], sc.row_ok]
         if raw is not None:
             residuals.append(xp.reshape(raw, batch + (lq, 1)))
         return xp.reshape(out, batch + (lq, dv)), tuple(residuals)
@@ -254,8 +261,7 @@ class TritonEngine(Engine):
     def key_view(self, q, k, v, key_mask, aux, *, causal: bool, xp):
         if causal or aux is None or "query_perm" not in aux:
             return super().key_view(q, k, v, key_mask, aux, causal=causal, xp=xp)
-        return _SortedKeys(self, q, k, v, key_mask, xp, (aux["key_order"], aux["key_perm"], aux["query_order"],
-                                                         aux["query_perm"]), aux["key_carry"])
+        return _SortedKeys(self, q, k, v, key_mask, xp, aux)
 
     def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True, orders=None):
         """The pull-back of profile sums; ``orders``: the (R, m) / (R, n) sorted keys, their int32
@@ -319,16 +325,18 @@ class TritonEngine(Engine):
 
 class _SortedKeys(AllKeys):
     """Every key of the row (:class:`~slicedkern.engines._vjp.AllKeys`), pulled back over the
-    forward's sorted orders: the backward of attention on the triton engine sorts nothing; with
-    fixed profiles its sums are pulled back by :func:`_sums_vjp`, on the forward's table of keys."""
+    forward's residuals: its sorted orders, table of keys and NaN policy's verdicts, so that the
+    backward of attention on the triton engine sorts and screens nothing (:func:`_sums_vjp`).
 
-    def __init__(self, engine, q, k, v, key_mask, xp, orders, key_carry):
-        super().__init__(engine, q, k, v, key_mask, xp)
-        self.orders, self.key_carry = orders, key_carry
+    ``q`` and ``k`` are the unscreened scores, read for their shapes only; ``raw_v`` the values,
+    read by kernels that skip the keys that take no part."""
 
-    def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
-        return self.engine.profiles_vjp(x, y, w, profiles, cotangents, xp=xp, param_grads=param_grads,
-                                        orders=self.orders)
+    def __init__(self, engine, q, k, v, key_mask, xp, aux):
+        self.q, self.k, self.raw_v, self.key_mask = q, k, v, key_mask
+        self.take, self.good, self.row_bad = aux["take"], aux["good"], ~aux["row_ok"]
+        self.orders = (aux["key_order"], aux["key_perm"], aux["query_order"], aux["query_perm"])
+        self.key_carry = aux["key_carry"]
+        self.engine, self.xp, self._v = engine, xp, None
 
     def cotangent(self, xp, g):
         # read by the kernels in its own dtype and strides: no float64 copy of it
@@ -354,9 +362,10 @@ class _SortedKeys(AllKeys):
     def sums_vjp(self, profile, normalizer, gout, cot, silent, *, center: bool, dv_sub, dv_factor, xp):
         if normalizer.summed and not normalizer.profile.is_fixed:
             # a normaliser with array parameters (none of the named ones has them): the generic
-            # pull-back over the scan's knot sums, in the work dtype
-            return super().sums_vjp(profile, normalizer, as_work(xp, gout, self.q.dtype), cot, silent, center=center,
-                                    dv_sub=dv_sub, dv_factor=dv_factor, xp=xp)
+            # pull-back over the scan's knot sums, in the work dtype, over screened keys
+            keys = AllKeys(self.engine, self.q, self.k, self.raw_v, self.key_mask, xp)
+            return keys.sums_vjp(profile, normalizer, as_work(xp, gout, self.q.dtype), cot, silent, center=center,
+                                 dv_sub=dv_sub, dv_factor=dv_factor, xp=xp)
         return _sums_vjp(xp, self, profile, normalizer, gout, cot, silent, center=center, dv_sub=dv_sub,
                          dv_factor=dv_factor)
 

@@ -5,11 +5,11 @@ GPU on a machine without one (Triton's compiler and the ``ptxas`` / ``cuobjdump`
         [--blocks 64,64,32] [--calls forward,causal,backward,decode]
 
 The launches of a call are captured with their real arguments from the engine's own functions on
-CPU tensors, without running them, then compiled for ``sm_<arch>``: ``forward`` (pass 1
-``tile_sums``, pass 2 ``merge_eval`` in attention's mode, ReLU with the "abs" normaliser, centred),
-``causal`` (the same kernels as a level of causal attention runs them: indicator column, no
-epilogue; and the merge of its bottom-up merge sort), ``backward`` (every variant a forward and its
-backward compile) and ``decode``
+CPU tensors, without running them, then compiled for ``sm_<arch>``: ``forward`` (the small-L sort
+``sort_rows`` of 1024 float32 scores, pass 1 ``tile_sums``, pass 2 ``merge_eval`` in attention's
+mode, ReLU with the "abs" normaliser, centred), ``causal`` (the same kernels as a level of causal
+attention runs them: indicator column, no epilogue; and the merge of its bottom-up merge sort),
+``backward`` (every variant a forward and its backward compile) and ``decode``
 (``decode_attend`` of ``DecodeCache``'s device runs, ReLU, centred, "abs"; values in float64
 whatever ``--dtypes`` says). A kernel that needs more registers than the 255 a thread may hold
 spills to a per-thread stack in local memory
@@ -68,7 +68,7 @@ def forward_launches(dtype, length: int = 1024, rows: int = 8, dv: int = 64) -> 
             def launch(*args, **kwargs):
                 captured.append((self.name, self.fn, args, kwargs))
             return launch
-    originals = {name: getattr(kernels, name) for name in ("tile_sums", "merge_eval")}
+    originals = {name: getattr(kernels, name) for name in ("sort_rows", "tile_sums", "merge_eval")}
     g = torch.Generator().manual_seed(0)
     y, x = torch.randn(rows, length, generator=g), torch.randn(rows, length, generator=g)
     w = torch.randn(rows, length, dv, generator=g).to(dtype)
@@ -142,7 +142,7 @@ def backward_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -
     def run():
         out = slicedkern.relu_attention(q, k, v, engine="triton")
         torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-    return _captured(("tile_sums", "merge_eval", "row_dots", "column_sums"), run, variants=True)
+    return _captured(("sort_rows", "tile_sums", "merge_eval", "row_dots", "column_sums"), run, variants=True)
 
 
 def decode_launches(dtype, length: int = 1000, heads: int = 4, dv: int = 16) -> list:

@@ -1,7 +1,8 @@
-"""What one call of the triton engine launches and allocates: kernel launches, sorts, and the
-intermediate tensors of at least ``n * D`` elements (issue 26's structural counts), for the
-forward and the forward+backward of ReLU attention, under Triton's interpreter on the CPU (the
-counts do not depend on the device; no GPU needed):
+"""What one call of the triton engine launches and allocates: kernel launches, sorts (a
+``torch.sort``, or a launch of the engine's ``sort_rows`` for short rows), and the intermediate
+tensors of at least ``n * D`` elements (issue 26's structural counts), for the forward and the
+forward+backward of ReLU attention, under Triton's interpreter on the CPU (the counts do not depend
+on the device; no GPU needed):
 
     TRITON_INTERPRET=1 PYTHONPATH=. python scripts/triton_traffic.py [--length 256] [--dim 16] [--causal]
         [--bandwidths]
@@ -96,8 +97,11 @@ def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32
             setattr(kernels, name, jitted)
     kept = {t.untyped_storage().data_ptr() for t in (out, *grads)}
     large = [(op, n, dt) for op, n, dt, ptr in rec.large if ptr not in kept]
-    return {"launches": dict(launches), "sorts": rec.ops["sort"] + rec.ops["argsort"],
-            "sorted dtypes": sorted({str(dt).replace("torch.", "") for dt in rec.sorted_dtypes}),
+    # a sort is torch's or, for short rows of float32 scores, one launch of the engine's own
+    sorted_dtypes = {str(dt).replace("torch.", "") for dt in rec.sorted_dtypes}
+    sorted_dtypes |= {"float32"} if launches["sort_rows"] else set()
+    return {"launches": dict(launches), "sorts": rec.ops["sort"] + rec.ops["argsort"] + launches["sort_rows"],
+            "sorted dtypes": sorted(sorted_dtypes),
             "large intermediates": len(large),
             "large float64": sum(dt == torch.float64 for _, _, dt in large),
             "large bytes / (n D itemsize)": sum(n * dt.itemsize for _, n, dt in large)

@@ -522,15 +522,17 @@ def test_host_work_of_a_warm_call_makes_no_profile_arrays():
 
 def test_traffic_of_the_forward():
     """The forward's structure (scripts/triton_traffic.py counts it): one sort each of the keys and
-    the queries, one tile-sum launch and one evaluation launch (the count and normaliser sums and
-    the values together, centring and divisor in its epilogue), and no intermediate of n * D
+    the queries (each one launch at this length), one tile-sum launch and one evaluation launch (the
+    count and normaliser sums and the values together, centring and divisor in its epilogue), and
+    no intermediate of n * D
     elements or more: no per-key prefix table, and the output written in its own dtype, not in
     float64 and cast."""
     if DEVICE != "cpu":
         pytest.skip("counted under the interpreter, on CPU tensors (the counts do not depend on the device)")
     traffic = _traffic()
     found = traffic.count(48, 8, 1, backward=False)
-    assert found["launches"] == {"tile_sums": 1, "merge_eval": 1}
+    # the two sorts are one launch each of the small-L sort (float32 scores, 48 per row)
+    assert found["launches"] == {"sort_rows": 2, "tile_sums": 1, "merge_eval": 1}
     assert found["sorts"] == 2
     # float32 scores, lifted to float64 by the op, are sorted as the float32 numbers they are
     assert found["sorted dtypes"] == ["float32"]
@@ -552,7 +554,8 @@ def test_traffic_of_the_backward():
     if DEVICE != "cpu":
         pytest.skip("counted under the interpreter, on CPU tensors (the counts do not depend on the device)")
     found = _traffic().count(48, 8, 1, backward=True)
-    assert found["launches"] == {"tile_sums": 1 + 2, "merge_eval": 1 + 3 + 3 + 1, "row_dots": 2, "column_sums": 1}
+    assert found["launches"] == {"sort_rows": 2, "tile_sums": 1 + 2, "merge_eval": 1 + 3 + 3 + 1, "row_dots": 2,
+                                 "column_sums": 1}
     assert found["large intermediates"] == 0, found
 
 
@@ -586,6 +589,25 @@ def test_relu_normaliser_gradients_at_large_tied_scores():
             grads.append(torch.autograd.grad((out * g).sum(), args[2])[0])
         worst = max(worst, float((grads[0] - grads[1]).abs().max()))
     assert worst < 1e-12
+
+
+@pytest.mark.parametrize("n", [1, 7, 300, 4096])
+def test_sort_rows_is_a_stable_sort(n):
+    """The small-L sort (``_kernels.sort_rows``: float32 numbers as order-preserving bit patterns
+    above their indices, one 64-bit ``tl.sort``) equals ``torch.sort(stable=True)``: values and
+    indices, with ties, -0.0 beside 0.0, the largest finite numbers of both signs and subnormal
+    ones, rows of 1 to 4096 (a whole block) entries, float64 arrays holding float32 numbers."""
+    import array_api_compat.torch as xp
+
+    from slicedkern.engines.triton import _sums
+    g = torch.Generator().manual_seed(n)
+    a = (torch.randint(-3, 4, (3, n), generator=g) * 0.5).to(torch.float32)
+    special = torch.tensor([-0.0, 0.0, 3.4e38, -3.4e38, 1e-45, -1e-45, -0.0], dtype=torch.float32)
+    a.view(-1)[:min(special.numel(), a.numel())] = special[:a.numel()]
+    a = a.to(device=DEVICE, dtype=torch.float64)
+    values, perm = _sums._sorted(xp, a, torch.float32, torch.float64)
+    want, want_perm = a.sort(dim=-1, stable=True)
+    assert torch.equal(values, want) and torch.equal(perm.long(), want_perm)
 
 
 @pytest.mark.parametrize("n, run", [(2, 1), (16, 1), (48, 8), (64, 32), (200, 100)])

@@ -35,11 +35,12 @@ try:
 except ImportError:      # imported without Triton (doctest collection): the engine declines before build()
     triton = tl = knobs = None
 
-__all__ = ["build", "interpreted", "tile_sums", "merge_eval", "decode_attend", "row_dots", "column_sums", "merge_runs"]
+__all__ = ["build", "interpreted", "tile_sums", "merge_eval", "decode_attend", "row_dots", "column_sums", "merge_runs",
+           "sort_rows"]
 
 _JITTED = ("_rank", "_key_tile", "_tile", "_knot_ranks", "_below_sum", "_indicator_carry", "_pairs",
            "_indicator_linear", "_indicator_profile", "_attention_epilogue", "tile_sums", "merge_eval", "_run_profile",
-           "decode_attend", "row_dots", "column_sums", "merge_runs")
+           "decode_attend", "row_dots", "column_sums", "merge_runs", "sort_rows")
 _mode: list = []     # [interpreted?] once built
 
 
@@ -477,6 +478,28 @@ def merge_runs(values_ptr, perm_ptr, merged_ptr, merged_perm_ptr, n, run, log_ru
     dest = base + i % run + pos
     tl.store(merged_ptr + row * n + dest, v, mask=im)
     tl.store(merged_perm_ptr + row * n + dest, p + tl.where(right, run, 0).to(p.dtype), mask=im)
+
+
+def sort_rows(a_ptr, values_ptr, perm_ptr, n, BLOCK: tl.constexpr):
+    """A row of ``n <= BLOCK`` float32 numbers (``a`` in any float dtype holding them) sorted in one
+    program, stably: each number's order-preserving 32-bit pattern (sign bit flipped for the
+    positive numbers, every bit for the negative ones; -0 made +0 first, as a comparison has it)
+    above its index, one 64-bit ``tl.sort``. Writes the sorted numbers (in ``values``' dtype) and
+    their int32 indices: the small-L sort (issue 26, item 3), one launch instead of ``torch.sort``
+    and its casts."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    inside = i < n
+    x = tl.load(a_ptr + row * n + i, mask=inside, other=0.0).to(tl.float32) + 0.0
+    bits = x.to(tl.uint32, bitcast=True)
+    key = tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
+    key = tl.where(inside, key, 0xFFFFFFFF)             # past the row: last
+    ordered = tl.sort((key.to(tl.uint64) << 32) | i.to(tl.uint64))
+    key = (ordered >> 32).to(tl.uint32)
+    bits = tl.where((key >> 31) != 0, key & 0x7FFFFFFF, ~key)
+    tl.store(values_ptr + row * n + i, bits.to(tl.float32, bitcast=True).to(values_ptr.dtype.element_ty),
+             mask=inside)
+    tl.store(perm_ptr + row * n + i, (ordered & 0xFFFFFFFF).to(tl.int32), mask=inside)
 
 
 def build() -> None:

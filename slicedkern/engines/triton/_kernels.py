@@ -49,7 +49,8 @@ def tile_sums(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, agg_ptr
               HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """Pass 1: one tile of sorted keys x one block of columns: the tile's sums ``[w | (y - shift) w]``
-    (float64), nothing per key."""
+    (float64), nothing per key, into row ``tile + 1`` of ``agg`` (R, nb + 1, 2 C); the first tile's
+    programs zero row 0 (the caller's cumulative sum in place makes the exclusive prefix)."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     cb = tl.program_id(2)
@@ -57,8 +58,13 @@ def tile_sums(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, agg_ptr
     cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     wv, y, _ = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, row, j, cols, m, c, sw_r, sw_m,
                      sw_c, HAS_TAKE, ONES, SCALE, ACC)
-    tot = row * nb * 2 * C + blk * 2 * C + cols
+    base = row * (nb + 1) * 2 * C
+    tot = base + (blk + 1) * 2 * C + cols
     cm = cols < C
+    if blk == 0:
+        zero = tl.zeros((BLOCK_C,), dtype=tl.float64)
+        tl.store(agg_ptr + base + cols, zero, mask=cm)
+        tl.store(agg_ptr + base + C + cols, zero, mask=cm)
     tl.store(agg_ptr + tot, tl.sum(wv.to(tl.float64), 0), mask=cm)
     # the products in float64 with the exact shifted keys: the carry's sums of y w are the terms that
     # cancel against s P0 in pass 2 (docs/mathematics.rst, "Numerics")

@@ -158,16 +158,17 @@ def build_table(xp, y, w, *, take=None, ones=False, scale=None, presorted: Queri
         block_m, _, block_c = _blocks(xp, w, scale)
         nb = triton_cdiv(m, block_m)
         dev = y.device
-        sums = xp.empty((rows, nb, 2 * C), dtype=xp.float64, device=dev)
+        # pass 1 writes each tile's sums one row down and zeroes the first row; one cumulative sum
+        # in place then makes them the exclusive prefix (no concatenated copy of the carry)
+        carry = xp.empty((rows, nb + 1, 2 * C), dtype=xp.float64, device=dev)
         grid = (rows, nb, triton_cdiv(C, block_c))
         k = loaded()
         k.tile_sums[grid](keys, shift, perm, w, take_arg if take is not None else perm,
-                          scale_arg if scale is not None else shift, sums,
+                          scale_arg if scale is not None else shift, carry,
                           m, c, C, nb, w.stride(0), w.stride(1), w.stride(2),
                           HAS_TAKE=take is not None, ONES=ones, SCALE=scale is not None,
                           ACC=_tl_dtype(k, _acc_dtype(xp, w, scale), xp), BLOCK_M=block_m, BLOCK_C=block_c)
-        zero = xp.zeros((rows, 1, 2 * C), dtype=xp.float64, device=dev)
-        carry = xp.concat([zero, xp.cumulative_sum(sums, axis=1)], axis=1)
+        carry.cumsum_(dim=1)
     return Table(keys, perm, shift, carry, w, take_arg, C, ones, scale_arg)
 
 

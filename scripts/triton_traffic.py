@@ -28,18 +28,20 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import slicedkern  # noqa: E402
 
 
 class Recorder(TorchDispatchMode):
-    """Every aten op, and the new storages of at least ``big`` elements an op allocates (views
-    share their input's storage; ``set_`` / ``copy_`` are the interpreter moving kernel arguments)."""
+    """Every aten op, and the new storages of at least ``big`` elements an op allocates: an output
+    whose storage is none of the op's tensor arguments' (views and in-place ops return theirs;
+    ``set_`` / ``copy_`` are the interpreter moving kernel arguments). The large ones are held until
+    the end, so that no later allocation reuses their address and is mistaken for them."""
 
-    def __init__(self, big: int, given):
+    def __init__(self, big: int):
         super().__init__()
-        self.big, self.ops, self.large, self.sorted_dtypes = big, collections.Counter(), [], []
-        self.seen = {t.untyped_storage().data_ptr() for t in given}
+        self.big, self.ops, self.large, self.sorted_dtypes, self.held = big, collections.Counter(), [], [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -47,14 +49,15 @@ class Recorder(TorchDispatchMode):
         self.ops[name] += 1
         if name in ("sort", "argsort"):
             self.sorted_dtypes.append(args[0].dtype)
+        if name in ("set_", "copy_"):
+            return out
+        given = {a.untyped_storage().data_ptr() for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if not isinstance(t, torch.Tensor) or name in ("set_", "copy_"):
-                continue
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in self.seen:
-                self.seen.add(ptr)
-                if t.numel() >= self.big:
+            if isinstance(t, torch.Tensor) and t.numel() >= self.big:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in given:
                     self.large.append((name, t.numel(), t.dtype, ptr))
+                    self.held.append(t)
         return out
 
 
@@ -85,7 +88,7 @@ def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32
     cot = torch.ones(1, heads, length, dim, dtype=dtype)
     width = torch.linspace(0.5, 1.5, heads, dtype=dtype).requires_grad_(backward)
     try:
-        with Recorder(length * dim * heads, (q, k, v, cot)) as rec:
+        with Recorder(length * dim * heads) as rec:
             if bandwidths:
                 out = slicedkern.hat_attention(q, k, v, width, causal=causal, engine="triton")
             else:

@@ -80,6 +80,10 @@ class Levels(NamedTuple):
     orders each level's ``sums`` and ``vjp`` then take as ``orders=`` (the left blocks' sorted keys
     and the right blocks' sorted queries, with their permutations), so that the levels sort
     nothing themselves (the triton engine's bottom-up merge sort); None: each level sorts its own.
+    ``sums_into(xp, qs, keys, vals, kept, profiles, accs, orders=None)``: ``sums`` added in place to
+    the running sums ``accs`` (one plain (..., n, c_p) array per profile on the positions, float64
+    work only), returning them, so that no level's sums are written apart (the triton engine's);
+    None: ``sums``, added to copies.
     """
 
     sums: Callable
@@ -87,6 +91,7 @@ class Levels(NamedTuple):
     leaf: int | None = None
     native_values: bool = False
     orders: Callable | None = None
+    sums_into: Callable | None = None
 
 
 def _level_orders(xp, levels: Levels, x, y, leaf: int):
@@ -187,6 +192,16 @@ def _per_block(cache: dict):
     return profile
 
 
+def _level_inputs(xp, x, y, w, take, size: int):
+    """A level's ``(qs, keys, vals, kept)``: the right blocks' queries, the left blocks' keys,
+    values and valid-key indicator, (..., P, size[, c])."""
+    keys, _ = _halves(xp, y, size, 0)
+    _, qs = _halves(xp, x, size, 0)
+    vals, _ = _halves(xp, w, size, 1)
+    kept, _ = _halves(xp, take, size, 0)
+    return qs, keys, vals, kept
+
+
 def causal_sums(xp, ar, x, y, w, take, profiles, levels: Levels = SCAN_LEVELS):
     """Per position ``p``, ``sum_{j <= p, take_j} f(x_p - y_j) [w_j, 1]`` for each profile (its columns).
 
@@ -199,16 +214,17 @@ def causal_sums(xp, ar, x, y, w, take, profiles, levels: Levels = SCAN_LEVELS):
     work = x.dtype
     ones = xp.astype(take, work)[..., None]
     weights = xp.concat([xp.astype(w, work), ones], axis=-1)
-    sums = [ar.lift(_blocks(xp, s, leaf, 1)) for s in leaf_sums(xp, x, y, weights, profiles, leaf)]
+    leaves = leaf_sums(xp, x, y, weights, profiles, leaf)
     expand = _per_block({})
     blocked = [expand(p) for p in profiles]
     orders = _level_orders(xp, levels, x, y, leaf)
+    if levels.sums_into is not None and not ar.wide:
+        for size in _block_sizes(n, leaf):
+            leaves = levels.sums_into(xp, *_level_inputs(xp, x, y, w, take, size), blocked, leaves, **next(orders))
+        return [ar.lift(acc) for acc in leaves]
+    sums = [ar.lift(_blocks(xp, s, leaf, 1)) for s in leaves]
     for size in _block_sizes(n, leaf):
-        keys, _ = _halves(xp, y, size, 0)
-        _, qs = _halves(xp, x, size, 0)
-        vals, _ = _halves(xp, w, size, 1)
-        kept, _ = _halves(xp, take, size, 0)
-        level = levels.sums(xp, ar, qs, keys, vals, kept, blocked, **next(orders))
+        level = levels.sums(xp, ar, *_level_inputs(xp, x, y, w, take, size), blocked, **next(orders))
         sums = [_add_level(xp, ar, acc, part, 1, right=True) for acc, part in zip(sums, level)]
     return [each(ar, lambda a: _unblocked(xp, a, 1), acc) for acc in sums]
 

@@ -66,6 +66,7 @@ from ._sums import (
     merge_runs,
     profile_dot,
     profile_sum,
+    profile_sum_into,
     row_dots,
     sort_queries,
 )
@@ -99,17 +100,40 @@ def _row_view(xp, a, core: int):
     return xp.reshape(a, (rows,) + shape[len(shape) - core:])
 
 
+def _level_table(xp, qs, keys, vals, kept, orders):
+    """A level's table of the left blocks' keys (pass 1) and its sorted right blocks' queries, the
+    block pairs as rows; ``orders`` from :func:`_level_orders`, or None to sort them here."""
+    key_order, key_perm, query_order, query_perm = orders if orders is not None else (None,) * 4
+    presorted = None if orders is None else Queries(key_order, key_perm)
+    table = build_table(xp, _rows(xp, keys, 1), _row_view(xp, vals, 2), take=_rows(xp, kept, 1), ones=True,
+                        presorted=presorted)
+    return table, sort_queries(xp, _rows(xp, qs, 1)) if orders is None else Queries(query_order, query_perm)
+
+
+def _level_sums_into(xp, qs, keys, vals, kept, profiles, accs, orders=None):
+    """One level of causal attention added in place to the running sums ``accs`` (one (..., n, c_p)
+    float64 array per profile, on the positions; :attr:`~slicedkern.engines.scan._causal.Levels.sums_into`):
+    pass 2 adds each right block's sums into its rows, so no level's sums are written apart and no
+    running sums are copied (issue 26, item 4). Returns the arrays, made contiguous float64 once."""
+    batch, s, c = tuple(qs.shape[:-1]), qs.shape[-1], vals.shape[-1]
+    table, xr = _level_table(xp, qs, keys, vals, kept, orders)
+    out = []
+    for p, acc in zip(profiles, accs):
+        cols = column_range(p, c + 1)
+        acc = xp.astype(acc, xp.float64, copy=False).contiguous()
+        # block pair r's right block starts at position (2 r + 1) s of the flattened positions
+        out.append(profile_sum_into(xp, table, xr, p, batch, cols, acc, 2 * s * len(cols), s * len(cols),
+                                    strict=True))
+    return out
+
+
 def _level_sums(xp, ar, qs, keys, vals, kept, profiles, orders=None):
     """One level of causal attention (:class:`~slicedkern.engines.scan._causal.Levels`): every
     block pair a row of one pass 1 and one pass 2 per profile; ``vals`` in the values' own dtype (the
     float32 tiles of the non-causal forward, float64 carries); float64 sums, lifted into ``ar``.
     ``orders``: the level's sorted keys and queries (:func:`_level_orders`), or None to sort them."""
     batch, s, c = tuple(qs.shape[:-1]), qs.shape[-1], vals.shape[-1]
-    key_order, key_perm, query_order, query_perm = orders if orders is not None else (None,) * 4
-    presorted = None if orders is None else Queries(key_order, key_perm)
-    table = build_table(xp, _rows(xp, keys, 1), _row_view(xp, vals, 2), take=_rows(xp, kept, 1), ones=True,
-                        presorted=presorted)
-    xr = sort_queries(xp, _rows(xp, qs, 1)) if orders is None else Queries(query_order, query_perm)
+    table, xr = _level_table(xp, qs, keys, vals, kept, orders)
     sums = []
     for p in profiles:
         cols = column_range(p, c + 1)
@@ -241,7 +265,8 @@ class TritonEngine(Engine):
         return xp.reshape(out, batch + (lq, dv)), tuple(residuals)
 
     def _levels(self) -> Levels:
-        return Levels(_level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True, orders=_level_orders)
+        return Levels(_level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True, orders=_level_orders,
+                      sums_into=_level_sums_into)
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
         out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,

@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 
 from ...kernels import Profile, is_fixed
 
-__all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_dot", "attend", "row_dots",
-           "column_sums", "merge_runs", "loaded", "interpreted"]
+__all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_sum_into", "profile_dot",
+           "attend", "row_dots", "column_sums", "merge_runs", "loaded", "interpreted"]
 
 #: Keys per tile, queries per block and columns per block. With 16 keys a tile and pass 2 on 8 warps,
 #: its float32 and bfloat16 forms hold every value in registers on an H100 (sm_90); 64 keys a tile on
@@ -219,12 +219,14 @@ def _build_profile_args(xp, pairs, slope, intercept, batch, rows: int, dev):
 
 
 def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, out, *, strict: bool,
-              factor=None, sub=None, attention=None, dot=None):
+              factor=None, sub=None, attention=None, dot=None, add=None):
     """Launch pass 2 into ``out`` (R, n, len(cols)); ``attention`` = ``(center, normalizer, count, raw)``
     for attention's fused epilogue (``count`` and ``raw`` the (R, n) float64 residuals it writes);
     ``dot`` = ``(rows, col0)``: write the rows' dot products with ``rows[..., col0:col0 + len(cols)]``
     ((R, n, ...) in any strides and dtype) into ``out`` (R, n, column blocks) instead; ``sub``
-    (R, len(cols)) float64 subtracted from every query's sums, then ``factor`` (R, n) multiplying them."""
+    (R, len(cols)) float64 subtracted from every query's sums, then ``factor`` (R, n) multiplying them;
+    ``add`` = ``(row_stride, offset)``: add the rows to ``out`` (float64, any size) at
+    ``offset + row * row_stride`` instead of writing an (R, n, len(cols)) array."""
     x = queries.sorted
     rows, n = x.shape
     m = table.keys.shape[-1]
@@ -255,10 +257,12 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
         factor if factor is not None else x, sub if sub is not None else x, out,
         nknots, ncoeffs, nlin, count, raw, eps,
         against, against.stride(0), against.stride(1), against.stride(2), dot_col0,
+        *(add if add is not None else (n * width, 0)),
         n, m, c, table.C, nb, cols.start, width, w.stride(0), w.stride(1), w.stride(2),
         max(1, math.ceil(math.log2(m + 1))),
         K=K, STRICT=strict, DERIV=bool(profile.derivative),
-        HAS_FACTOR=factor is not None, SUB=sub is not None, HAS_TAKE=table.take is not None, ONES=table.ones,
+        HAS_FACTOR=factor is not None, SUB=sub is not None, ADD=add is not None, HAS_TAKE=table.take is not None,
+        ONES=table.ones,
         SCALE=table.scale is not None, ACC=_tl_dtype(k, _acc_dtype(xp, w, table.scale), xp),
         ATTN=attention is not None, CENTER=bool(center), NORM=norm,
         KN=kn, DOT=dot is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c, num_warps=MERGE_WARPS)
@@ -280,6 +284,16 @@ def profile_sum(xp, table: Table, queries: Queries, profile: Profile, batch, col
     if len(cols) == 0 or rows == 0 or n == 0:
         return out
     return _evaluate(xp, table, queries, profile, batch, cols, out, strict=strict, factor=factor, sub=sub)
+
+
+def profile_sum_into(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, into, row_stride: int,
+                     offset: int, *, strict: bool):
+    """:func:`profile_sum` added in place to ``into`` (float64, contiguous): query ``i`` of row ``r``
+    to ``into.flat[offset + r row_stride + i len(cols) + column]`` (one launch, nothing allocated)."""
+    rows, n = queries.sorted.shape
+    if len(cols) and rows and n:
+        _evaluate(xp, table, queries, profile, batch, cols, into, strict=strict, add=(row_stride, offset))
+    return into
 
 
 def profile_dot(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, rows_, col0: int, *,

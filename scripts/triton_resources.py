@@ -8,7 +8,8 @@ The launches of a call are captured with their real arguments from the engine's 
 CPU tensors, without running them, then compiled for ``sm_<arch>``: ``forward`` (the small-L sort
 ``sort_rows`` of 1024 float32 scores, pass 1 ``tile_sums``, pass 2 ``merge_eval`` in attention's
 mode, ReLU with the "abs" normaliser, centred), ``causal`` (the same kernels as a level of causal
-attention runs them: indicator column, no epilogue; and the merge of its bottom-up merge sort),
+attention runs them: indicator column, no epilogue; the merge of its bottom-up merge sort and its
+dense leaves),
 ``backward`` (every variant a forward and its backward compile) and ``decode``
 (``decode_attend`` of ``DecodeCache``'s device runs, ReLU, centred, "abs"; values in float64
 whatever ``--dtypes`` says). A kernel that needs more registers than the 255 a thread may hold
@@ -125,7 +126,7 @@ def causal_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> 
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, heads, length, generator=g).to(dtype) for _ in range(2))
     v = torch.randn(1, heads, length, dv, generator=g).to(dtype)
-    return _captured(("tile_sums", "merge_eval", "merge_runs"),
+    return _captured(("leaf_eval", "tile_sums", "merge_eval", "merge_runs"),
                      lambda: slicedkern.relu_attention(q, k, v, causal=True, engine="triton"))
 
 

@@ -631,7 +631,8 @@ def test_merge_runs_is_a_stable_sort(n, run):
 
 def test_traffic_of_the_causal_forward(small_leaves):
     """Causal: one segmented sort of each score array in runs of a leaf, and one bottom-up merge
-    sort from there (issue 26, item 4): per level one merge launch per array for the next level
+    sort from there (issue 26, item 4); the dense leaves one launch per profile, each level's sums
+    added in place into the running sums: per level one merge launch per array for the next level
     (none after the last), one tile-sum launch and one evaluation launch per profile (the values
     with the indicator, and the "abs" normaliser's), whatever the number of blocks; 48 positions
     with leaves of 4: levels of 4, 8, 16 and 32 positions. The backward takes the same orders from
@@ -639,7 +640,12 @@ def test_traffic_of_the_causal_forward(small_leaves):
     if DEVICE != "cpu":
         pytest.skip("counted under the interpreter, on CPU tensors (the counts do not depend on the device)")
     found = _traffic().count(48, 8, 1, backward=False, causal=True)
-    assert found["launches"] == {"tile_sums": 4, "merge_eval": 8, "merge_runs": 2 * 3}
+    # the dense leaves are one launch per profile, their (positions, leaf) products in registers
+    assert found["launches"] == {"leaf_eval": 2, "tile_sums": 4, "merge_eval": 8, "merge_runs": 2 * 3}
     assert found["sorts"] == 2
+    # what remains of n * D and more is the running sums, the running totals, the NaN rule's check
+    # of the values and the combination: 23.75 times the values' bytes seen, 29.4 with the leaves'
+    # (positions, leaf) matrices in memory (at L = 256, leaves of 64: 19.1 against 143)
+    assert found["large bytes / (n D itemsize)"] < 25, found
     both = _traffic().count(48, 8, 1, backward=True, causal=True)
     assert both["sorts"] == 4 and both["launches"]["merge_runs"] == 2 * 2 * 3

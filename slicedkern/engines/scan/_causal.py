@@ -80,6 +80,9 @@ class Levels(NamedTuple):
     orders each level's ``sums`` and ``vjp`` then take as ``orders=`` (the left blocks' sorted keys
     and the right blocks' sorted queries, with their permutations), so that the levels sort
     nothing themselves (the triton engine's bottom-up merge sort); None: each level sorts its own.
+    ``leaves(xp, x, y, w, take, profiles, leaf)``: the dense leaves' sums (as :func:`._leaf.leaf_sums`
+    of ``[w | take]``, ``w`` in its own dtype), one plain float64 (..., n, c_p) array per profile
+    (float64 work only; None: :func:`._leaf.leaf_sums`).
     ``sums_into(xp, qs, keys, vals, kept, profiles, accs, orders=None)``: ``sums`` added in place to
     the running sums ``accs`` (one plain (..., n, c_p) array per profile on the positions, float64
     work only), returning them, so that no level's sums are written apart (the triton engine's);
@@ -92,6 +95,7 @@ class Levels(NamedTuple):
     native_values: bool = False
     orders: Callable | None = None
     sums_into: Callable | None = None
+    leaves: Callable | None = None
 
 
 def _level_orders(xp, levels: Levels, x, y, leaf: int):
@@ -212,9 +216,11 @@ def causal_sums(xp, ar, x, y, w, take, profiles, levels: Levels = SCAN_LEVELS):
     n = x.shape[-1]
     leaf = _leaf_size(ar, n, levels)
     work = x.dtype
-    ones = xp.astype(take, work)[..., None]
-    weights = xp.concat([xp.astype(w, work), ones], axis=-1)
-    leaves = leaf_sums(xp, x, y, weights, profiles, leaf)
+    if levels.leaves is not None and not ar.wide:
+        leaves = levels.leaves(xp, x, y, w, take, profiles, leaf)
+    else:
+        weights = xp.concat([xp.astype(w, work), xp.astype(take, work)[..., None]], axis=-1)
+        leaves = leaf_sums(xp, x, y, weights, profiles, leaf)
     expand = _per_block({})
     blocked = [expand(p) for p in profiles]
     orders = _level_orders(xp, levels, x, y, leaf)

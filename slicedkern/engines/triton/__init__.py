@@ -33,8 +33,10 @@ kernels at every level: the left blocks' keys as rows of one pass 1, the right b
 rows of one pass 2, so a level is two launches per profile, whatever the number of blocks. The
 levels sort nothing: each score array is sorted once in runs of :data:`CAUSAL_LEAF` positions and
 merged bottom-up, one merge launch per level (:func:`_level_orders`), which gives every level its
-sorted blocks. The pairs inside the leaves are summed densely, and the backward is the same levels'
-pull-backs over the same merges.
+sorted blocks, and each level's sums are added in place into the running sums of the positions
+(:func:`_level_sums_into`). The pairs inside the leaves are summed densely by one launch per profile
+(:func:`_leaves`), and the backward is the same levels' pull-backs over the same merges (its leaves
+the scan's array code).
 
 It serves torch tensors: chosen automatically for CUDA tensors when Triton is installed, and on
 request (``engine="triton"`` / :func:`~slicedkern.use_engine`) for CPU tensors too, which Triton runs
@@ -63,6 +65,7 @@ from ._sums import (
     build_table,
     column_sums,
     interpreted,
+    leaf_sums,
     merge_runs,
     profile_dot,
     profile_sum,
@@ -124,6 +127,18 @@ def _level_sums_into(xp, qs, keys, vals, kept, profiles, accs, orders=None):
         # block pair r's right block starts at position (2 r + 1) s of the flattened positions
         out.append(profile_sum_into(xp, table, xr, p, batch, cols, acc, 2 * s * len(cols), s * len(cols),
                                     strict=True))
+    return out
+
+
+def _leaves(xp, x, y, w, take, profiles, leaf: int):
+    """Causal attention's dense leaves on the kernels (:attr:`~slicedkern.engines.scan._causal.Levels.leaves`):
+    one :func:`._sums.leaf_sums` launch per profile, the (positions, leaf) products in registers."""
+    batch, n, c = tuple(x.shape[:-1]), x.shape[-1], w.shape[-1]
+    xr, yr, wr, kept = _rows(xp, x, 1), _rows(xp, y, 1), _row_view(xp, w, 2), _rows(xp, take, 1)
+    out = []
+    for p in profiles:
+        cols = column_range(p, c + 1)
+        out.append(xp.reshape(leaf_sums(xp, xr, yr, wr, kept, p, batch, cols, leaf), batch + (n, len(cols))))
     return out
 
 
@@ -266,7 +281,7 @@ class TritonEngine(Engine):
 
     def _levels(self) -> Levels:
         return Levels(_level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True, orders=_level_orders,
-                      sums_into=_level_sums_into)
+                      sums_into=_level_sums_into, leaves=_leaves)
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
         out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,

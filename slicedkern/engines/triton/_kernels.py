@@ -36,11 +36,11 @@ except ImportError:      # imported without Triton (doctest collection): the eng
     triton = tl = knobs = None
 
 __all__ = ["build", "interpreted", "tile_sums", "merge_eval", "decode_attend", "row_dots", "column_sums", "merge_runs",
-           "sort_rows"]
+           "sort_rows", "leaf_eval"]
 
 _JITTED = ("_rank", "_key_tile", "_tile", "_knot_ranks", "_below_sum", "_indicator_carry", "_pairs",
            "_indicator_linear", "_indicator_profile", "_attention_epilogue", "tile_sums", "merge_eval", "_run_profile",
-           "decode_attend", "row_dots", "column_sums", "merge_runs", "sort_rows")
+           "decode_attend", "row_dots", "column_sums", "merge_runs", "sort_rows", "leaf_eval")
 _mode: list = []     # [interpreted?] once built
 
 
@@ -512,6 +512,41 @@ def sort_rows(a_ptr, values_ptr, perm_ptr, n, BLOCK: tl.constexpr):
     tl.store(values_ptr + row * n + i, bits.to(tl.float32, bitcast=True).to(values_ptr.dtype.element_ty),
              mask=inside)
     tl.store(perm_ptr + row * n + i, (ordered & 0xFFFFFFFF).to(tl.int32), mask=inside)
+
+
+def leaf_eval(x_ptr, y_ptr, w_ptr, take_ptr, knots_ptr, coeffs_ptr, lin_ptr, out_ptr,
+              n, c, col0, width, sw_r, sw_m, sw_c,
+              K: tl.constexpr, ACC: tl.constexpr, LEAF: tl.constexpr, SUB: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The dense leaves of causal attention's divide and conquer: for one block of ``LEAF``
+    positions of one row, ``out[i] = sum over j <= i in the block, take_j of f(x_i - y_j) [w_j | 1]``
+    over the columns ``col0 .. col0 + width`` (column ``c`` the indicator), float64 (R, n, width).
+    ``f`` (knots, coefficients, slope and intercept per row, as :func:`merge_eval` reads them) is
+    formed pair by pair in float64 and rounded once to ACC for the product with the weights, in
+    sub-tiles of ``SUB`` keys (issue 26, item 4: no (positions, leaf) array in memory)."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * LEAF + tl.arange(0, LEAF)
+    cols = col0 + tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = cols < col0 + width
+    x = tl.load(x_ptr + row * n + i)
+    slope = tl.load(lin_ptr + row * 2)
+    intercept = tl.load(lin_ptr + row * 2 + 1)
+    acc = tl.zeros((LEAF, BLOCK_C), dtype=ACC)
+    for start in range(0, LEAF, SUB):
+        j = tl.program_id(1) * LEAF + start + tl.arange(0, SUB)
+        y = tl.load(y_ptr + row * n + j)
+        ok = tl.load(take_ptr + row * n + j) != 0
+        r = x[:, None] - y[None, :]
+        f = intercept + slope * r
+        for k in range(K):
+            f += tl.load(coeffs_ptr + row * K + k) * tl.maximum(r - tl.load(knots_ptr + row * K + k), 0.0)
+        f = tl.where((j[None, :] <= i[:, None]) & ok[None, :], f, 0.0)
+        wm = ok[:, None] & (cols[None, :] < c)
+        wv = tl.load(w_ptr + row * sw_r + j[:, None] * sw_m + cols[None, :] * sw_c, mask=wm, other=0.0)
+        wv = tl.where(wm, wv.to(ACC), 0.0)
+        wv = tl.where(ok[:, None] & (cols[None, :] == c), 1.0, wv).to(ACC)
+        acc = _below_sum(f.to(ACC), wv, acc, ACC)
+    tl.store(out_ptr + row * n * width + i[:, None] * width + (cols - col0)[None, :], acc.to(tl.float64),
+             mask=cm[None, :])
 
 
 def build() -> None:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from ...kernels import Profile, is_fixed
 
 __all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_sum_into", "profile_dot",
-           "attend", "row_dots", "column_sums", "merge_runs", "loaded", "interpreted"]
+           "attend", "row_dots", "column_sums", "merge_runs", "leaf_sums", "loaded", "interpreted"]
 
 #: Keys per tile, queries per block and columns per block. With 16 keys a tile and pass 2 on 8 warps,
 #: its float32 and bfloat16 forms hold every value in registers on an H100 (sm_90); 64 keys a tile on
@@ -372,3 +372,23 @@ def merge_runs(xp, values, perm, run: int):
         loaded().merge_runs[(rows, triton_cdiv(n, BLOCK_ROWS))](
             values, perm, merged, merged_perm, n, run, run.bit_length(), BLOCK=BLOCK_ROWS)
     return merged, merged_perm
+
+
+def leaf_sums(xp, x, y, w, take, profile: Profile, batch, cols: range, leaf: int):
+    """Causal attention's dense leaves (:func:`._kernels.leaf_eval`, one launch): per position ``i``
+    of a row, ``sum over j <= i in i's block of leaf positions, take_j of f(x_i - y_j) [w_j | 1]``
+    over the columns ``cols`` (column ``c`` the indicator), (R, n, len(cols)) float64. ``x``, ``y``
+    (R, n) float64 positions (``n`` a multiple of ``leaf``), ``w`` (R, n, c) in any dtype and
+    strides, ``take`` (R, n) bool; ``batch`` the shape the profile's array parameters broadcast to."""
+    rows, n = x.shape
+    c, width = w.shape[-1], len(cols)
+    out = xp.empty((rows, n, width), dtype=xp.float64, device=x.device)
+    if rows and n and width:
+        knots, coeffs, lin, K = _profile_args(xp, profile, batch, rows, x.device)
+        block_c = _blocks(xp, w)[2]
+        k = loaded()
+        k.leaf_eval[(rows, n // leaf, triton_cdiv(width, block_c))](
+            x, y, w, xp.astype(take, xp.int8), knots, coeffs, lin, out, n, c, cols.start, width,
+            w.stride(0), w.stride(1), w.stride(2), K=K, ACC=_tl_dtype(k, _acc_dtype(xp, w), xp), LEAF=leaf,
+            SUB=min(16, leaf), BLOCK_C=block_c)
+    return out

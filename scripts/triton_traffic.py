@@ -69,7 +69,7 @@ def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32
     kernels = _sums.loaded()
     launches = collections.Counter()
     originals = {}
-    for name in [n for n in kernels.__all__ if n not in ("build", "interpreted")]:
+    for name in kernels.KERNELS:
         jitted = getattr(kernels, name)
         originals[name] = jitted
 
@@ -146,7 +146,7 @@ def host_cost(length: int, dim: int, heads: int, backward: bool, repeat: int = 2
     from slicedkern.engines.triton import _sums
     kernels = _sums.loaded()
     launches = collections.Counter()
-    originals = {name: getattr(kernels, name) for name in kernels.__all__ if name not in ("build", "interpreted")}
+    originals = {name: getattr(kernels, name) for name in kernels.KERNELS}
 
     class Skipped:
         def __init__(self, name):

@@ -27,7 +27,8 @@ LAYERS = {"_lib": 0, "kernels": 0, "_spec": 1, "reference": 1, "backends": 2, "e
 FRAMEWORK_ROWS = {"slicedkern.backends._numpy", "slicedkern.backends._torch", "slicedkern.backends._jax",
                   "slicedkern.backends._dask", "slicedkern.adapters._torch", "slicedkern.adapters._jax",
                   "slicedkern.engines.sweep._host", "slicedkern.engines.sweep._decode",
-                  "slicedkern.engines.triton._kernels",
+                  "slicedkern.engines.triton._kernels", "slicedkern.engines.triton._order",
+                  "slicedkern.engines.triton._dense",
                   "slicedkern.distributed._torch", "slicedkern.distributed._jax"}
 
 

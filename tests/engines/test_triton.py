@@ -593,7 +593,7 @@ def test_relu_normaliser_gradients_at_large_tied_scores():
 
 @pytest.mark.parametrize("n", [1, 7, 300, 4096])
 def test_sort_rows_is_a_stable_sort(n):
-    """The small-L sort (``_kernels.sort_rows``: float32 numbers as order-preserving bit patterns
+    """The small-L sort (``_order.sort_rows``: float32 numbers as order-preserving bit patterns
     above their indices, one 64-bit ``tl.sort``) equals ``torch.sort(stable=True)``: values and
     indices, with ties, -0.0 beside 0.0, the largest finite numbers of both signs and subnormal
     ones, rows of 1 to 4096 (a whole block) entries, float64 arrays holding float32 numbers."""
@@ -612,7 +612,7 @@ def test_sort_rows_is_a_stable_sort(n):
 
 @pytest.mark.parametrize("n, run", [(2, 1), (16, 1), (48, 8), (64, 32), (200, 100)])
 def test_merge_runs_is_a_stable_sort(n, run):
-    """One step of the causal levels' bottom-up merge sort (``_kernels.merge_runs``): runs of ``run``
+    """One step of the causal levels' bottom-up merge sort (``_order.merge_runs``): runs of ``run``
     sorted (with ties: scores from 5 values) merged in pairs give exactly the stable sort of the runs
     of ``2 run``, values and indices within the run, with a run of 100 entries (not a power of two)
     and one row longer than a program's block."""

@@ -2,7 +2,7 @@
 
 The keys and the queries are sorted once each (int32 permutations; scores of float32 or narrower,
 which the op lifts to float64, as the float32 numbers they are; rows of up to
-:data:`._sums.SMALL_SORT` such scores in one launch of :func:`._kernels.sort_rows`, longer ones by
+:data:`._sums.SMALL_SORT` such scores in one launch of :func:`._order.sort_rows`, longer ones by
 ``torch.sort``); everything after the
 sorts runs in Triton kernels (:mod:`._kernels`): pass 1 sums the value rows per tile of sorted keys
 (float64 carries between tiles), pass 2 evaluates each block of sorted queries over the tiles its

@@ -22,8 +22,11 @@ Layout (the batch flattened to ``R`` rows):
   first rank plus the sums of the tiles its ranks span, their terms formed pair by pair
   (:func:`_pairs`) and accumulated in the accumulator dtype (float32 for float32 / half weights)
   over the tiles a block of queries spans, in float64 in the carry (docs/mathematics.rst,
-  "Numerics"); the output row is written through the query permutation;
-* :func:`row_dots` and :func:`column_sums`, the backward's quotient-rule reductions, in float64.
+  "Numerics"); the output row is written through the query permutation.
+
+The sorts (:mod:`._order`) and the dense kernels (:mod:`._dense`: causal leaves, the backward's row
+reductions) live beside this module; :func:`build` jits them too and makes them attributes of this
+one, which is what the engine launches (and what ``scripts/triton_traffic.py`` counts).
 """
 
 from __future__ import annotations
@@ -35,12 +38,16 @@ try:
 except ImportError:      # imported without Triton (doctest collection): the engine declines before build()
     triton = tl = knobs = None
 
-__all__ = ["build", "interpreted", "tile_sums", "merge_eval", "decode_attend", "row_dots", "column_sums", "merge_runs",
-           "sort_rows", "leaf_eval"]
+__all__ = ["build", "interpreted", "tile_sums", "merge_eval", "decode_attend", "KERNELS"]
+
+#: Every kernel the engine launches, as attributes of this module once built (:func:`build`): this
+#: module's and those of :mod:`._order` and :mod:`._dense`
+KERNELS = ("tile_sums", "merge_eval", "decode_attend", "sort_rows", "merge_runs", "leaf_eval", "row_dots",
+           "column_sums")
 
 _JITTED = ("_rank", "_key_tile", "_tile", "_knot_ranks", "_below_sum", "_indicator_carry", "_pairs",
            "_indicator_linear", "_indicator_profile", "_attention_epilogue", "tile_sums", "merge_eval", "_run_profile",
-           "decode_attend", "row_dots", "column_sums", "merge_runs", "sort_rows", "leaf_eval")
+           "decode_attend")
 _mode: list = []     # [interpreted?] once built
 
 
@@ -426,135 +433,20 @@ def decode_attend(q_ptr, bounds_ptr, n_runs, keys_ptr, prefix_ptr, shifts_ptr, t
     tl.store(out_ptr + b * M * dv + i[:, None] * dv + w[None, :], acc, mask=qm[:, None] & (w < dv)[None, :])
 
 
-def row_dots(a_ptr, b_ptr, out_ptr, n, d, sa_r, sa_n, sa_d, sb_r, sb_n, sb_d,
-             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``out[r, i] = <a[r, i], b[r, i]>`` (R, n) float64, each operand read in its own dtype and
-    strides (``sb_n = 0``: one ``b`` row for every ``i``): the quotient rule's row dots without a
-    float64 copy of either (docs/architecture.rst, "Engines")."""
-    row = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    im = i < n
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float64)
-    for start in range(0, d, BLOCK_D):
-        cols = start + tl.arange(0, BLOCK_D)
-        mask = im[:, None] & (cols < d)[None, :]
-        a = tl.load(a_ptr + row * sa_r + i[:, None] * sa_n + cols[None, :] * sa_d, mask=mask, other=0.0)
-        b = tl.load(b_ptr + row * sb_r + i[:, None] * sb_n + cols[None, :] * sb_d, mask=mask, other=0.0)
-        acc += tl.sum(a.to(tl.float64) * b.to(tl.float64), 1)
-    tl.store(out_ptr + row * n + i, acc, mask=im)
-
-
-def column_sums(weights_ptr, g_ptr, out_ptr, n, d, sg_r, sg_n, sg_d, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr):
-    """``out[r, c] = sum over i of weights[r, i] g[r, i, c]`` (R, d) float64, ``weights`` (R, n)
-    float64 and ``g`` read in its own dtype and strides: the centring mean's cotangent taken to
-    the keys without a float64 copy of ``g``."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    cm = cols < d
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float64)
-    for start in range(0, n, BLOCK_N):
-        i = start + tl.arange(0, BLOCK_N)
-        im = i < n
-        w = tl.load(weights_ptr + row * n + i, mask=im, other=0.0)
-        g = tl.load(g_ptr + row * sg_r + i[:, None] * sg_n + cols[None, :] * sg_d, mask=im[:, None] & cm[None, :],
-                    other=0.0)
-        acc += tl.sum(w[:, None] * g.to(tl.float64), 0)
-    tl.store(out_ptr + row * d + cols, acc, mask=cm)
-
-
-def merge_runs(values_ptr, perm_ptr, merged_ptr, merged_perm_ptr, n, run, log_run, BLOCK: tl.constexpr):
-    """One step of a bottom-up merge sort: each row's sorted runs of ``run`` entries (``n`` a
-    multiple of ``2 run``), merged in adjacent pairs into sorted runs of ``2 run``, stably (a left
-    entry before an equal right one). Each entry finds its rank in its partner run by a binary
-    search of ``log_run`` = log2(run) + 1 steps and is written at its own index plus that rank;
-    ``perm`` (int32, the entry's index within its run) moves with it, plus ``run`` for the right
-    run's entries. The causal levels' sorted blocks, each level's from the one below
-    (docs/architecture.rst, "Engines")."""
-    row = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    im = i < n
-    v = tl.load(values_ptr + row * n + i, mask=im, other=0.0)
-    p = tl.load(perm_ptr + row * n + i, mask=im, other=0)
-    pair = i // (2 * run)
-    right = (i // run) % 2 == 1
-    base = pair * 2 * run
-    partner = base + tl.where(right, 0, run)
-    pos = tl.zeros((BLOCK,), dtype=tl.int64)
-    for step in range(log_run):
-        cand = pos + (1 << (log_run - 1 - step))
-        inside = cand <= run
-        other = tl.load(values_ptr + row * n + partner + cand - 1, mask=im & inside, other=0.0)
-        below = (other < v) | (right & (other == v))
-        pos = tl.where(inside & below, cand, pos)
-    dest = base + i % run + pos
-    tl.store(merged_ptr + row * n + dest, v, mask=im)
-    tl.store(merged_perm_ptr + row * n + dest, p + tl.where(right, run, 0).to(p.dtype), mask=im)
-
-
-def sort_rows(a_ptr, values_ptr, perm_ptr, n, BLOCK: tl.constexpr):
-    """A row of ``n <= BLOCK`` float32 numbers (``a`` in any float dtype holding them) sorted in one
-    program, stably: each number's order-preserving 32-bit pattern (sign bit flipped for the
-    positive numbers, every bit for the negative ones; -0 made +0 first, as a comparison has it)
-    above its index, one 64-bit ``tl.sort``. Writes the sorted numbers (in ``values``' dtype) and
-    their int32 indices: the small-L sort (issue 26, item 3), one launch instead of ``torch.sort``
-    and its casts."""
-    row = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK)
-    inside = i < n
-    x = tl.load(a_ptr + row * n + i, mask=inside, other=0.0).to(tl.float32) + 0.0
-    bits = x.to(tl.uint32, bitcast=True)
-    key = tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
-    key = tl.where(inside, key, 0xFFFFFFFF)             # past the row: last
-    ordered = tl.sort((key.to(tl.uint64) << 32) | i.to(tl.uint64))
-    key = (ordered >> 32).to(tl.uint32)
-    bits = tl.where((key >> 31) != 0, key & 0x7FFFFFFF, ~key)
-    tl.store(values_ptr + row * n + i, bits.to(tl.float32, bitcast=True).to(values_ptr.dtype.element_ty),
-             mask=inside)
-    tl.store(perm_ptr + row * n + i, (ordered & 0xFFFFFFFF).to(tl.int32), mask=inside)
-
-
-def leaf_eval(x_ptr, y_ptr, w_ptr, take_ptr, knots_ptr, coeffs_ptr, lin_ptr, out_ptr,
-              n, c, col0, width, sw_r, sw_m, sw_c,
-              K: tl.constexpr, ACC: tl.constexpr, LEAF: tl.constexpr, SUB: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The dense leaves of causal attention's divide and conquer: for one block of ``LEAF``
-    positions of one row, ``out[i] = sum over j <= i in the block, take_j of f(x_i - y_j) [w_j | 1]``
-    over the columns ``col0 .. col0 + width`` (column ``c`` the indicator), float64 (R, n, width).
-    ``f`` (knots, coefficients, slope and intercept per row, as :func:`merge_eval` reads them) is
-    formed pair by pair in float64 and rounded once to ACC for the product with the weights, in
-    sub-tiles of ``SUB`` keys (issue 26, item 4: no (positions, leaf) array in memory)."""
-    row = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * LEAF + tl.arange(0, LEAF)
-    cols = col0 + tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cm = cols < col0 + width
-    x = tl.load(x_ptr + row * n + i)
-    slope = tl.load(lin_ptr + row * 2)
-    intercept = tl.load(lin_ptr + row * 2 + 1)
-    acc = tl.zeros((LEAF, BLOCK_C), dtype=ACC)
-    for start in range(0, LEAF, SUB):
-        j = tl.program_id(1) * LEAF + start + tl.arange(0, SUB)
-        y = tl.load(y_ptr + row * n + j)
-        ok = tl.load(take_ptr + row * n + j) != 0
-        r = x[:, None] - y[None, :]
-        f = intercept + slope * r
-        for k in range(K):
-            f += tl.load(coeffs_ptr + row * K + k) * tl.maximum(r - tl.load(knots_ptr + row * K + k), 0.0)
-        f = tl.where((j[None, :] <= i[:, None]) & ok[None, :], f, 0.0)
-        wm = ok[:, None] & (cols[None, :] < c)
-        wv = tl.load(w_ptr + row * sw_r + j[:, None] * sw_m + cols[None, :] * sw_c, mask=wm, other=0.0)
-        wv = tl.where(wm, wv.to(ACC), 0.0)
-        wv = tl.where(ok[:, None] & (cols[None, :] == c), 1.0, wv).to(ACC)
-        acc = _below_sum(f.to(ACC), wv, acc, ACC)
-    tl.store(out_ptr + row * n * width + i[:, None] * width + (cols - col0)[None, :], acc.to(tl.float64),
-             mask=cm[None, :])
-
-
 def build() -> None:
-    """Jit the kernels once (in place of the plain functions above), in the mode Triton says now."""
+    """Jit the kernels once (in place of the plain functions above), in the mode Triton says now,
+    and those of :mod:`._order` and :mod:`._dense`, which become attributes of this module too."""
     if not _mode:
+        from . import _dense, _order
         scope = globals()
         for name in _JITTED:
             scope[name] = triton.jit(scope[name])
+        _dense._below_sum = scope["_below_sum"]
+        for module in (_order, _dense):
+            for name in module._JITTED:
+                jitted = triton.jit(getattr(module, name))
+                setattr(module, name, jitted)
+                scope[name] = jitted
         _mode.append(bool(knobs.runtime.interpret))
 
 

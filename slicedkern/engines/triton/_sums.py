@@ -30,7 +30,7 @@ BLOCK_C = 32
 #: rows and columns a program of the row-dot and column-sum reductions reads at a time
 BLOCK_ROWS = 64
 BLOCK_COLS = 32
-#: Rows of float32 scores up to this length are sorted in one launch (:func:`._kernels.sort_rows`);
+#: Rows of float32 scores up to this length are sorted in one launch (:func:`._order.sort_rows`);
 #: longer ones by ``torch.sort``. Its 64-bit bitonic network compiles once per power of two and
 #: holds a row in registers: 112 a thread at 4096 on 8 warps (``sm_90``, no spill), 206 at 8192.
 SMALL_SORT = 4096
@@ -114,7 +114,7 @@ def _sort(xp, a, narrow: bool = False):
 
 def _sorted(xp, a, work, into=None):
     """``a`` (R, n) sorted as ``work`` numbers, the values in ``into`` (default ``work``): one
-    :func:`._kernels.sort_rows` launch for float32 rows of at most :data:`SMALL_SORT`, else
+    :func:`._order.sort_rows` launch for float32 rows of at most :data:`SMALL_SORT`, else
     ``torch.sort`` and casts."""
     rows, n = a.shape
     into = into or work
@@ -375,7 +375,7 @@ def merge_runs(xp, values, perm, run: int):
 
 
 def leaf_sums(xp, x, y, w, take, profile: Profile, batch, cols: range, leaf: int):
-    """Causal attention's dense leaves (:func:`._kernels.leaf_eval`, one launch): per position ``i``
+    """Causal attention's dense leaves (:func:`._dense.leaf_eval`, one launch): per position ``i``
     of a row, ``sum over j <= i in i's block of leaf positions, take_j of f(x_i - y_j) [w_j | 1]``
     over the columns ``cols`` (column ``c`` the indicator), (R, n, len(cols)) float64. ``x``, ``y``
     (R, n) float64 positions (``n`` a multiple of ``leaf``), ``w`` (R, n, c) in any dtype and

@@ -1,0 +1,92 @@
+"""The triton engine's dense kernels, no sort involved: the dense leaves of causal attention's
+divide and conquer, and the backward's row dots and column sums of the quotient rule (issue 26,
+items 2 and 4; docs/architecture.rst, "Engines").
+
+Imports Triton at its top, as :mod:`._kernels` does, which jits these functions in its ``build``
+(they are launched as attributes of that module) and gives them its jitted ``_below_sum``.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton.language as tl
+except ImportError:      # imported without Triton (doctest collection): the engine declines before build()
+    tl = None
+
+__all__ = ["leaf_eval", "row_dots", "column_sums"]
+
+_JITTED = ("leaf_eval", "row_dots", "column_sums")
+#: :func:`._kernels._below_sum`, jitted, set by :func:`._kernels.build` before the first launch
+_below_sum = None
+
+
+def leaf_eval(x_ptr, y_ptr, w_ptr, take_ptr, knots_ptr, coeffs_ptr, lin_ptr, out_ptr,
+              n, c, col0, width, sw_r, sw_m, sw_c,
+              K: tl.constexpr, ACC: tl.constexpr, LEAF: tl.constexpr, SUB: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The dense leaves of causal attention's divide and conquer: for one block of ``LEAF``
+    positions of one row, ``out[i] = sum over j <= i in the block, take_j of f(x_i - y_j) [w_j | 1]``
+    over the columns ``col0 .. col0 + width`` (column ``c`` the indicator), float64 (R, n, width).
+    ``f`` (knots, coefficients, slope and intercept per row, as :func:`merge_eval` reads them) is
+    formed pair by pair in float64 and rounded once to ACC for the product with the weights, in
+    sub-tiles of ``SUB`` keys (issue 26, item 4: no (positions, leaf) array in memory)."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * LEAF + tl.arange(0, LEAF)
+    cols = col0 + tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = cols < col0 + width
+    x = tl.load(x_ptr + row * n + i)
+    slope = tl.load(lin_ptr + row * 2)
+    intercept = tl.load(lin_ptr + row * 2 + 1)
+    acc = tl.zeros((LEAF, BLOCK_C), dtype=ACC)
+    for start in range(0, LEAF, SUB):
+        j = tl.program_id(1) * LEAF + start + tl.arange(0, SUB)
+        y = tl.load(y_ptr + row * n + j)
+        ok = tl.load(take_ptr + row * n + j) != 0
+        r = x[:, None] - y[None, :]
+        f = intercept + slope * r
+        for k in range(K):
+            f += tl.load(coeffs_ptr + row * K + k) * tl.maximum(r - tl.load(knots_ptr + row * K + k), 0.0)
+        f = tl.where((j[None, :] <= i[:, None]) & ok[None, :], f, 0.0)
+        wm = ok[:, None] & (cols[None, :] < c)
+        wv = tl.load(w_ptr + row * sw_r + j[:, None] * sw_m + cols[None, :] * sw_c, mask=wm, other=0.0)
+        wv = tl.where(wm, wv.to(ACC), 0.0)
+        wv = tl.where(ok[:, None] & (cols[None, :] == c), 1.0, wv).to(ACC)
+        acc = _below_sum(f.to(ACC), wv, acc, ACC)
+    tl.store(out_ptr + row * n * width + i[:, None] * width + (cols - col0)[None, :], acc.to(tl.float64),
+             mask=cm[None, :])
+
+
+def row_dots(a_ptr, b_ptr, out_ptr, n, d, sa_r, sa_n, sa_d, sb_r, sb_n, sb_d,
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``out[r, i] = <a[r, i], b[r, i]>`` (R, n) float64, each operand read in its own dtype and
+    strides (``sb_n = 0``: one ``b`` row for every ``i``): the quotient rule's row dots without a
+    float64 copy of either (docs/architecture.rst, "Engines")."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    im = i < n
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float64)
+    for start in range(0, d, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        mask = im[:, None] & (cols < d)[None, :]
+        a = tl.load(a_ptr + row * sa_r + i[:, None] * sa_n + cols[None, :] * sa_d, mask=mask, other=0.0)
+        b = tl.load(b_ptr + row * sb_r + i[:, None] * sb_n + cols[None, :] * sb_d, mask=mask, other=0.0)
+        acc += tl.sum(a.to(tl.float64) * b.to(tl.float64), 1)
+    tl.store(out_ptr + row * n + i, acc, mask=im)
+
+
+def column_sums(weights_ptr, g_ptr, out_ptr, n, d, sg_r, sg_n, sg_d, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """``out[r, c] = sum over i of weights[r, i] g[r, i, c]`` (R, d) float64, ``weights`` (R, n)
+    float64 and ``g`` read in its own dtype and strides: the centring mean's cotangent taken to
+    the keys without a float64 copy of ``g``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = cols < d
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float64)
+    for start in range(0, n, BLOCK_N):
+        i = start + tl.arange(0, BLOCK_N)
+        im = i < n
+        w = tl.load(weights_ptr + row * n + i, mask=im, other=0.0)
+        g = tl.load(g_ptr + row * sg_r + i[:, None] * sg_n + cols[None, :] * sg_d, mask=im[:, None] & cm[None, :],
+                    other=0.0)
+        acc += tl.sum(w[:, None] * g.to(tl.float64), 0)
+    tl.store(out_ptr + row * d + cols, acc, mask=cm)

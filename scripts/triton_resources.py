@@ -121,13 +121,17 @@ def _captured(names, run, variants: bool = False) -> list:
 
 
 def causal_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> list:
-    """The launches of one level of causal attention (the first of each kernel), captured."""
+    """The launches of one level of causal attention (the first of each kernel) and of the pull-back
+    of its dense leaves, captured."""
     import slicedkern
     g = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(1, heads, length, generator=g).to(dtype) for _ in range(2))
-    v = torch.randn(1, heads, length, dv, generator=g).to(dtype)
-    return _captured(("leaf_eval", "tile_sums", "merge_eval", "merge_runs"),
-                     lambda: slicedkern.relu_attention(q, k, v, causal=True, engine="triton"))
+    q, k = (torch.randn(1, heads, length, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    v = torch.randn(1, heads, length, dv, generator=g).to(dtype).requires_grad_()
+
+    def run():
+        out = slicedkern.relu_attention(q, k, v, causal=True, engine="triton")
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    return _captured(("leaf_eval", "tile_sums", "merge_eval", "merge_runs", "leaf_pullback"), run)
 
 
 def backward_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> list:

@@ -87,6 +87,8 @@ class Levels(NamedTuple):
     the running sums ``accs`` (one plain (..., n, c_p) array per profile on the positions, float64
     work only), returning them, so that no level's sums are written apart (the triton engine's);
     None: ``sums``, added to copies.
+    ``leaves_vjp(xp, x, y, w, profiles, cotangents, leaf, *, param_grads)``: the pull-back of the
+    dense leaves' sums, as :func:`._leaf.leaf_vjp` (float64 work only; None: that function).
     """
 
     sums: Callable
@@ -96,6 +98,7 @@ class Levels(NamedTuple):
     orders: Callable | None = None
     sums_into: Callable | None = None
     leaves: Callable | None = None
+    leaves_vjp: Callable | None = None
 
 
 def _level_orders(xp, levels: Levels, x, y, leaf: int):
@@ -344,7 +347,8 @@ def causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True, 
     wk = grid.keys(xp, xp.astype(w, x.dtype), 0.0, axis=-2)
     gq = [grid.queries(xp, g, 0.0, axis=-2) for g in cotangents]
     leaf = _leaf_size(ar, n, levels)
-    dx, dy, dw, params = leaf_vjp(xp, xq, yk, wk, profiles, gq, leaf, param_grads=param_grads)
+    pullback = levels.leaves_vjp if levels.leaves_vjp is not None and not ar.wide else leaf_vjp
+    dx, dy, dw, params = pullback(xp, xq, yk, wk, profiles, gq, leaf, param_grads=param_grads)
     dx, dy, dw = _blocks(xp, dx, leaf, 0), _blocks(xp, dy, leaf, 0), _blocks(xp, dw, leaf, 1)
     params = _add_params(None, params, lambda a: a)
     expand = _per_block({})

@@ -66,6 +66,7 @@ from ._sums import (
     column_sums,
     interpreted,
     leaf_sums,
+    leaf_vjp,
     merge_runs,
     profile_dot,
     profile_sum,
@@ -140,6 +141,16 @@ def _leaves(xp, x, y, w, take, profiles, leaf: int):
         cols = column_range(p, c + 1)
         out.append(xp.reshape(leaf_sums(xp, xr, yr, wr, kept, p, batch, cols, leaf), batch + (n, len(cols))))
     return out
+
+
+def _leaves_vjp(xp, x, y, w, profiles, cotangents, leaf: int, *, param_grads: bool):
+    """The pull-back of :func:`_leaves` (:attr:`~slicedkern.engines.scan._causal.Levels.leaves_vjp`):
+    one :func:`._sums.leaf_vjp` launch per profile, nothing of (positions, leaf) in memory."""
+    batch, n, c = tuple(x.shape[:-1]), x.shape[-1], w.shape[-1]
+    dx, dy, dw, params = leaf_vjp(xp, _rows(xp, x, 1), _rows(xp, y, 1), _row_view(xp, w, 2),
+                                  list(profiles), [_row_view(xp, g, 2) for g in cotangents], batch, leaf,
+                                  param_grads=param_grads)
+    return xp.reshape(dx, batch + (n,)), xp.reshape(dy, batch + (n,)), xp.reshape(dw, batch + (n, c)), params
 
 
 def _level_sums(xp, ar, qs, keys, vals, kept, profiles, orders=None):
@@ -281,7 +292,7 @@ class TritonEngine(Engine):
 
     def _levels(self) -> Levels:
         return Levels(_level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True, orders=_level_orders,
-                      sums_into=_level_sums_into, leaves=_leaves)
+                      sums_into=_level_sums_into, leaves=_leaves, leaves_vjp=_leaves_vjp)
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
         out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,

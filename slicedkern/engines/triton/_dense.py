@@ -13,9 +13,9 @@ try:
 except ImportError:      # imported without Triton (doctest collection): the engine declines before build()
     tl = None
 
-__all__ = ["leaf_eval", "row_dots", "column_sums"]
+__all__ = ["leaf_eval", "leaf_pullback", "row_dots", "column_sums"]
 
-_JITTED = ("leaf_eval", "row_dots", "column_sums")
+_JITTED = ("leaf_eval", "leaf_pullback", "row_dots", "column_sums")
 #: :func:`._kernels._below_sum`, jitted, set by :func:`._kernels.build` before the first launch
 _below_sum = None
 
@@ -53,6 +53,68 @@ def leaf_eval(x_ptr, y_ptr, w_ptr, take_ptr, knots_ptr, coeffs_ptr, lin_ptr, out
         acc = _below_sum(f.to(ACC), wv, acc, ACC)
     tl.store(out_ptr + row * n * width + i[:, None] * width + (cols - col0)[None, :], acc.to(tl.float64),
              mask=cm[None, :])
+
+
+def leaf_pullback(x_ptr, y_ptr, w_ptr, g_ptr, knots_ptr, coeffs_ptr, lin_ptr, strict_ptr, dx_ptr, dy_ptr, dw_ptr,
+                  dpar_ptr, n, c, col0, width, sw_r, sw_m, sw_c, sg_r, sg_n, sg_c,
+                  K: tl.constexpr, PARAMS: tl.constexpr, LEAF: tl.constexpr, SUB: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
+    """The pull-back of :func:`leaf_eval` for one profile (without the indicator), one block of
+    ``LEAF`` positions of one row, added to ``dx``, ``dy`` (R, n) and ``dw`` (R, n, c), float64:
+    with ``A_ij = g_i . w_j[col0 .. col0 + width]`` on the pairs ``j <= i`` of the block,
+    ``dx_i += sum_j f'(x_i - y_j) A_ij`` (``H(0) = 1``), ``dy_j -= sum_i f'(x_i - y_j) A_ij`` and
+    ``dw_j += sum_i f(x_i - y_j) g_i`` on those columns; with PARAMS, per knot ``k`` the sums
+    ``-c_k sum H(r - t_k) A`` (the tie on the side ``strict`` (K,) int8 says) and ``sum ReLU(r - t_k)
+    A`` added to ``dpar`` (R, n / LEAF, 2 K) (docs/mathematics.rst, "The backward pass").
+
+    Every pair of a block is inside the block, so a program owns the rows it adds to: no atomics.
+    The pairs' terms are formed in float64 in registers, ``SUB`` keys at a time, and no (positions,
+    leaf) array is written (issue 26, item 4)."""
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    i = blk * LEAF + tl.arange(0, LEAF)
+    x = tl.load(x_ptr + row * n + i).to(tl.float64)
+    slope = tl.load(lin_ptr + row * 2)
+    intercept = tl.load(lin_ptr + row * 2 + 1)
+    dx = tl.zeros((LEAF,), dtype=tl.float64)
+    for start in range(0, LEAF, SUB):
+        j = blk * LEAF + start + tl.arange(0, SUB)
+        r = x[:, None] - tl.load(y_ptr + row * n + j).to(tl.float64)[None, :]
+        seen = j[None, :] <= i[:, None]
+        a = tl.zeros((LEAF, SUB), dtype=tl.float64)
+        for c0 in range(0, width, BLOCK_C):
+            cl = c0 + tl.arange(0, BLOCK_C)
+            cm = cl < width
+            gv = tl.load(g_ptr + row * sg_r + i[:, None] * sg_n + cl[None, :] * sg_c, mask=cm[None, :], other=0.0)
+            wv = tl.load(w_ptr + row * sw_r + j[:, None] * sw_m + (col0 + cl)[None, :] * sw_c, mask=cm[None, :],
+                         other=0.0)
+            a += tl.sum(gv.to(tl.float64)[:, None, :] * wv.to(tl.float64)[None, :, :], 2)
+        a = tl.where(seen, a, 0.0)
+        f = intercept + slope * r
+        slope_r = slope + tl.zeros((LEAF, SUB), dtype=tl.float64)
+        for k in range(K):
+            t = tl.load(knots_ptr + row * K + k)
+            cf = tl.load(coeffs_ptr + row * K + k)
+            f += cf * tl.maximum(r - t, 0.0)
+            slope_r += tl.where(r >= t, cf, 0.0)
+            if PARAMS:
+                strict = tl.load(strict_ptr + k) != 0
+                step = (r > t) | ((r == t) & ~strict)
+                par = dpar_ptr + (row * tl.num_programs(1) + blk) * 2 * K + k
+                tl.store(par, tl.load(par) - cf * tl.sum(tl.sum(tl.where(step, a, 0.0), 1), 0))
+                tl.store(par + K, tl.load(par + K) + tl.sum(tl.sum(tl.maximum(r - t, 0.0) * a, 1), 0))
+        da = slope_r * a
+        dx += tl.sum(da, 1)
+        tl.store(dy_ptr + row * n + j, tl.load(dy_ptr + row * n + j) - tl.sum(da, 0))
+        f = tl.where(seen, f, 0.0)
+        for c0 in range(0, width, BLOCK_C):
+            cl = c0 + tl.arange(0, BLOCK_C)
+            cm = cl < width
+            gv = tl.load(g_ptr + row * sg_r + i[:, None] * sg_n + cl[None, :] * sg_c, mask=cm[None, :], other=0.0)
+            part = tl.sum(f[:, :, None] * gv.to(tl.float64)[:, None, :], 0)
+            where = dw_ptr + row * n * c + j[:, None] * c + (col0 + cl)[None, :]
+            tl.store(where, tl.load(where, mask=cm[None, :], other=0.0) + part, mask=cm[None, :])
+    tl.store(dx_ptr + row * n + i, tl.load(dx_ptr + row * n + i) + dx)
 
 
 def row_dots(a_ptr, b_ptr, out_ptr, n, d, sa_r, sa_n, sa_d, sb_r, sb_n, sb_d,

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from ...kernels import Profile, is_fixed
 
 __all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_sum_into", "profile_dot",
-           "attend", "row_dots", "column_sums", "merge_runs", "leaf_sums", "loaded", "interpreted"]
+           "attend", "row_dots", "column_sums", "merge_runs", "leaf_sums", "leaf_vjp", "loaded", "interpreted"]
 
 #: Keys per tile, queries per block and columns per block. With 16 keys a tile and pass 2 on 8 warps,
 #: its float32 and bfloat16 forms hold every value in registers on an H100 (sm_90); 64 keys a tile on
@@ -392,3 +392,62 @@ def leaf_sums(xp, x, y, w, take, profile: Profile, batch, cols: range, leaf: int
             w.stride(0), w.stride(1), w.stride(2), K=K, ACC=_tl_dtype(k, _acc_dtype(xp, w), xp), LEAF=leaf,
             SUB=min(16, leaf), BLOCK_C=block_c)
     return out
+
+
+#: keys and columns a :func:`._dense.leaf_pullback` program forms its float64 pair terms over at a time
+LEAF_SUB = 8
+LEAF_COLS = 8
+
+
+def leaf_vjp(xp, x, y, w, profiles, cotangents, batch, leaf: int, *, param_grads: bool):
+    """The pull-back of causal attention's dense leaves (:func:`._dense.leaf_pullback`, one launch
+    per profile): ``(dx, dy (R, n), dw (R, n, c), [(dknots, dcoeffs)] per profile)``, float64, as
+    :func:`slicedkern.engines.scan._leaf.leaf_vjp` returns them (knot and coefficient gradients of
+    the array parameters, shaped ``batch``; None for the fixed ones). ``x``, ``y`` (R, n) float64
+    on the positions (``n`` a multiple of ``leaf``), ``w`` (R, n, c) and ``cotangents`` (R, n, c_p)
+    in any dtype and strides."""
+    rows, n = x.shape
+    c = w.shape[-1]
+    dev = x.device
+    dx = xp.zeros((rows, n), dtype=xp.float64, device=dev)
+    dy = xp.zeros((rows, n), dtype=xp.float64, device=dev)
+    dw = xp.zeros((rows, n, c), dtype=xp.float64, device=dev)
+    params = []
+    k = loaded()
+    for p, g in zip(profiles, cotangents):
+        cols = range(c)[p.columns]
+        knots, coeffs, lin, K = _profile_args(xp, p, batch, rows, dev)
+        # the kernel's knots are the profile's less those of fixed zero coefficient (_profile_args)
+        kept = [i for i, cf in enumerate(p.coeffs) if not (is_fixed(cf) and cf == 0)]
+        learned = param_grads and any(not (is_fixed(t) and is_fixed(cf)) for t, cf in zip(p.knots, p.coeffs))
+        dpar = xp.zeros((rows, n // leaf, 2 * max(K, 1)), dtype=xp.float64, device=dev) if learned else dx
+        strict = xp.asarray([int(p.strict_knots[i]) for i in kept] or [0], dtype=xp.int8, device=dev)
+        if rows and n and len(cols):
+            k.leaf_pullback[(rows, n // leaf)](
+                x, y, w, g, knots, coeffs, lin, strict, dx, dy, dw, dpar, n, c, cols.start, len(cols),
+                w.stride(0), w.stride(1), w.stride(2), g.stride(0), g.stride(1), g.stride(2), K=K, PARAMS=learned,
+                LEAF=leaf, SUB=min(LEAF_SUB, leaf), BLOCK_C=LEAF_COLS, num_warps=8)
+        params.append(_leaf_params(xp, p, kept, dpar if learned else None, batch, param_grads))
+    return dx, dy, dw, params
+
+
+def _leaf_params(xp, p: Profile, kept, dpar, batch, param_grads: bool):
+    """Per knot of ``p``, its gradient and its coefficient's from the kernel's per-block sums
+    ``dpar`` (R, blocks, 2 K), shaped ``batch``; None for a fixed parameter (or without
+    ``param_grads``). A knot of fixed zero coefficient, left out of the kernel, has gradient 0."""
+    totals = None if dpar is None else xp.sum(dpar, axis=1)
+    K = len(kept)
+    dknots, dcoeffs = [], []
+    for i, (t, cf) in enumerate(zip(p.knots, p.coeffs)):
+        if not param_grads or (is_fixed(t) and is_fixed(cf)):
+            dknots.append(None)
+            dcoeffs.append(None)
+            continue
+        if i not in kept:
+            dknots.append(None if is_fixed(t) else xp.zeros(batch, dtype=xp.float64, device=totals.device))
+            dcoeffs.append(None)
+            continue
+        slot = kept.index(i)
+        dknots.append(None if is_fixed(t) else xp.reshape(totals[:, slot], batch))
+        dcoeffs.append(None if is_fixed(cf) else xp.reshape(totals[:, K + slot], batch))
+    return tuple(dknots), tuple(dcoeffs)

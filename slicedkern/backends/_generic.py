@@ -147,6 +147,10 @@ class ArrayBackend:
         """``out[..., i, :] = table[..., index[..., i], :]``: a batched row gather."""
         return xp.take_along_axis(table, index[..., None], axis=-2)
 
+    def finite(self, xp, a):
+        """Elementwise: ``a`` is neither NaN nor infinite (the NaN policy's screening)."""
+        return xp.isfinite(a)
+
     def finite_rows(self, xp, values, valid=None):
         """(...) True where every entry of ``values`` (..., m, c) on a valid key is finite."""
         ok = xp.all(xp.isfinite(values), axis=-1)

@@ -297,6 +297,14 @@ class TorchBackend(ArrayBackend):
     def take_rows(self, xp, table, index):
         return take_rows(table, index)
 
+    def finite(self, xp, a):
+        if not a.is_floating_point():
+            return torch.isfinite(a)
+        # x - x is 0 for a finite x and NaN for NaN and +-inf: two operators, where torch.isfinite
+        # runs four (==, abs, !=, and), each a kernel launch on a GPU (docs/benchmarks.rst, "On a GPU")
+        a = a.detach()
+        return (a - a) == 0
+
     def finite_rows(self, xp, values, valid=None):
         if valid is None:
             return finite_rows(values)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from .._lib.namespace import array_device, ceil_log2, clamp_min
+from ..backends import finite
 
 __all__ = ["CausalGrid", "CausalScreen", "screen_causal", "running_sum"]
 
@@ -116,8 +117,8 @@ def screen_causal(xp, grid: CausalGrid, q, k, v, key_mask) -> CausalScreen:
     finite; the queries whose positions are at or past a bad key's position see it and are NaN.
     Everything is replaced by finite numbers before any arithmetic, so that no backend warns.
     """
-    q_ok = xp.isfinite(q)
-    bad = ~(xp.isfinite(k) & xp.all(xp.isfinite(v), axis=-1))
+    q_ok = finite(xp, q)
+    bad = ~(finite(xp, k) & xp.all(finite(xp, v), axis=-1))
     take = ~bad
     if key_mask is not None:
         bad = bad & key_mask

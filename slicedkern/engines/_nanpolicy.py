@@ -9,7 +9,7 @@ combination (NaN where bad), not as a pass over the output.
 from __future__ import annotations
 
 from .._lib.namespace import array_device, clamp_min
-from ..backends import finite_rows
+from ..backends import finite, finite_rows
 
 __all__ = ["screen", "sanitize_keys"]
 
@@ -49,7 +49,7 @@ class _Screened:
     def settle(self, xp, totals, c):
         """With the weights' check deferred: fold the finiteness of the row totals into ``row_ok``."""
         if self.deferred:
-            self.row_ok = self.row_ok & xp.isfinite(xp.sum(totals[..., 0, :c], axis=-1))
+            self.row_ok = self.row_ok & finite(xp, xp.sum(totals[..., 0, :c], axis=-1))
             self.take = self.take & self.row_ok[..., None]
 
     def divisor(self, xp, den):
@@ -72,8 +72,8 @@ def screen(xp, x, y, w, key_mask, *, defer) -> _Screened:
     are kept out of it; otherwise every weight is checked now and bad rows are zeroed in the table.
     ``defer`` says which (see :func:`_can_defer`).
     """
-    q_ok = xp.isfinite(x)
-    k_ok = xp.isfinite(y)
+    q_ok = finite(xp, x)
+    k_ok = finite(xp, y)
     if key_mask is not None:
         k_ok = k_ok | ~key_mask
     row_ok = xp.all(k_ok, axis=-1)

@@ -369,3 +369,25 @@ def test_sdpa_shaped_scores_get_a_message_that_says_how_to_project(rng):
     q, k, v = rng.normal(size=(2, 4, 16, 8)), rng.normal(size=(2, 4, 16, 8)), rng.normal(size=(2, 4, 16, 8))
     with pytest.raises(ValueError, match="one projected score per token.*q @ w_q"):
         slicedkern.relu_attention(q, k, v)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "int64"])
+def test_finite_primitive_agrees_with_isfinite(xp, dtype):
+    """The NaN policy's ``finite`` (on torch ``x - x == 0``, two operators instead of
+    ``isfinite``'s four) says what ``isfinite`` says: NaN, both infinities, the largest finite
+    number, -0, a subnormal, integers."""
+    from slicedkern.backends import finite
+    if dtype == "bfloat16" and xp.name not in ("torch", "torch_cuda", "jax"):
+        pytest.skip("no bfloat16 here")
+    if dtype == "int64":
+        values = np.array([0, -3, 2**62, -2**62])
+    else:
+        big = float(np.finfo(np.float32).max) if dtype != "float64" else float(np.finfo(np.float64).max)
+        if dtype == "bfloat16":
+            big = 3.3e38
+        values = np.array([np.nan, np.inf, -np.inf, big, -big, -0.0, 1e-40 if dtype != "float64" else 5e-324, 1.5])
+    a = xp.asarray(values, dtype=dtype)
+    got = xp.to_numpy(finite(xp.xp, a))
+    assert got.dtype == np.bool_
+    np.testing.assert_array_equal(got, np.isfinite(values) if dtype != "bfloat16" else
+                                  np.isfinite(xp.to_numpy(a).astype(np.float64)))

@@ -686,10 +686,16 @@ def test_traffic_of_the_causal_backward():
     """The causal backward's dense leaves are pulled back by one launch per profile (the values, the
     indicator's ReLU count and the "abs" normaliser), their (positions, leaf) terms in registers:
     at 128 positions (two leaves of 64) what remains of n * D and more is 56 times the values'
-    bytes, against 810 when the leaves' pull-back ran as array code."""
+    bytes, against 810 when the leaves' pull-back ran as array code. With learned bandwidths the
+    backward sorts each score array once, as without."""
     if DEVICE != "cpu":
         pytest.skip("counted under the interpreter, on CPU tensors (the counts do not depend on the device)")
     both = _traffic().count(128, 8, 1, backward=True, causal=True)
     assert both["launches"]["leaf_pullback"] == 3
     assert "bmm" not in both["by op"]
     assert both["large bytes / (n D itemsize)"] < 64, both
+    # learned bandwidths: the levels' knot gradients over the tables their pull-backs build, as the
+    # non-causal backward's (before: the scan's knot sums, one more sort of each array and a row
+    # gather per knot)
+    learned = _traffic().count(128, 8, 1, backward=True, causal=True, bandwidths=True)
+    assert learned["sorts"] == 4 and "gather" not in learned["by op"], learned

@@ -26,7 +26,7 @@ accumulators), and the values as given (the kernels skip the keys that take no p
 and its backward allocate nothing of ``n * D`` elements but the output and the gradients
 (``scripts/triton_traffic.py``). Learned bandwidths and mixture weights get their gradients from
 the same table: each array knot's ReLU and step sums dotted with the cotangent in pass 2's epilogue
-(:func:`_knot_grads`).
+(:func:`_knot_grads`; the causal levels' pull-backs take theirs the same way, sorting nothing more).
 
 Causal attention is the scan's divide and conquer over positions (:mod:`..scan._causal`) with these
 kernels at every level: the left blocks' keys as rows of one pass 1, the right blocks' queries as
@@ -55,9 +55,7 @@ from .._base import Engine
 from .._nanpolicy import screen
 from .._vjp import AllKeys
 from ..scan._causal import Levels, causal_attention, causal_profile_sums, causal_profiles_vjp
-from ..sortscan.pullback import ColumnSums, column_range, knot_grads
-from ..sortscan.sums import queries, sort_keys
-from ..sortscan.wide import arithmetic
+from ..sortscan.pullback import ColumnSums, column_range
 from ._decode import DeviceRuns
 from ._sums import (
     Queries,
@@ -358,12 +356,10 @@ class TritonEngine(Engine):
         dx = xp.reshape(dx, batch + (n,))
         dy = xp.reshape(dy, batch + (m,))
         dw = xp.reshape(dw.assemble(xp), batch + (m, c))
-        if param_grads and not all(p.is_fixed for p in profiles):
-            # knot and coefficient gradients: the scan's knot sums (one (n, c) gather per array knot)
-            ar = arithmetic(xp, x.dtype)
-            sk = sort_keys(y, w, xp=xp, ar=ar)
-            params = knot_grads(sk, queries(x, sk, ar=ar), profiles, cotangents, xp=xp, ar=ar,
-                                param_grads=True)
+        if param_grads:
+            # knot and coefficient gradients over the same table and sorted queries as dx
+            params = [_knot_grads(xp, keyed, xq, p, batch, _row_view(xp, g, 2), column_range(p, c))
+                      for p, g in zip(profiles, cotangents)]
         else:
             params = [(tuple(None for _ in p.knots), tuple(None for _ in p.coeffs)) for p in profiles]
         return dx, dy, dw, params
@@ -479,22 +475,27 @@ def _sums_vjp(xp, keys: _SortedKeys, profile, normalizer, gout, cot, silent, *, 
             dk = dk + sums[..., 0]
     # the raw values of the keys that take no part were read (they may hold anything): zero there
     dk = xp.where(take, dk, xp.zeros((), dtype=dk.dtype, device=dk.device))
-    params = _knot_grads(xp, keyed, xq, profile, batch, gr, scale, indicator_cots[0] if center else None, dv)
+    params = _knot_grads(xp, keyed, xq, profile, batch, gr, range(0, dv), scale=scale,
+                         cot_r=indicator_cots[0] if center else None)
     return (xp.reshape(dq, batch + (n,)), xp.reshape(dk, batch + (m,)), xp.reshape(dvs, batch + (m, dv)), params)
 
 
-def _knot_grads(xp, keyed, xq, profile, batch, gr, scale, cot_r, dv):
-    """``(dknots, dcoeffs)`` of attention's value profile (None for its fixed numbers) on the
-    kernels, over the forward's table of keys: per array knot ``t`` its ReLU sums (for the
-    coefficient) and step sums (for the knot, the tie as ``profile.strict_knots`` says) of the
-    values dotted with ``gout`` in pass 2's epilogue and scaled by the quotient rule's factor, plus
-    the indicator column's times the centring cotangent ``cot_r`` ((R, n), or None), summed over
-    the queries: what :func:`~slicedkern.engines.sortscan.pullback.knot_grads` sums over
-    materialised cotangents, with none written here."""
+def _knot_grads(xp, keyed, xq, profile, batch, gr, cols: range, *, scale=None, cot_r=None):
+    """``(dknots, dcoeffs)`` of a profile over the table columns ``cols`` (None for its fixed numbers)
+    on the kernels, over a table of keys: per array knot ``t`` its ReLU sums (for the coefficient)
+    and step sums (for the knot, the tie as ``profile.strict_knots`` says) dotted with the
+    cotangent rows ``gr`` (R, n, len(cols)) in pass 2's epilogue, times ``scale`` (R, n) when given
+    (attention's quotient-rule factor), plus the indicator column's (column ``cols.stop``) times
+    the centring cotangent ``cot_r`` ((R, n), or None), summed over the queries: what
+    :func:`~slicedkern.engines.sortscan.pullback.knot_grads` sums over materialised cotangents,
+    with no sort and no (n, c) array here."""
     def summed(unit, strict):
-        rows = profile_dot(xp, keyed, xq, unit, batch, range(0, dv), gr, 0, strict=strict) * scale
+        rows = profile_dot(xp, keyed, xq, unit, batch, cols, gr, 0, strict=strict)
+        if scale is not None:
+            rows = rows * scale
         if cot_r is not None:
-            rows = rows + profile_sum(xp, keyed, xq, unit, batch, range(dv, dv + 1), strict=strict)[..., 0] * cot_r
+            ind = range(cols.stop, cols.stop + 1)
+            rows = rows + profile_sum(xp, keyed, xq, unit, batch, ind, strict=strict)[..., 0] * cot_r
         return xp.reshape(xp.sum(rows, axis=-1), batch)
 
     dknots, dcoeffs = [], []

@@ -136,9 +136,8 @@ def causal_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> 
 
 def backward_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> list:
     """Every compiled variant of the kernels that attention's forward and backward launch (ReLU,
-    centred, "abs" normaliser), captured; the forward's come first (``_0``). Nothing runs, so the
-    backward reads unset residuals: its one data-dependent branch (``_vjp._silent_rows``) adds a
-    launch of a variant it has already, or not."""
+    centred, "abs" normaliser), captured; the forward's come first (``_0``). Nothing runs: the
+    backward reads unset residuals, on which it decides nothing (``_vjp._silent_rows`` is a mask)."""
     import slicedkern
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, heads, length, generator=g).to(dtype).requires_grad_() for _ in range(2))

@@ -105,6 +105,8 @@ def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32
     sorted_dtypes |= {"float32"} if launches["sort_rows"] else set()
     return {"launches": dict(launches), "sorts": rec.ops["sort"] + rec.ops["argsort"] + launches["sort_rows"],
             "sorted dtypes": sorted(sorted_dtypes),
+            # values read back to the host (``.item()``, ``bool(tensor)``): each a device synchronisation
+            "host reads": rec.ops["_local_scalar_dense"],
             "large intermediates": len(large),
             "large float64": sum(dt == torch.float64 for _, _, dt in large),
             "large bytes / (n D itemsize)": sum(n * dt.itemsize for _, n, dt in large)
@@ -138,9 +140,9 @@ def host_cost(length: int, dim: int, heads: int, backward: bool, repeat: int = 2
     """One call's host work, the engine's Triton launches replaced by no-ops (the results are then
     meaningless; only the host's work is measured): ``launches``, ``operators`` (the kernel-launching
     torch operators of a warm call, total and ``by op``) and ``host ms`` (the fastest of ``repeat``
-    calls). The backward's one data-dependent choice (``_vjp._silent_rows``, a host read of the
-    normaliser sums: whether some row's sum is exactly 0) then reads unset memory, so its extra
-    launches and operators come and go from run to run."""
+    calls). The results are never read back: the backward decides nothing on the host (the rows
+    whose normaliser sum is exactly 0 are a mask, ``_vjp._silent_rows``), so the counts are those
+    of a real call."""
     import time
 
     from slicedkern.engines.triton import _sums

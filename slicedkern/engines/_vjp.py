@@ -50,6 +50,9 @@ class AllKeys:
 
     #: whether the view's collectives need every rank to take the same branches (sharded views)
     collective = False
+    #: whether the view's ``sums_vjp`` takes the silent rows (:func:`_silent_rows`) as a mask at the
+    #: cost of one more pass 1, so that the backward reads nothing back to the host to skip them
+    silent_as_mask = False
 
     def __init__(self, engine, q, k, v, key_mask, xp):
         sc = screen(xp, q, k, v, key_mask, defer=False)
@@ -174,7 +177,8 @@ def attention_vjp(engine, q, k, v, profile: Profile, gout, out, aux, *, key_mask
     cot = pullback(xp, gout, out, relu_count=aux["relu_count"], den=aux.get("den"), count=count,
                    value_sums=value_sums, good=good, center=center, normalizer=normalizer,
                    dot=lambda a, b: keys.row_dot(xp, a, b))
-    silent = _silent_rows(xp, profile, normalizer, aux.get("den"), good, uniform=keys.collective)
+    silent = _silent_rows(xp, profile, normalizer, aux.get("den"), good, uniform=keys.collective,
+                          as_mask=keys.silent_as_mask)
     # mean_i = (sum of the values query i sees) / count_i, and R_i = relu_count_i multiplies it: its
     # cotangent reaches the values as a term subtracted from dv; keys not taken get no gradient, and
     # bad rows get NaN (the forward's NaN policy): a factor of dv
@@ -242,15 +246,20 @@ def _finish_dv(dv, dv_sub, dv_factor):
     return (dv if dv_sub is None else dv - dv_sub) * dv_factor
 
 
-def _silent_rows(xp, profile: Profile, normalizer: Normalizer, den, good, *, uniform: bool = False):
+def _silent_rows(xp, profile: Profile, normalizer: Normalizer, den, good, *, uniform: bool = False,
+                 as_mask: bool = False):
     """``(..., lq, 1)`` True on the rows whose normaliser sum is exactly 0 and whose every term is
     then 0 (:func:`vanishes_where_normalizer_does`), or None when no row can be (or, traced, for
     the ``|r|`` normaliser, whose sum is 0 only when every key seen ties with the query).
 
     ``uniform``: the answer must not depend on the data (a collective engine: every rank must send
-    the same columns), so it is the traced one."""
+    the same columns), so it is the traced one. ``as_mask``: the view takes the mask whatever it
+    holds (:attr:`AllKeys.silent_as_mask`), so it is returned without asking the host whether it
+    holds any."""
     if not normalizer.summed or not vanishes_where_normalizer_does(profile, normalizer.profile):
         return None
+    if as_mask:
+        return good & (den == 0)
     none_zero = None if uniform else holds_everywhere(xp, den, lambda ns, a: a != 0)
     if none_zero or (none_zero is None and not _zero_below(normalizer.profile)):
         return None

@@ -380,6 +380,8 @@ class _SortedKeys(AllKeys):
     ``q`` and ``k`` are the unscreened scores, read for their shapes only; ``raw_v`` the values,
     read by kernels that skip the keys that take no part."""
 
+    silent_as_mask = True      # the silent rows scale the cotangent of dv's table: no host read of den
+
     def __init__(self, engine, q, k, v, key_mask, xp, aux):
         self.q, self.k, self.raw_v, self.key_mask = q, k, v, key_mask
         self.take, self.good, self.row_bad = aux["take"], aux["good"], ~aux["row_ok"]

@@ -121,8 +121,8 @@ def _captured(names, run, variants: bool = False) -> list:
 
 
 def causal_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> list:
-    """The launches of one level of causal attention (the first of each kernel) and of the pull-back
-    of its dense leaves, captured."""
+    """The launches of one level of causal attention (the first of each kernel), its combination and
+    the pull-back of its dense leaves, captured."""
     import slicedkern
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, heads, length, generator=g).to(dtype).requires_grad_() for _ in range(2))
@@ -131,7 +131,7 @@ def causal_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> 
     def run():
         out = slicedkern.relu_attention(q, k, v, causal=True, engine="triton")
         torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-    return _captured(("leaf_eval", "tile_sums", "merge_eval", "merge_runs", "leaf_pullback"), run)
+    return _captured(("leaf_eval", "tile_sums", "merge_eval", "merge_runs", "causal_epilogue", "leaf_pullback"), run)
 
 
 def backward_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> list:

@@ -89,6 +89,10 @@ class Levels(NamedTuple):
     None: ``sums``, added to copies.
     ``leaves_vjp(xp, x, y, w, profiles, cotangents, leaf, *, param_grads)``: the pull-back of the
     dense leaves' sums, as :func:`._leaf.leaf_vjp` (float64 work only; None: that function).
+    ``combine(xp, grid, num, den, totals, good, *, center, normalizer, dtype)``: attention's output
+    (..., lq, dv) in ``dtype`` from the plain running sums on the positions, as
+    :func:`slicedkern.engines._combine.combine` gives it from them read at the queries (float64
+    work only; None: that function).
     """
 
     sums: Callable
@@ -99,6 +103,7 @@ class Levels(NamedTuple):
     sums_into: Callable | None = None
     leaves: Callable | None = None
     leaves_vjp: Callable | None = None
+    combine: Callable | None = None
 
 
 def _level_orders(xp, levels: Levels, x, y, leaf: int):
@@ -273,10 +278,17 @@ def causal_attention(q, k, v, profile: Profile, *, key_mask, center: bool, norma
         profiles.append(normalizer.profile.with_(columns=slice(dv, dv + 1)))
     sums = causal_sums(xp, ar, x, y, w, take, profiles, levels)
     totals = _running_totals(xp, ar, as_work(xp, w, q.dtype), take)
-    on_queries = [each(ar, lambda a: grid.at_queries(xp, a, axis=-2), s) for s in sums + [totals]]
-    num_r, den_sum, totals = on_queries[0], on_queries[1] if len(sums) > 1 else None, on_queries[-1]
-    out, relu_count, raw_den = combine(xp, ar, num_r, den_sum, totals, sc.good, center=center,
-                                       normalizer=normalizer, dv=dv)
+    if levels.combine is not None and not ar.wide:
+        den_sum = sums[1] if len(sums) > 1 else None
+        out = levels.combine(xp, grid, sums[0], den_sum, totals, sc.good, center=center, normalizer=normalizer,
+                             dtype=v.dtype)
+        relu_count = grid.at_queries(xp, sums[0][..., dv:dv + 1], axis=-2)
+        raw_den = None if den_sum is None else grid.at_queries(xp, den_sum, axis=-2)
+    else:
+        on_queries = [each(ar, lambda a: grid.at_queries(xp, a, axis=-2), s) for s in sums + [totals]]
+        num_r, den_sum, totals = on_queries[0], on_queries[1] if len(sums) > 1 else None, on_queries[-1]
+        out, relu_count, raw_den = combine(xp, ar, num_r, den_sum, totals, sc.good, center=center,
+                                           normalizer=normalizer, dv=dv)
     aux = {"take": sc.take, "relu_count": relu_count}
     if raw_den is not None:
         aux["den"] = raw_den

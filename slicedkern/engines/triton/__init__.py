@@ -29,19 +29,13 @@ the same table: each array knot's ReLU and step sums dotted with the cotangent i
 (:func:`_knot_grads`; the causal levels' pull-backs take theirs the same way, sorting nothing more).
 
 Causal attention is the scan's divide and conquer over positions (:mod:`..scan._causal`) with these
-kernels at every level: the left blocks' keys as rows of one pass 1, the right blocks' queries as
-rows of one pass 2, so a level is two launches per profile, whatever the number of blocks. The
-levels sort nothing: each score array is sorted once in runs of :data:`CAUSAL_LEAF` positions and
-merged bottom-up, one merge launch per level (:func:`_level_orders`), which gives every level its
-sorted blocks, and each level's sums are added in place into the running sums of the positions
-(:func:`_level_sums_into`). The pairs inside the leaves are summed densely by one launch per profile
-(:func:`_leaves`), and the backward is the same levels' pull-backs over the same merges (its leaves
-the scan's array code).
+kernels at every level, its dense leaves (sums and pull-back) and its combination (:mod:`._causal`):
+two launches per profile and level whatever the number of blocks, each score array sorted once in
+runs of :data:`CAUSAL_LEAF` positions and merged bottom-up for the levels above.
 
 It serves torch tensors: chosen automatically for CUDA tensors when Triton is installed, and on
 request (``engine="triton"`` / :func:`~slicedkern.use_engine`) for CPU tensors too, which Triton runs
-only under its interpreter (``TRITON_INTERPRET=1``, how the tests run it). Parameter gradients
-of causal attention (array bandwidths and mixture weights) come from the scan's knot sums.
+only under its interpreter (``TRITON_INTERPRET=1``, how the tests run it).
 """
 
 from __future__ import annotations
@@ -56,20 +50,19 @@ from .._nanpolicy import screen
 from .._vjp import AllKeys
 from ..scan._causal import Levels, causal_attention, causal_profile_sums, causal_profiles_vjp
 from ..sortscan.pullback import ColumnSums, column_range
+from ._causal import combine_output, dense_leaves, dense_leaves_vjp, level_orders, level_sums, level_sums_into
 from ._decode import DeviceRuns
 from ._sums import (
     Queries,
     attend,
     build_table,
     column_sums,
+    flat_rows,
     interpreted,
-    leaf_sums,
-    leaf_vjp,
-    merge_runs,
     profile_dot,
     profile_sum,
-    profile_sum_into,
     row_dots,
+    row_view,
     sort_queries,
 )
 
@@ -84,119 +77,6 @@ _RESIDUALS = ("take", "relu_count", "key_order", "key_perm", "query_order", "que
 #: Positions per dense leaf block of causal attention: the (64, 64) products of a block cost less on a
 #: GPU than the six levels of launches they replace (issue 26 asks for a 64-128 dense bottom chunk).
 CAUSAL_LEAF = 64
-
-
-def _rows(xp, a, core: int):
-    """``a`` with its batch dims flattened to one: (R, *core dims), contiguous."""
-    return _row_view(xp, a, core).contiguous()
-
-
-def _row_view(xp, a, core: int):
-    """``a`` as (R, *core dims) without a copy where its strides allow it (a (B, T, H, D) layout
-    permuted to (B, H, T, D) with B = 1, say): the kernels read the weights through their strides."""
-    shape = tuple(a.shape)
-    batch = shape[:len(shape) - core]
-    rows = 1
-    for s in batch:
-        rows *= s
-    return xp.reshape(a, (rows,) + shape[len(shape) - core:])
-
-
-def _level_table(xp, qs, keys, vals, kept, orders):
-    """A level's table of the left blocks' keys (pass 1) and its sorted right blocks' queries, the
-    block pairs as rows; ``orders`` from :func:`_level_orders`, or None to sort them here."""
-    key_order, key_perm, query_order, query_perm = orders if orders is not None else (None,) * 4
-    presorted = None if orders is None else Queries(key_order, key_perm)
-    table = build_table(xp, _rows(xp, keys, 1), _row_view(xp, vals, 2), take=_rows(xp, kept, 1), ones=True,
-                        presorted=presorted)
-    return table, sort_queries(xp, _rows(xp, qs, 1)) if orders is None else Queries(query_order, query_perm)
-
-
-def _level_sums_into(xp, qs, keys, vals, kept, profiles, accs, orders=None):
-    """One level of causal attention added in place to the running sums ``accs`` (one (..., n, c_p)
-    float64 array per profile, on the positions; :attr:`~slicedkern.engines.scan._causal.Levels.sums_into`):
-    pass 2 adds each right block's sums into its rows, so no level's sums are written apart and no
-    running sums are copied (issue 26, item 4). Returns the arrays, made contiguous float64 once."""
-    batch, s, c = tuple(qs.shape[:-1]), qs.shape[-1], vals.shape[-1]
-    table, xr = _level_table(xp, qs, keys, vals, kept, orders)
-    out = []
-    for p, acc in zip(profiles, accs):
-        cols = column_range(p, c + 1)
-        acc = xp.astype(acc, xp.float64, copy=False).contiguous()
-        # block pair r's right block starts at position (2 r + 1) s of the flattened positions
-        out.append(profile_sum_into(xp, table, xr, p, batch, cols, acc, 2 * s * len(cols), s * len(cols),
-                                    strict=True))
-    return out
-
-
-def _leaves(xp, x, y, w, take, profiles, leaf: int):
-    """Causal attention's dense leaves on the kernels (:attr:`~slicedkern.engines.scan._causal.Levels.leaves`):
-    one :func:`._sums.leaf_sums` launch per profile, the (positions, leaf) products in registers."""
-    batch, n, c = tuple(x.shape[:-1]), x.shape[-1], w.shape[-1]
-    xr, yr, wr, kept = _rows(xp, x, 1), _rows(xp, y, 1), _row_view(xp, w, 2), _rows(xp, take, 1)
-    out = []
-    for p in profiles:
-        cols = column_range(p, c + 1)
-        out.append(xp.reshape(leaf_sums(xp, xr, yr, wr, kept, p, batch, cols, leaf), batch + (n, len(cols))))
-    return out
-
-
-def _leaves_vjp(xp, x, y, w, profiles, cotangents, leaf: int, *, param_grads: bool):
-    """The pull-back of :func:`_leaves` (:attr:`~slicedkern.engines.scan._causal.Levels.leaves_vjp`):
-    one :func:`._sums.leaf_vjp` launch per profile, nothing of (positions, leaf) in memory."""
-    batch, n, c = tuple(x.shape[:-1]), x.shape[-1], w.shape[-1]
-    dx, dy, dw, params = leaf_vjp(xp, _rows(xp, x, 1), _rows(xp, y, 1), _row_view(xp, w, 2),
-                                  list(profiles), [_row_view(xp, g, 2) for g in cotangents], batch, leaf,
-                                  param_grads=param_grads)
-    return xp.reshape(dx, batch + (n,)), xp.reshape(dy, batch + (n,)), xp.reshape(dw, batch + (n, c)), params
-
-
-def _level_sums(xp, ar, qs, keys, vals, kept, profiles, orders=None):
-    """One level of causal attention (:class:`~slicedkern.engines.scan._causal.Levels`): every
-    block pair a row of one pass 1 and one pass 2 per profile; ``vals`` in the values' own dtype (the
-    float32 tiles of the non-causal forward, float64 carries); float64 sums, lifted into ``ar``.
-    ``orders``: the level's sorted keys and queries (:func:`_level_orders`), or None to sort them."""
-    batch, s, c = tuple(qs.shape[:-1]), qs.shape[-1], vals.shape[-1]
-    table, xr = _level_table(xp, qs, keys, vals, kept, orders)
-    sums = []
-    for p in profiles:
-        cols = column_range(p, c + 1)
-        part = profile_sum(xp, table, xr, p, batch, cols, strict=True)
-        sums.append(ar.lift(as_work(xp, xp.reshape(part, batch + (s, len(cols))), qs.dtype)))
-    return sums
-
-
-def _level_orders(xp, x, y, leaf: int):
-    """The sorted orders of every level of causal attention from one bottom-up merge sort per score
-    array (:attr:`~slicedkern.engines.scan._causal.Levels.orders`; issue 26, item 4).
-
-    ``x`` and ``y`` (..., n), the queries and keys on the positions, ``n`` a power of two: sorted
-    once in runs of ``leaf`` positions (one segmented sort each), then per level the left blocks'
-    keys (the even runs) and the right blocks' queries (the odd runs) are taken, as
-    ``(key_order, key_perm, query_order, query_perm)`` with one row per block pair, and the runs
-    merged in pairs (:func:`._sums.merge_runs`, one launch each) for the next level. Lazy: nothing
-    is sorted unless a level asks."""
-    n = x.shape[-1]
-    rows = 1
-    for d in x.shape[:-1]:
-        rows *= d
-
-    def runs(a):
-        values, perm = sort_queries(xp, xp.reshape(a, (rows * (n // leaf), leaf)))
-        return xp.reshape(values, (rows, n)), xp.reshape(perm, (rows, n))
-
-    def half(a, size, side):
-        return xp.reshape(xp.reshape(a, (rows, n // (2 * size), 2, size))[:, :, side, :],
-                          (rows * (n // (2 * size)), size)).contiguous()
-
-    (keys, key_perm), (queries, query_perm) = runs(y), runs(x)
-    size = leaf
-    while size < n:
-        yield (half(keys, size, 0), half(key_perm, size, 0), half(queries, size, 1), half(query_perm, size, 1))
-        if 2 * size < n:
-            keys, key_perm = merge_runs(xp, keys, key_perm, size)
-            queries, query_perm = merge_runs(xp, queries, query_perm, size)
-        size *= 2
 
 
 def decodes(k) -> bool:
@@ -252,9 +132,9 @@ class TritonEngine(Engine):
         if n == 0 or y.shape[-1] == 0:
             return xp.zeros(x.shape + (c,), dtype=x.dtype, device=x.device)
         sc = screen(xp, x, y, w, None, defer=False)
-        table = build_table(xp, _rows(xp, sc.y, 1), _row_view(xp, w, 2), take=_rows(xp, sc.table_take, 1))
-        factor = _rows(xp, sc.divisor(xp, 1.0), 1)          # 1, or NaN where the NaN policy says
-        out = profile_sum(xp, table, sort_queries(xp, _rows(xp, sc.x, 1)), profile, batch, column_range(profile, c),
+        table = build_table(xp, flat_rows(xp, sc.y, 1), row_view(xp, w, 2), take=flat_rows(xp, sc.table_take, 1))
+        factor = flat_rows(xp, sc.divisor(xp, 1.0), 1)          # 1, or NaN where the NaN policy says
+        out = profile_sum(xp, table, sort_queries(xp, flat_rows(xp, sc.x, 1)), profile, batch, column_range(profile, c),
                           strict=True, factor=factor)
         return xp.reshape(out, batch + (n, out.shape[-1]))
 
@@ -271,15 +151,15 @@ class TritonEngine(Engine):
         # (the NaN policy's deferred check) rather than from a pass over them
         narrow = v.dtype != xp.float64
         sc = screen(xp, q, k, v, key_mask, defer=narrow and quiet_nonfinite(xp))
-        table_take = None if sc.table_take is None else _rows(xp, sc.table_take, 1)
-        table = build_table(xp, _rows(xp, sc.y, 1), _row_view(xp, v, 2), take=table_take, ones=True, narrow=narrow)
+        table_take = None if sc.table_take is None else flat_rows(xp, sc.table_take, 1)
+        table = build_table(xp, flat_rows(xp, sc.y, 1), row_view(xp, v, 2), take=table_take, ones=True, narrow=narrow)
         sc.settle(xp, xp.reshape(table.totals, batch + (1, -1)), dv)
-        xr = sort_queries(xp, _rows(xp, sc.x, 1), narrow)
+        xr = sort_queries(xp, flat_rows(xp, sc.x, 1), narrow)
         factor = sc.divisor(xp, 1.0)             # 1, or NaN where the NaN policy says
         if row_ok is not None:                   # and NaN on the rows whose bandwidths are bad (Engine.forward)
             factor = xp.where(row_ok[..., None], factor, xp.asarray(float("nan"), dtype=factor.dtype, device=dev))
         out, relu_count, raw = attend(xp, table, xr, profile, normalizer, batch, center=center,
-                                      factor=_rows(xp, factor, 1), dtype=v.dtype)
+                                      factor=flat_rows(xp, factor, 1), dtype=v.dtype)
         # the sorted orders and the screening go to the backward too (n elements each): it sorts and
         # screens nothing again
         residuals = [sc.take, xp.reshape(relu_count, batch + (lq, 1)), table.keys, table.perm, xr.sorted, xr.perm,
@@ -289,8 +169,9 @@ class TritonEngine(Engine):
         return xp.reshape(out, batch + (lq, dv)), tuple(residuals)
 
     def _levels(self) -> Levels:
-        return Levels(_level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True, orders=_level_orders,
-                      sums_into=_level_sums_into, leaves=_leaves, leaves_vjp=_leaves_vjp)
+        return Levels(level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True, orders=level_orders,
+                      sums_into=level_sums_into, leaves=dense_leaves, leaves_vjp=dense_leaves_vjp,
+                      combine=combine_output)
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
         out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,
@@ -326,21 +207,21 @@ class TritonEngine(Engine):
             return dx, dy, dw, [(tuple(None for _ in p.knots), tuple(None for _ in p.coeffs))
                                 for p in profiles]
         # dx: derivative sums over the sorted keys, H(0) = 1 (the scan's convention)
-        xr, yr = _rows(xp, x, 1), _rows(xp, y, 1)
+        xr, yr = flat_rows(xp, x, 1), flat_rows(xp, y, 1)
         if orders is None:
             xq, yq = sort_queries(xp, xr), sort_queries(xp, yr)      # each array sorted once
         else:
             key_order, key_perm, query_order, query_perm = orders
             xq, yq = Queries(query_order, query_perm), Queries(xp.astype(key_order, xp.float64), key_perm)
-        keyed = build_table(xp, yr, _row_view(xp, w, 2), presorted=yq)
+        keyed = build_table(xp, yr, row_view(xp, w, 2), presorted=yq)
         dx = None
         for p, g in zip(profiles, cotangents):
             # the derivative sums dotted with the cotangent inside the kernel: no (n, c) array of them
             term = profile_dot(xp, keyed, xq, p.with_(derivative=True), batch, column_range(p, c),
-                               _row_view(xp, g, 2), 0, strict=False)
+                               row_view(xp, g, 2), 0, strict=False)
             dx = term if dx is None else dx + term
         # dw and dy: the reflected profiles over one sort of the queries carrying every cotangent
-        stacked = _rows(xp, xp.concat(list(cotangents), axis=-1), 2)
+        stacked = flat_rows(xp, xp.concat(list(cotangents), axis=-1), 2)
         queried = build_table(xp, xr, stacked, presorted=xq)
         dw, dy = ColumnSums(c), None
         start = 0
@@ -350,7 +231,7 @@ class TritonEngine(Engine):
             r = p.reflect()
             cols = column_range(p, c)
             dw.add(profile_sum(xp, queried, yq, r, batch, span, strict=True), cols)
-            term = profile_dot(xp, queried, yq, r.with_(derivative=True), batch, span, _row_view(xp, w, 2),
+            term = profile_dot(xp, queried, yq, r.with_(derivative=True), batch, span, row_view(xp, w, 2),
                                cols.start, strict=True)
             dy = term if dy is None else dy + term
         dx = xp.reshape(dx, batch + (n,))
@@ -358,7 +239,7 @@ class TritonEngine(Engine):
         dw = xp.reshape(dw.assemble(xp), batch + (m, c))
         if param_grads:
             # knot and coefficient gradients over the same table and sorted queries as dx
-            params = [_knot_grads(xp, keyed, xq, p, batch, _row_view(xp, g, 2), column_range(p, c))
+            params = [_knot_grads(xp, keyed, xq, p, batch, row_view(xp, g, 2), column_range(p, c))
                       for p, g in zip(profiles, cotangents)]
         else:
             params = [(tuple(None for _ in p.knots), tuple(None for _ in p.coeffs)) for p in profiles]
@@ -366,8 +247,8 @@ class TritonEngine(Engine):
 
     def indicator_sums(self, q, k, ones, profiles, *, xp):
         batch, lq = tuple(q.shape[:-1]), q.shape[-1]
-        table = build_table(xp, _rows(xp, k, 1), _rows(xp, ones, 2))
-        xr = sort_queries(xp, _rows(xp, q, 1))
+        table = build_table(xp, flat_rows(xp, k, 1), flat_rows(xp, ones, 2))
+        xr = sort_queries(xp, flat_rows(xp, q, 1))
         return [xp.reshape(profile_sum(xp, table, xr, p, batch, range(0, 1), strict=True), batch + (lq, 1))
                 for p in profiles]
 
@@ -396,13 +277,13 @@ class _SortedKeys(AllKeys):
     def row_dot(self, xp, g, b):
         batch, lq = tuple(g.shape[:-2]), g.shape[-2]
         b = xp.broadcast_to(b, batch + tuple(b.shape[-2:]))
-        dots = row_dots(xp, _row_view(xp, g, 2), _row_view(xp, b, 2))
+        dots = row_dots(xp, row_view(xp, g, 2), row_view(xp, b, 2))
         return xp.reshape(dots, batch + (lq, 1))
 
     def to_keys(self, xp, weights, g):
         batch, dv = tuple(g.shape[:-2]), g.shape[-1]
-        weights = _rows(xp, xp.broadcast_to(weights, g.shape[:-1] + (1,))[..., 0], 1)
-        return xp.reshape(column_sums(xp, weights, _row_view(xp, g, 2)), batch + (1, dv))
+        weights = flat_rows(xp, xp.broadcast_to(weights, g.shape[:-1] + (1,))[..., 0], 1)
+        return xp.reshape(column_sums(xp, weights, row_view(xp, g, 2)), batch + (1, dv))
 
     def totals(self, xp, *, values: bool):
         # the forward's table of [v | indicator] over the keys that take part: its last carry row
@@ -440,19 +321,19 @@ def _sums_vjp(xp, keys: _SortedKeys, profile, normalizer, gout, cot, silent, *, 
     key_order, key_perm, query_order, query_perm = keys.orders
     xq = Queries(query_order, query_perm)
     yq = Queries(xp.astype(key_order, xp.float64), key_perm)
-    xr = _rows(xp, x, 1)
-    vr, gr = _row_view(xp, v, 2), _row_view(xp, gout, 2)
-    take = _rows(xp, keys.take, 1)
+    xr = flat_rows(xp, x, 1)
+    vr, gr = row_view(xp, v, 2), row_view(xp, gout, 2)
+    take = flat_rows(xp, keys.take, 1)
 
     def per_row(a, shape):           # (..., n or m, 1) or (..., 1, dv) factors as (R, n or m or dv) float64
-        return _rows(xp, xp.astype(xp.reshape(xp.broadcast_to(a, batch + shape), batch + (-1,)), xp.float64), 1)
+        return flat_rows(xp, xp.astype(xp.reshape(xp.broadcast_to(a, batch + shape), batch + (-1,)), xp.float64), 1)
 
     scale = per_row(cot.scale, (n, 1))
     indicator = ([(profile, cot.relu_count)] if center else []) + (
         [(normalizer.profile, cot.den)] if normalizer.summed else [])
     indicator_cots = [per_row(c, (n, 1)) for _, c in indicator]
 
-    keyed = build_table(xp, _rows(xp, y, 1), vr, take=take, ones=True, presorted=yq, carry=keys.key_carry)
+    keyed = build_table(xp, flat_rows(xp, y, 1), vr, take=take, ones=True, presorted=yq, carry=keys.key_carry)
     dq = profile_dot(xp, keyed, xq, profile.with_(derivative=True), batch, range(0, dv), gr, 0,
                      strict=False) * scale
     for (p, _), c in zip(indicator, indicator_cots):

@@ -13,11 +13,12 @@ try:
 except ImportError:      # imported without Triton (doctest collection): the engine declines before build()
     tl = None
 
-__all__ = ["leaf_eval", "leaf_pullback", "row_dots", "column_sums"]
+__all__ = ["leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots", "column_sums"]
 
-_JITTED = ("leaf_eval", "leaf_pullback", "row_dots", "column_sums")
-#: :func:`._kernels._below_sum`, jitted, set by :func:`._kernels.build` before the first launch
-_below_sum = None
+_JITTED = ("leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots", "column_sums")
+#: :func:`._kernels._below_sum` and :func:`._kernels._attention_epilogue`, jitted, set by
+#: :func:`._kernels.build` before the first launch
+_below_sum = _attention_epilogue = None
 
 
 def leaf_eval(x_ptr, y_ptr, w_ptr, take_ptr, knots_ptr, coeffs_ptr, lin_ptr, out_ptr,
@@ -115,6 +116,39 @@ def leaf_pullback(x_ptr, y_ptr, w_ptr, g_ptr, knots_ptr, coeffs_ptr, lin_ptr, st
             where = dw_ptr + row * n * c + j[:, None] * c + (col0 + cl)[None, :]
             tl.store(where, tl.load(where, mask=cm[None, :], other=0.0) + part, mask=cm[None, :])
     tl.store(dx_ptr + row * n + i, tl.load(dx_ptr + row * n + i) + dx)
+
+
+def causal_epilogue(num_ptr, den_ptr, tot_ptr, good_ptr, out_ptr, n, lq, dv, offset, eps,
+                    CENTER: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Causal attention's output from its running sums, in one pass (the arithmetic of
+    :func:`._kernels._attention_epilogue`): query ``i`` of a row sits at position ``i + offset``
+    (none before 0: a query that sees no key) and reads there ``num`` (R, n, dv + 1) float64, the
+    profile sums of the values and of the indicator (its ReLU count), the totals ``tot`` (R, n, dv
+    + 1) float64 of the values and the count it sees, and with NORM 2 the normaliser sums ``den``
+    (R, n) float64; ``good`` (R, lq) int8 False makes its row NaN (the causal NaN rule). Writes
+    ``out`` (R, lq, dv) in its own dtype: no float64 output and no (n, dv) temporaries of the
+    centring and the division (docs/architecture.rst, "Engines")."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    p = i + offset
+    seen = (i < lq) & (p >= 0)
+    cm = cols < dv
+    base = row * n * (dv + 1) + p * (dv + 1)
+    acc = tl.load(num_ptr + base[:, None] + cols[None, :], mask=seen[:, None] & cm[None, :], other=0.0)
+    relu_count = tl.load(num_ptr + base + dv, mask=seen, other=0.0)
+    totals = tl.load(tot_ptr + base[:, None] + cols[None, :], mask=seen[:, None] & cm[None, :], other=0.0)
+    count = tl.load(tot_ptr + base + dv, mask=seen, other=0.0)
+    den = relu_count                          # read by the epilogue only when NORM == 2
+    if NORM == 2:
+        den = tl.load(den_ptr + row * n + p, mask=seen, other=0.0)
+    acc = _attention_epilogue(acc, relu_count, count, totals, den, eps, CENTER, NORM)
+    good = tl.load(good_ptr + row * lq + i, mask=i < lq, other=0) != 0
+    acc = tl.where(good[:, None], acc, float("nan"))
+    if out_ptr.dtype.element_ty != tl.float64:
+        acc = acc.to(tl.float32)              # through float32, as pass 2 writes (_kernels.merge_eval)
+    tl.store(out_ptr + row * lq * dv + i[:, None] * dv + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(i < lq)[:, None] & cm[None, :])
 
 
 def row_dots(a_ptr, b_ptr, out_ptr, n, d, sa_r, sa_n, sa_d, sb_r, sb_n, sb_d,

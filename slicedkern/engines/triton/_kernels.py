@@ -43,7 +43,7 @@ __all__ = ["build", "interpreted", "tile_sums", "merge_eval", "decode_attend", "
 #: Every kernel the engine launches, as attributes of this module once built (:func:`build`): this
 #: module's and those of :mod:`._order` and :mod:`._dense`
 KERNELS = ("tile_sums", "merge_eval", "decode_attend", "sort_rows", "merge_runs", "leaf_eval", "leaf_pullback",
-           "row_dots", "column_sums")
+           "causal_epilogue", "row_dots", "column_sums")
 
 _JITTED = ("_rank", "_key_tile", "_tile", "_knot_ranks", "_below_sum", "_indicator_carry", "_pairs",
            "_indicator_linear", "_indicator_profile", "_attention_epilogue", "tile_sums", "merge_eval", "_run_profile",
@@ -207,13 +207,15 @@ def _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry
 def _attention_epilogue(acc, relu_count, count, totals, den, eps, CENTER: tl.constexpr, NORM: tl.constexpr):
     """Attention's arithmetic on a block of profile sums ``acc`` (queries, columns), the compiled twin
     of :func:`slicedkern.engines._combine.combine`: CENTER subtracts ``relu_count`` (queries,) times
-    the mean value ``totals / count`` (columns,); the divisor is NORM's (0 none, 1 the row's
-    ``count`` of valid keys, at least 1, 2 the normaliser sums ``den`` (queries,) floored at ``eps``,
-    and 1 for a row that sees no key: Normalizer.divisor)."""
+    the mean value ``totals / count`` (``totals`` (1 or queries, columns): the row's, or each
+    query's own in causal attention); the divisor is NORM's (0 none, 1 the ``count`` of valid keys
+    (a scalar, or (queries,)), at least 1, 2 the normaliser sums ``den`` (queries,) floored at
+    ``eps``, and 1 for a query that sees no key: Normalizer.divisor)."""
+    count = count + tl.zeros_like(relu_count)
     if CENTER:
-        acc = acc - (relu_count / tl.maximum(count, 1.0))[:, None] * totals[None, :]
+        acc = acc - (relu_count / tl.maximum(count, 1.0))[:, None] * totals
     if NORM == 1:
-        acc = acc / tl.maximum(count, 1.0)
+        acc = acc / tl.maximum(count, 1.0)[:, None]
     if NORM == 2:
         acc = acc / tl.where(count > 0, tl.maximum(den, eps), 1.0)[:, None]
     return acc
@@ -333,7 +335,7 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
                                      BLOCK_M)
             if first_block:
                 tl.store(raw_ptr + row * n + dest, raw, mask=nm)
-        acc = _attention_epilogue(acc, relu_count, valid, t0, raw, eps, CENTER, NORM)
+        acc = _attention_epilogue(acc, relu_count, valid, t0[None, :], raw, eps, CENTER, NORM)
     if SUB:
         acc = acc - tl.load(sub_ptr + row * width + cl, mask=cm, other=0.0)[None, :]
     if HAS_FACTOR:
@@ -427,7 +429,7 @@ def decode_attend(q_ptr, bounds_ptr, n_runs, keys_ptr, prefix_ptr, shifts_ptr, t
     totals = tl.load(totals_ptr + b * cw + w, mask=wm, other=0.0)
     count = tl.sum(tl.where(w == dv, totals, 0.0), 0)
     relu_count = tl.sum(tl.where((w == dv)[None, :], sums, 0.0), 1)
-    acc = _attention_epilogue(sums, relu_count, count, totals, den, eps, CENTER, NORM)
+    acc = _attention_epilogue(sums, relu_count, count, totals[None, :], den, eps, CENTER, NORM)
     poisoned = tl.load(bad_ptr + b) != 0
     acc = tl.where((finite & ~poisoned)[:, None], acc, float("nan"))
     tl.store(out_ptr + b * M * dv + i[:, None] * dv + w[None, :], acc, mask=qm[:, None] & (w < dv)[None, :])
@@ -442,6 +444,7 @@ def build() -> None:
         for name in _JITTED:
             scope[name] = triton.jit(scope[name])
         _dense._below_sum = scope["_below_sum"]
+        _dense._attention_epilogue = scope["_attention_epilogue"]
         for module in (_order, _dense):
             for name in module._JITTED:
                 jitted = triton.jit(getattr(module, name))

@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 from ...kernels import Profile, is_fixed
 
 __all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_sum_into", "profile_dot",
-           "attend", "row_dots", "column_sums", "merge_runs", "leaf_sums", "leaf_vjp", "loaded", "interpreted"]
+           "attend", "row_dots", "column_sums", "merge_runs", "leaf_sums", "leaf_vjp", "causal_epilogue", "loaded",
+           "interpreted", "flat_rows", "row_view"]
 
 #: Keys per tile, queries per block and columns per block. With 16 keys a tile and pass 2 on 8 warps,
 #: its float32 and bfloat16 forms hold every value in registers on an H100 (sm_90); 64 keys a tile on
@@ -53,6 +54,22 @@ def interpreted() -> bool:
     if mode is None:
         mode = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
     return mode
+
+
+def flat_rows(xp, a, core: int):
+    """``a`` with its batch dims flattened to one: (R, *core dims), contiguous."""
+    return row_view(xp, a, core).contiguous()
+
+
+def row_view(xp, a, core: int):
+    """``a`` as (R, *core dims) without a copy where its strides allow it (a (B, T, H, D) layout
+    permuted to (B, H, T, D) with B = 1, say): the kernels read the weights through their strides."""
+    shape = tuple(a.shape)
+    batch = shape[:len(shape) - core]
+    rows = 1
+    for s in batch:
+        rows *= s
+    return xp.reshape(a, (rows,) + shape[len(shape) - core:])
 
 
 class Table(NamedTuple):
@@ -362,6 +379,23 @@ def column_sums(xp, weights, g):
             weights, g, out, n, d, g.stride(0), g.stride(1), g.stride(2), BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS)
     return out
 
+
+def causal_epilogue(xp, num, den, totals, good, offset: int, *, center: bool, normalizer, dtype):
+    """Causal attention's output from its running sums (:func:`._dense.causal_epilogue`, one
+    launch): ``num`` (R, n, dv + 1) float64 the values' profile sums and the ReLU count, ``den``
+    (R, n) float64 the normaliser's sums or None, ``totals`` (R, n, dv + 1) float64 the values'
+    running sums and count, on the positions; ``good`` (R, lq) bool the NaN rule's verdicts; query
+    ``i`` at position ``i + offset``. Returns (R, lq, dv) in ``dtype``."""
+    rows, n, width = num.shape
+    dv, lq = width - 1, good.shape[-1]
+    out = xp.empty((rows, lq, dv), dtype=dtype, device=num.device)
+    norm = 2 if normalizer.summed else (1 if normalizer.name == "count" else 0)
+    if rows and lq and dv:
+        loaded().causal_epilogue[(rows, triton_cdiv(lq, BLOCK_ROWS), triton_cdiv(dv, BLOCK_COLS))](
+            num, den if den is not None else num, totals, xp.astype(good, xp.int8), out, n, lq, dv, offset,
+            float(normalizer.eps), CENTER=bool(center), NORM=norm, BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
+            num_warps=8)
+    return out
 
 def merge_runs(xp, values, perm, run: int):
     """``values`` (R, n), sorted in runs of ``run`` with ``perm`` (R, n) int32 each entry's index in

@@ -391,3 +391,23 @@ def test_finite_primitive_agrees_with_isfinite(xp, dtype):
     assert got.dtype == np.bool_
     np.testing.assert_array_equal(got, np.isfinite(values) if dtype != "bfloat16" else
                                   np.isfinite(xp.to_numpy(a).astype(np.float64)))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_finite_keys_primitive_marks_each_value_row(xp, dtype):
+    """``finite_keys`` (the causal NaN rule's check of the values; on torch one ``aminmax``, no
+    (m, c) temporaries) is True on a key exactly when every entry of its value row is finite: a
+    NaN, an infinity of either sign in any column, a row of the largest finite numbers, a
+    key with no columns, over batch dims."""
+    from slicedkern.backends import finite_keys
+    if dtype == "bfloat16" and xp.name not in ("torch", "torch_cuda", "jax"):
+        pytest.skip("no bfloat16 here")
+    big = 3.3e38 if dtype != "float64" else float(np.finfo(np.float64).max)
+    rows = np.array([[1.0, 2.0, 3.0], [np.nan, 0.0, 1.0], [0.0, 1.0, np.inf], [-np.inf, -big, big], [big, -big, big],
+                     [-0.0, 1e-30, -5.0]])
+    values = np.stack([rows, rows[::-1]])                  # (2, 6, 3): a batch dim, the bad keys moved
+    got = xp.to_numpy(finite_keys(xp.xp, xp.asarray(values, dtype=dtype)))
+    assert got.dtype == np.bool_ and got.shape == (2, 6)
+    np.testing.assert_array_equal(got, np.all(np.isfinite(values), axis=-1))
+    empty = xp.to_numpy(finite_keys(xp.xp, xp.asarray(np.zeros((2, 4, 0)), dtype=dtype)))
+    np.testing.assert_array_equal(empty, np.ones((2, 4), dtype=bool))

@@ -19,7 +19,7 @@ import array_api_compat as compat
 from ._generic import ArrayBackend
 
 __all__ = ["ArrayBackend", "ops_for", "backend_of", "same_library", "holds_everywhere", "is_traced",
-           "is_numpy_namespace", "to_host", "searchsorted_right", "take_rows", "finite", "finite_rows",
+           "is_numpy_namespace", "to_host", "searchsorted_right", "take_rows", "finite", "finite_keys", "finite_rows",
            "sorted_weights", "prefix_table", "combine_rows", "quiet_nonfinite",
            "quiet", "accurate_sum", "energy_distance_rows", "energy_distance_pairs",
            "compiled_energy_pairs",
@@ -196,6 +196,10 @@ def take_rows(xp, table, index):
 
 def finite(xp, a):
     return ops_for(xp).finite(xp, a)
+
+
+def finite_keys(xp, values):
+    return ops_for(xp).finite_keys(xp, values)
 
 
 def finite_rows(xp, values, valid=None):

@@ -151,6 +151,11 @@ class ArrayBackend:
         """Elementwise: ``a`` is neither NaN nor infinite (the NaN policy's screening)."""
         return xp.isfinite(a)
 
+    def finite_keys(self, xp, values):
+        """(..., m) True where every entry of a key's value row ``values`` (..., m, c) is finite (the
+        causal NaN rule's and decoding's check of the values)."""
+        return xp.all(self.finite(xp, values), axis=-1)
+
     def finite_rows(self, xp, values, valid=None):
         """(...) True where every entry of ``values`` (..., m, c) on a valid key is finite."""
         ok = xp.all(xp.isfinite(values), axis=-1)

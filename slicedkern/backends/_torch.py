@@ -305,6 +305,14 @@ class TorchBackend(ArrayBackend):
         a = a.detach()
         return (a - a) == 0
 
+    def finite_keys(self, xp, values):
+        if not values.is_floating_point() or values.shape[-1] == 0:
+            return super().finite_keys(xp, values)
+        # a row's least and greatest entries are finite exactly when all are (NaN propagates through
+        # both): two (..., m) results, where the generic form writes two (..., m, c) temporaries
+        lo, hi = torch.aminmax(values.detach(), dim=-1)
+        return self.finite(xp, lo) & self.finite(xp, hi)
+
     def finite_rows(self, xp, values, valid=None):
         if valid is None:
             return finite_rows(values)

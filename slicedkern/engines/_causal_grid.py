@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from .._lib.namespace import array_device, ceil_log2, clamp_min
-from ..backends import finite
+from ..backends import finite, finite_keys
 
 __all__ = ["CausalGrid", "CausalScreen", "screen_causal", "running_sum"]
 
@@ -118,7 +118,7 @@ def screen_causal(xp, grid: CausalGrid, q, k, v, key_mask) -> CausalScreen:
     Everything is replaced by finite numbers before any arithmetic, so that no backend warns.
     """
     q_ok = finite(xp, q)
-    bad = ~(finite(xp, k) & xp.all(finite(xp, v), axis=-1))
+    bad = ~(finite(xp, k) & finite_keys(xp, v))
     take = ~bad
     if key_mask is not None:
         bad = bad & key_mask

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ..._lib.namespace import array_device
 from ..._spec import Normalizer
-from ...backends import ops_for
+from ...backends import finite, finite_keys, ops_for
 from ...kernels import Profile
 from .._combine import combine
 from ..sortscan.sums import SortedKeys, profile_sums, queries, sort_keys
@@ -93,13 +93,13 @@ class Runs:
             return out
 
         def admit(k, v, mask):
-            finite = xp.isfinite(k) & xp.all(xp.isfinite(v), axis=-1)
-            take = finite & mask
+            ok = finite(xp, k) & finite_keys(xp, v)
+            take = ok & mask
             zero = xp.asarray(0.0, dtype=k.dtype, device=array_device(k))
-            k = xp.where(finite, k, zero)
+            k = xp.where(ok, k, zero)
             v = xp.where(take[..., None], xp.astype(v, work), zero)
             rows = xp.concat([v, xp.astype(take, work)[..., None]], axis=-1)
-            return k, v, take, xp.sum(rows, axis=-2, keepdims=True), xp.any(mask & ~finite, axis=-1)
+            return k, v, take, xp.sum(rows, axis=-2, keepdims=True), xp.any(mask & ~ok, axis=-1)
 
         compile = ops_for(xp).compile
         self._admit, self._build = compile(admit), compile(build)
@@ -126,7 +126,7 @@ class Runs:
     def attend(self, q):
         """Attention of queries ``q`` (..., n) in the work dtype over every key appended so far."""
         xp = self.xp
-        q_ok = xp.isfinite(q)
+        q_ok = finite(xp, q)
         q = xp.where(q_ok, q, xp.asarray(0.0, dtype=q.dtype, device=array_device(q)))
         parts = [self._run_sums(q, *run.sorted_parts) for run in self.runs]
         return self._finish(parts, self.totals, q_ok, self.bad)

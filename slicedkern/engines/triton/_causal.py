@@ -78,7 +78,7 @@ def dense_leaves_vjp(xp, x, y, w, profiles, cotangents, leaf: int, *, param_grad
     one :func:`._sums.leaf_vjp` launch per profile, nothing of (positions, leaf) in memory."""
     batch, n, c = tuple(x.shape[:-1]), x.shape[-1], w.shape[-1]
     dx, dy, dw, params = leaf_vjp(xp, flat_rows(xp, x, 1), flat_rows(xp, y, 1), row_view(xp, w, 2),
-                                  list(profiles), [row_view(xp, g, 2) for g in cotangents], batch, leaf,
+                                  profiles, [row_view(xp, g, 2) for g in cotangents], batch, leaf,
                                   param_grads=param_grads)
     return xp.reshape(dx, batch + (n,)), xp.reshape(dy, batch + (n,)), xp.reshape(dw, batch + (n, c)), params
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from ..._spec import Normalizer
+from ...backends import finite, finite_keys
 from ...kernels import Profile
 from .._runs import RunCounter
 from ._sums import _profile_args, loaded
@@ -90,12 +91,12 @@ class DeviceRuns(RunCounter):
         v = xp.reshape(xp.astype(v, xp.float64), (bsz, t, self.dv))
         # the NaN rule: a key that takes part but is not finite is stored as a zero key that takes
         # no part, and marks its row
-        finite = xp.isfinite(k) & xp.all(xp.isfinite(v), axis=-1)
+        ok = finite(xp, k) & finite_keys(xp, v)
         mask = None if mask is None else xp.reshape(mask, (bsz, t))
-        take = finite if mask is None else finite & mask
-        self.bad = self.bad | xp.any(~finite if mask is None else mask & ~finite, axis=-1)
+        take = ok if mask is None else ok & mask
+        self.bad = self.bad | xp.any(~ok if mask is None else mask & ~ok, axis=-1)
         n = self.n
-        self.keys[:, n:n + t] = xp.where(finite, k, 0.0)
+        self.keys[:, n:n + t] = xp.where(ok, k, 0.0)
         self.values[:, n:n + t] = xp.where(take[..., None], v, 0.0)
         self.taken[:, n:n + t] = take
         self.totals[:, :self.dv] += xp.sum(self.values[:, n:n + t], axis=1)

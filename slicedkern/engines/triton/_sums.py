@@ -455,7 +455,7 @@ def leaf_vjp(xp, x, y, w, profiles, cotangents, batch, leaf: int, *, param_grads
         kept = [i for i, cf in enumerate(p.coeffs) if not (is_fixed(cf) and cf == 0)]
         learned = param_grads and any(not (is_fixed(t) and is_fixed(cf)) for t, cf in zip(p.knots, p.coeffs))
         dpar = xp.zeros((rows, n // leaf, 2 * max(K, 1)), dtype=xp.float64, device=dev) if learned else dx
-        strict = xp.asarray([int(p.strict_knots[i]) for i in kept] or [0], dtype=xp.int8, device=dev)
+        strict = _strict_knots(xp, tuple(bool(p.strict_knots[i]) for i in kept), dev)
         if rows and n and len(cols):
             k.leaf_pullback[(rows, n // leaf)](
                 x, y, w, g, knots, coeffs, lin, strict, dx, dy, dw, dpar, n, c, cols.start, len(cols),
@@ -463,6 +463,14 @@ def leaf_vjp(xp, x, y, w, profiles, cotangents, batch, leaf: int, *, param_grads
                 LEAF=leaf, SUB=min(LEAF_SUB, leaf), BLOCK_C=LEAF_COLS, num_warps=8)
         params.append(_leaf_params(xp, p, kept, dpar if learned else None, batch, param_grads))
     return dx, dy, dw, params
+
+
+@functools.lru_cache(maxsize=64)
+def _strict_knots(xp, strict: tuple, dev):
+    """The tie side of each knot as :func:`._dense.leaf_pullback` reads it, (K,) int8: made once per
+    device and pattern, as :func:`_fixed_profile_args` makes fixed profiles (no host-to-device copy
+    per backward)."""
+    return xp.asarray([int(s) for s in strict] or [0], dtype=xp.int8, device=dev)
 
 
 def _leaf_params(xp, p: Profile, kept, dpar, batch, param_grads: bool):

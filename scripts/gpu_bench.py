@@ -289,7 +289,13 @@ def main(argv=None):
     p.add_argument("--tiles", default=None,
                    help="keys per tile, queries per block, columns per block and pass 2's warps of the triton "
                         "engine, M,N,C,W, instead of its own (an A/B of the kernels' shapes)")
+    p.add_argument("--small-fused", type=int, default=None,
+                   help="rows up to this length take the triton engine's one-launch forward (0: never), instead "
+                        "of its own threshold (an A/B of the short rows' path)")
     a = p.parse_args(argv)
+    if a.small_fused is not None:
+        from slicedkern.engines.triton import _sums
+        _sums.SMALL_FUSED = a.small_fused
     if a.tiles:
         from slicedkern.engines.triton import _sums
         _sums.BLOCK_M, _sums.BLOCK_N, _sums.BLOCK_C, _sums.MERGE_WARPS = (int(t) for t in a.tiles.split(","))
@@ -297,6 +303,7 @@ def main(argv=None):
     bandwidth = a.bandwidth or card_bandwidth(device)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     tiles = f", triton tiles {a.tiles}" if a.tiles else ""
+    tiles += f", one-launch forward up to L = {a.small_fused}" if a.small_fused is not None else ""
     print(f"device: {card}, vendor bandwidth {bandwidth} GB/s, torch {torch.__version__}{tiles}", flush=True)
     print("| impl | L | dtype | pass | time | peak memory above inputs | fraction of bandwidth floor | note")
     start, rows = time.perf_counter(), []

@@ -13,7 +13,9 @@
 #   3. a torch.profiler kernel table of one forward+backward at L = 64K;
 #   4. the triton engine's tests compiled on the GPU (TRITON_INTERPRET=0);
 #   5. the test subset on the GPU backends (torch on CUDA, CuPy, JAX on the GPU);
-#   6. the triton engine at 16K with the kernels' shapes of 2026-11-27 (tiles of 64 keys, pass 2 on 4
+#   6. the triton engine's short rows (L = 256, 1024) through the sorts and two passes against its
+#      one-launch forward (small_attend), for the threshold _sums.SMALL_FUSED;
+#   7. the triton engine at 16K with the kernels' shapes of 2026-11-27 (tiles of 64 keys, pass 2 on 4
 #      warps, which spilled registers) against today's (16 keys, 8 warps), for the A/B.
 # It writes eight files, the most a device call brings back: log.txt, card.txt, bench.json,
 # bench.txt, profile.txt, test_triton.txt, test_backends.txt, tiles.txt.
@@ -82,6 +84,14 @@ boxed 75 python -m pytest -q -rf --tb=line -p no:cacheprovider tests/engines/tes
 stamp "GPU backends test subset"
 boxed 70 python -m pytest -q -rf --tb=line -p no:cacheprovider --backend torch_cuda,cupy,jax \
     tests/test_attention.py tests/test_gradients.py > "$out/test_backends.txt" 2>&1; tail -25 "$out/test_backends.txt"
+stamp "triton short rows A/B at L = 256 and 1024 (the sorts and two passes, then one launch)"
+small_run() {     # small_run THRESHOLD: appended to $out/tiles.txt
+    echo "-- small-fused $1" >> "$out/tiles.txt"
+    boxed 45 python scripts/gpu_bench.py --lengths 256,1024 --engines triton --budget 25 --small-fused "$1" \
+        >> "$out/tiles.txt" 2>&1; grep -E "^-- |device|triton" "$out/tiles.txt" | tail -12
+}
+small_run 0
+small_run 1024
 stamp "triton tiles A/B at L = 16384 (64 keys on 4 warps, then the engine's own)"
 tiles_run() {     # tiles_run NAME [gpu_bench options]: appended to $out/tiles.txt
     echo "-- tiles $1" >> "$out/tiles.txt"; shift

@@ -2,15 +2,16 @@
 GPU on a machine without one (Triton's compiler and the ``ptxas`` / ``cuobjdump`` it ships):
 
     PYTHONPATH=. python scripts/triton_resources.py [--dtypes float32,bfloat16,float64] [--arch 90]
-        [--blocks 64,64,32] [--calls forward,causal,backward,decode]
+        [--blocks 64,64,32] [--calls forward,small,causal,backward,decode]
 
 The launches of a call are captured with their real arguments from the engine's own functions on
 CPU tensors, without running them, then compiled for ``sm_<arch>``: ``forward`` (the small-L sort
 ``sort_rows`` of 1024 float32 scores, pass 1 ``tile_sums``, pass 2 ``merge_eval`` in attention's
-mode, ReLU with the "abs" normaliser, centred), ``causal`` (the same kernels as a level of causal
+mode, ReLU with the "abs" normaliser, centred), ``small`` (the same forward of short rows in one
+launch, ``small_attend``), ``causal`` (the same kernels as a level of causal
 attention runs them: indicator column, no epilogue; the merge of its bottom-up merge sort and its
 dense leaves),
-``backward`` (every variant a forward and its backward compile) and ``decode``
+``backward`` (every variant a two-pass forward and its backward compile) and ``decode``
 (``decode_attend`` of ``DecodeCache``'s device runs, ReLU, centred, "abs"; values in float64
 whatever ``--dtypes`` says). A kernel that needs more registers than the 255 a thread may hold
 spills to a per-thread stack in local memory
@@ -85,6 +86,24 @@ def forward_launches(dtype, length: int = 1024, rows: int = 8, dv: int = 64) -> 
     return captured
 
 
+def small_launches(dtype, length: int = 1024, rows: int = 8, dv: int = 64) -> list:
+    """The one-launch forward of short rows (``attend_small``: sorts, both passes, epilogue), captured."""
+    import array_api_compat.torch as xp
+
+    from slicedkern._spec import Normalizer
+    from slicedkern.engines.triton import _sums
+    from slicedkern.kernels import Profile, ReLU
+    g = torch.Generator().manual_seed(0)
+    y, x = torch.randn(rows, length, generator=g), torch.randn(rows, length, generator=g)
+    w = torch.randn(rows, length, dv, generator=g).to(dtype)
+    factor = torch.ones(rows, length, dtype=torch.float64)
+
+    def run():
+        _sums.attend_small(xp, y, x, w, None, Profile.of(ReLU()), Normalizer("abs", 1e-6), (rows,), center=True,
+                           factor=factor, dtype=dtype)
+    return _captured(("small_attend",), run)
+
+
 def _captured(names, run, variants: bool = False) -> list:
     """``(name, jitted function, args, kwargs)`` of the launches of the kernels ``names`` that
     ``run()`` makes, captured, not run: the first of each name, or with ``variants`` the first of
@@ -144,8 +163,13 @@ def backward_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -
     v = torch.randn(1, heads, length, dv, generator=g).to(dtype).requires_grad_()
 
     def run():
-        out = slicedkern.relu_attention(q, k, v, engine="triton")
-        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        from slicedkern.engines.triton import _sums
+        fused, _sums.SMALL_FUSED = _sums.SMALL_FUSED, 0      # the two-pass forward, whatever the length
+        try:
+            out = slicedkern.relu_attention(q, k, v, engine="triton")
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        finally:
+            _sums.SMALL_FUSED = fused
     return _captured(("sort_rows", "tile_sums", "merge_eval", "row_dots", "column_sums"), run, variants=True)
 
 
@@ -195,7 +219,7 @@ def main(argv=None):
     p.add_argument("--arch", type=int, default=90, help="compute capability, 90 for Hopper (H100, H200)")
     p.add_argument("--blocks", default=None, help="BLOCK_M,BLOCK_N,BLOCK_C instead of the engine's")
     p.add_argument("--warps", type=int, default=None, help="pass 2's warps instead of the engine's")
-    p.add_argument("--calls", default="forward", help="comma list of forward, causal, backward, decode")
+    p.add_argument("--calls", default="forward", help="comma list of forward, small, causal, backward, decode")
     a = p.parse_args(argv)
     from slicedkern.engines.triton import _sums
     if a.blocks:
@@ -204,7 +228,8 @@ def main(argv=None):
         _sums.MERGE_WARPS = a.warps
     print(f"triton {triton.__version__}, sm_{a.arch}, blocks (M, N, C) = {_sums.BLOCK_M, _sums.BLOCK_N, _sums.BLOCK_C}"
           f" (float64: at most 16 each), pass 2 on {_sums.MERGE_WARPS} warps")
-    calls = {"forward": forward_launches, "causal": causal_launches, "backward": backward_launches,
+    calls = {"forward": forward_launches, "small": small_launches, "causal": causal_launches,
+             "backward": backward_launches,
              "decode": decode_launches}
     for call in a.calls.split(","):
         for name in a.dtypes.split(",") if call != "decode" else ["float64"]:

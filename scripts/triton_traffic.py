@@ -1,11 +1,12 @@
 """What one call of the triton engine launches and allocates: kernel launches, sorts (a
-``torch.sort``, or a launch of the engine's ``sort_rows`` for short rows), and the intermediate
+``torch.sort``, or a launch of the engine's ``sort_rows`` for short rows; two in the one-launch
+forward of short rows, ``small_attend``), and the intermediate
 tensors of at least ``n * D`` elements (issue 26's structural counts), for the forward and the
 forward+backward of ReLU attention, under Triton's interpreter on the CPU (the counts do not depend
 on the device; no GPU needed):
 
     TRITON_INTERPRET=1 PYTHONPATH=. python scripts/triton_traffic.py [--length 256] [--dim 16] [--causal]
-        [--bandwidths]
+        [--bandwidths] [--two-pass]
 
 and the host's share of a call (:func:`host_cost`, ``--host``): with the Triton launches replaced by
 no-ops, the torch operators that would each launch a kernel on a GPU (views and bare allocations
@@ -100,10 +101,12 @@ def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32
             setattr(kernels, name, jitted)
     kept = {t.untyped_storage().data_ptr() for t in (out, *grads)}
     large = [(op, n, dt) for op, n, dt, ptr in rec.large if ptr not in kept]
-    # a sort is torch's or, for short rows of float32 scores, one launch of the engine's own
+    # a sort is torch's or, for short rows of float32 scores, one launch of the engine's own; the
+    # one-launch forward of short rows sorts the keys and the queries in it
     sorted_dtypes = {str(dt).replace("torch.", "") for dt in rec.sorted_dtypes}
-    sorted_dtypes |= {"float32"} if launches["sort_rows"] else set()
-    return {"launches": dict(launches), "sorts": rec.ops["sort"] + rec.ops["argsort"] + launches["sort_rows"],
+    sorted_dtypes |= {"float32"} if launches["sort_rows"] or launches["small_attend"] else set()
+    sorts = rec.ops["sort"] + rec.ops["argsort"] + launches["sort_rows"] + 2 * launches["small_attend"]
+    return {"launches": dict(launches), "sorts": sorts,
             "sorted dtypes": sorted(sorted_dtypes),
             # values read back to the host (``.item()``, ``bool(tensor)``): each a device synchronisation
             "host reads": rec.ops["_local_scalar_dense"],
@@ -195,7 +198,12 @@ def main(argv=None):
     p.add_argument("--host", action="store_true", help="the host's share of a call instead (launches skipped)")
     p.add_argument("--causal", action="store_true", help="causal attention (the levels of the divide and conquer)")
     p.add_argument("--bandwidths", action="store_true", help="hat attention with learned per-head bandwidths")
+    p.add_argument("--two-pass", action="store_true",
+                   help="the sorts and two passes at every length (no one-launch forward of short rows)")
     a = p.parse_args(argv)
+    if a.two_pass:
+        from slicedkern.engines.triton import _sums
+        _sums.SMALL_FUSED = 0
     for backward in (False, True):
         if a.host:
             found = host_cost(a.length, a.dim, a.heads, backward, causal=a.causal)

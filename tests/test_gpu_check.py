@@ -117,3 +117,14 @@ def test_tiles_option_sets_the_triton_kernels_shapes(gpu_bench, monkeypatch, cap
                     "--repeat", "1", "--budget", "0", "--tiles", "32,16,8,2"])
     assert (_sums.BLOCK_M, _sums.BLOCK_N, _sums.BLOCK_C, _sums.MERGE_WARPS) == (32, 16, 8, 2)
     assert "triton tiles 32,16,8,2" in capsys.readouterr().out
+
+
+def test_small_fused_option_sets_the_short_rows_threshold(gpu_bench, monkeypatch, capsys):
+    """``--small-fused`` (the check's A/B of the one-launch forward of short rows) reaches the
+    engine's threshold and is printed with the card."""
+    from slicedkern.engines.triton import _sums
+    monkeypatch.setattr(_sums, "SMALL_FUSED", _sums.SMALL_FUSED)        # restored after the test
+    gpu_bench.main(["--device", "cpu", "--engines", "scan", "--lengths", "32", "--dtypes", "float32",
+                    "--repeat", "1", "--budget", "0", "--small-fused", "0"])
+    assert _sums.SMALL_FUSED == 0
+    assert "one-launch forward up to L = 0" in capsys.readouterr().out

@@ -25,16 +25,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_kernels_compile_for_hopper_without_spills():
-    """Forward (with the small-L sort), a causal level (with its merge sort's step, the dense leaves,
-    their pull-back and the combination), a forward with its backward (every variant compiled: 3 of
-    pass 1, 6 of pass 2, and the quotient rule's row dots and column sums) and decoding, float32 and
-    bfloat16 values: every kernel compiles for ``sm_90``; all but the decoding kernel keep
-    everything in registers (no stack), that one at most a few bytes of it."""
+    """Forward (with the small-L sort), the one-launch forward of short rows, a causal level (with
+    its merge sort's step, the dense leaves, their pull-back and the combination), a forward with
+    its backward (every variant compiled: 3 of pass 1, 6 of pass 2, and the quotient rule's row
+    dots and column sums) and decoding, float32 and bfloat16 values: every kernel compiles for
+    ``sm_90``; all but the decoding kernel keep everything in registers (no stack), that one at
+    most a few bytes of it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "triton_resources.py"), "--calls",
-                           "forward,causal,backward,decode", "--dtypes", "float32,bfloat16"],
+                           "forward,small,causal,backward,decode", "--dtypes", "float32,bfloat16"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     found = {}
@@ -42,6 +43,7 @@ def test_kernels_compile_for_hopper_without_spills():
         found[(call, kernel, dtype)] = ast.literal_eval(usage)
     expected = {(call, kernel, dtype) for call in ("forward", "causal") for kernel in ("tile_sums", "merge_eval")
                 for dtype in ("float32", "bfloat16")} | {("decode", "decode_attend", "float64")} | {
+        ("small", "small_attend", dtype) for dtype in ("float32", "bfloat16")} | {
         ("causal", kernel, dtype) for kernel in ("merge_runs", "leaf_eval", "leaf_pullback", "causal_epilogue")
         for dtype in ("float32", "bfloat16")} | {
         (call, kernel, dtype) for call, kernel in (("forward", "sort_rows"), ("backward", "sort_rows_0"))

@@ -536,22 +536,34 @@ def _traffic():
     return traffic
 
 
-def test_host_work_of_a_warm_call_makes_no_profile_arrays():
+@pytest.fixture
+def two_passes(monkeypatch):
+    """The sorts and the two passes at every length: no one-launch forward of short rows."""
+    from slicedkern.engines.triton import _sums
+    monkeypatch.setattr(_sums, "SMALL_FUSED", 0)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["one-launch", "two-pass"])
+def test_host_work_of_a_warm_call_makes_no_profile_arrays(monkeypatch, fused):
     """On a GPU at small L the host's operators are the time (docs/benchmarks.rst, "On a GPU"): a
     fixed profile's knot, coefficient and slope arrays are made by the first call only, and the
-    NaN policy makes no pass over the values."""
+    NaN policy makes no pass over the values; the forward of short rows in one launch runs fewer
+    operators than its sorts and two passes."""
     if DEVICE != "cpu":
         pytest.skip("counted on CPU tensors, the launches skipped")
+    from slicedkern.engines.triton import _sums
+    if not fused:
+        monkeypatch.setattr(_sums, "SMALL_FUSED", 0)
     for backward in (False, True):
         found = _traffic().host_cost(16, 4, 2, backward, repeat=1)
         assert not {"full", "stack", "fill"} & set(found["by op"]), found["by op"]
-        assert found["operators"] > 0 and found["launches"]["merge_eval"] >= 1
+        assert found["operators"] > 0 and found["launches"]["small_attend" if fused else "merge_eval"] >= 1
         # float32 values: their finiteness is read off the table's totals, and the backward reuses
         # the forward's verdicts, so no pass (aminmax) over the values, forward or backward
         assert "aminmax" not in found["by op"], found["by op"]
 
 
-def test_traffic_of_the_forward():
+def test_traffic_of_the_forward(two_passes):
     """The forward's structure (scripts/triton_traffic.py counts it): one sort each of the keys and
     the queries (each one launch at this length), one tile-sum launch and one evaluation launch (the
     count and normaliser sums and the values together, centring and divisor in its epilogue), and
@@ -572,7 +584,7 @@ def test_traffic_of_the_forward():
     assert traffic.count(48, 8, 1, backward=True)["sorts"] == 2
 
 
-def test_traffic_of_the_backward():
+def test_traffic_of_the_backward(two_passes):
     """The backward's structure (issue 26, item 2): the forward's table of keys kept (its carry a
     residual: no pass 1 over the keys again), one table of the cotangent rows over the sorted
     queries, scaled as the kernels read them, and one of the two indicator cotangents; evaluations
@@ -592,6 +604,69 @@ def test_traffic_of_the_backward():
                                  "column_sums": 1}
     assert found["large intermediates"] == 0, found
     assert found["host reads"] == 0, found
+
+
+def test_traffic_of_the_forward_of_short_rows(monkeypatch):
+    """Short rows take attention's forward in one launch (issue 26, item 3: ``small_attend`` sorts
+    the keys and the queries, sums every column's tiles, reads the values' NaN verdict off the
+    totals and evaluates the queries): no other launch, no intermediate of n * D elements or more,
+    fewer host operators than the sorts and two passes; its backward is the two-pass one's on the
+    same residuals (one sort per array in all, nothing read back to the host)."""
+    if DEVICE != "cpu":
+        pytest.skip("counted under the interpreter, on CPU tensors (the counts do not depend on the device)")
+    from slicedkern.engines.triton import _sums
+    traffic = _traffic()
+    found = traffic.count(48, 8, 1, backward=False)
+    assert found["launches"] == {"small_attend": 1}
+    assert found["sorts"] == 2 and found["sorted dtypes"] == ["float32"]
+    assert found["large intermediates"] == 0, found
+    found = traffic.count(48, 8, 1, backward=True)
+    assert found["launches"] == {"small_attend": 1, "tile_sums": 3, "merge_eval": 3 + 3 + 1, "row_dots": 2,
+                                 "column_sums": 1}
+    assert found["sorts"] == 2 and found["large intermediates"] == 0 and found["host reads"] == 0, found
+    fused = traffic.host_cost(48, 8, 2, False, repeat=1)["operators"]
+    monkeypatch.setattr(_sums, "SMALL_FUSED", 0)
+    assert fused < traffic.host_cost(48, 8, 2, False, repeat=1)["operators"]
+
+
+SHORT_ROWS = [pytest.param(name, op, dtype, marks=[pytest.mark.exhaustive] if dtype == torch.bfloat16 and
+                           name != "relu-abs" else [], id=f"{name}-{str(dtype)[6:]}")
+              for dtype in (torch.float32, torch.bfloat16) for name, op in ATTENTION]
+
+
+@pytest.mark.parametrize("name, op, dtype", SHORT_ROWS)
+def test_short_rows_in_one_launch_equal_the_two_passes(rng, monkeypatch, name, op, dtype):
+    """The one-launch forward of short rows writes what the sorts and the two passes write, bit for
+    bit under the interpreter (to float32 rounding compiled: the carry's running sums are a
+    cumulative sum on the GPU): the output, and for ReLU and hat attention the residuals, so the
+    gradients too. Every normaliser, masks, dyadic ties, Lq != Lk, 6 value columns (2 column
+    blocks, one partial) and 2 query slices a row, a NaN value of a key that takes part (its batch
+    row NaN), an infinite value of a masked key (nothing), a NaN query (its own row)."""
+    from slicedkern.engines.triton import _sums
+    dyadic = [-1.0, -0.5, 0.0, 0.25, 0.5, 1.0]
+    q, k = rng.choice(dyadic, size=(2, 2, 17)), rng.choice(dyadic, size=(2, 2, 23))
+    v, mask = rng.normal(size=(2, 2, 23, 6)), rng.random((2, 2, 23)) > 0.3
+    mask[0, 1, 6], mask[1, 0, 2] = True, False
+    v[0, 1, 6, 5], v[1, 0, 2, 3] = np.nan, np.inf
+    q[1, 1, 4] = np.nan
+    g = _t(rng.normal(size=(2, 2, 17, 6)), dtype)
+    backward = name in ("relu-abs", "hat")
+    found = []
+    for fused in (1024, 0):
+        monkeypatch.setattr(_sums, "SMALL_FUSED", fused)
+        args = [_t(a, dtype).requires_grad_(backward) for a in (q, k, v)]
+        with np.errstate(invalid="ignore", over="ignore"):
+            out = op(slicedkern, a=args, key_mask=_t(mask, torch.bool), engine="triton")
+            grads = torch.autograd.grad(out, args, g) if backward else ()
+        found.append([_np(a) for a in (out, *grads)])
+    assert np.isnan(found[0][0][0, 1]).all() and np.isnan(found[0][0][1, 1, 4]).all()
+    assert np.isfinite(found[0][0][1, 0]).all()
+    for one, two in zip(*found):
+        np.testing.assert_array_equal(np.isnan(one), np.isnan(two))
+        if DEVICE == "cpu":
+            np.testing.assert_array_equal(one, two)
+        else:
+            np.testing.assert_allclose(one, two, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
 
 
 def test_traffic_of_the_backward_with_learned_bandwidths():
@@ -653,12 +728,12 @@ def test_merge_runs_is_a_stable_sort(n, run):
     and one row longer than a program's block."""
     import array_api_compat.torch as xp
 
-    from slicedkern.engines.triton import _sums
+    from slicedkern.engines.triton import _causal
     g = torch.Generator().manual_seed(n + run)
     a = torch.randint(-2, 3, (3, n), generator=g).to(device=DEVICE, dtype=torch.float64) * 0.25
     values, perm = a.reshape(3, n // run, run).sort(dim=-1, stable=True)
-    merged, merged_perm = _sums.merge_runs(xp, values.reshape(3, n).contiguous(),
-                                           perm.reshape(3, n).to(torch.int32).contiguous(), run)
+    merged, merged_perm = _causal.merge_runs(xp, values.reshape(3, n).contiguous(),
+                                             perm.reshape(3, n).to(torch.int32).contiguous(), run)
     want, want_perm = a.reshape(3, n // (2 * run), 2 * run).sort(dim=-1, stable=True)
     assert torch.equal(merged, want.reshape(3, n))
     assert torch.equal(merged_perm.long(), want_perm.reshape(3, n))

@@ -28,6 +28,12 @@ and its backward allocate nothing of ``n * D`` elements but the output and the g
 the same table: each array knot's ReLU and step sums dotted with the cotangent in pass 2's epilogue
 (:func:`_knot_grads`; the causal levels' pull-backs take theirs the same way, sorting nothing more).
 
+Rows of at most :data:`._sums.SMALL_FUSED` queries and keys (float32 or narrower) take the whole
+forward in one launch instead (:func:`._sums.attend_small`: each program sorts its row, sums the
+tiles of every column, takes the values' NaN verdict off the totals and evaluates its queries with
+pass 2's code), where the launches and the host's operators of the sorts and two passes would be
+the time (issue 26, item 3); its residuals are the same, and so is its backward.
+
 Causal attention is the scan's divide and conquer over positions (:mod:`..scan._causal`) with these
 kernels at every level, its dense leaves (sums and pull-back) and its combination (:mod:`._causal`):
 two launches per profile and level whatever the number of blocks, each score array sorted once in
@@ -50,11 +56,13 @@ from .._nanpolicy import screen
 from .._vjp import AllKeys
 from ..scan._causal import Levels, causal_attention, causal_profile_sums, causal_profiles_vjp
 from ..sortscan.pullback import ColumnSums, column_range
+from . import _sums
 from ._causal import combine_output, dense_leaves, dense_leaves_vjp, level_orders, level_sums, level_sums_into
 from ._decode import DeviceRuns
 from ._sums import (
     Queries,
     attend,
+    attend_small,
     build_table,
     column_sums,
     flat_rows,
@@ -89,6 +97,16 @@ def decodes(k) -> bool:
 def device_runs(profile, *, center: bool, normalizer, dv: int, xp):
     """Decoding runs on the device, attended in one launch (:class:`._decode.DeviceRuns`)."""
     return DeviceRuns(xp, profile, center=center, normalizer=normalizer, dv=dv)
+
+
+def _factor(xp, sc, row_ok):
+    """The output rows' factor: 1, or NaN where the NaN policy says (``sc``'s verdicts so far) and on
+    the batch rows whose bandwidths are bad (``row_ok``, or None: :meth:`Engine.forward`)."""
+    factor = sc.divisor(xp, 1.0)
+    if row_ok is not None:
+        factor = xp.where(row_ok[..., None], factor, xp.asarray(float("nan"), dtype=factor.dtype,
+                                                                device=factor.device))
+    return factor
 
 
 class TritonEngine(Engine):
@@ -152,14 +170,21 @@ class TritonEngine(Engine):
         narrow = v.dtype != xp.float64
         sc = screen(xp, q, k, v, key_mask, defer=narrow and quiet_nonfinite(xp))
         table_take = None if sc.table_take is None else flat_rows(xp, sc.table_take, 1)
-        table = build_table(xp, flat_rows(xp, sc.y, 1), row_view(xp, v, 2), take=table_take, ones=True, narrow=narrow)
-        sc.settle(xp, xp.reshape(table.totals, batch + (1, -1)), dv)
-        xr = sort_queries(xp, flat_rows(xp, sc.x, 1), narrow)
-        factor = sc.divisor(xp, 1.0)             # 1, or NaN where the NaN policy says
-        if row_ok is not None:                   # and NaN on the rows whose bandwidths are bad (Engine.forward)
-            factor = xp.where(row_ok[..., None], factor, xp.asarray(float("nan"), dtype=factor.dtype, device=dev))
-        out, relu_count, raw = attend(xp, table, xr, profile, normalizer, batch, center=center,
-                                      factor=flat_rows(xp, factor, 1), dtype=v.dtype)
+        if sc.deferred and max(lq, lk) <= _sums.SMALL_FUSED:
+            # short rows: sorts, both passes and the values' verdict in one launch (issue 26, item 3)
+            out, relu_count, raw, table, xr = attend_small(
+                xp, flat_rows(xp, sc.y, 1), flat_rows(xp, sc.x, 1), row_view(xp, v, 2), table_take, profile,
+                normalizer, batch, center=center, factor=flat_rows(xp, _factor(xp, sc, row_ok), 1), dtype=v.dtype)
+            if not for_backward:             # the kernel took the values' verdict itself: none to keep
+                return xp.reshape(out, batch + (lq, dv)), ()
+            sc.settle(xp, xp.reshape(table.totals, batch + (1, -1)), dv)       # the residuals' verdicts
+        else:
+            table = build_table(xp, flat_rows(xp, sc.y, 1), row_view(xp, v, 2), take=table_take, ones=True,
+                                narrow=narrow)
+            sc.settle(xp, xp.reshape(table.totals, batch + (1, -1)), dv)
+            xr = sort_queries(xp, flat_rows(xp, sc.x, 1), narrow)
+            out, relu_count, raw = attend(xp, table, xr, profile, normalizer, batch, center=center,
+                                          factor=flat_rows(xp, _factor(xp, sc, row_ok), 1), dtype=v.dtype)
         # the sorted orders and the screening go to the backward too (n elements each): it sorts and
         # screens nothing again
         residuals = [sc.take, xp.reshape(relu_count, batch + (lq, 1)), table.keys, table.perm, xr.sorted, xr.perm,

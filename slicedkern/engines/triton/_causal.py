@@ -14,24 +14,31 @@ docs/architecture.rst, "Engines".
 
 from __future__ import annotations
 
+import functools
+
 from ..._lib.namespace import as_work
+from ...kernels import Profile, is_fixed
 from ..sortscan.pullback import column_range
 from ._sums import (
+    BLOCK_COLS,
+    BLOCK_ROWS,
     Queries,
+    _acc_dtype,
+    _blocks,
+    _profile_args,
+    _tl_dtype,
     build_table,
-    causal_epilogue,
     flat_rows,
-    leaf_sums,
-    leaf_vjp,
-    merge_runs,
+    loaded,
     profile_sum,
     profile_sum_into,
     row_view,
     sort_queries,
+    triton_cdiv,
 )
 
 __all__ = ["level_sums", "level_sums_into", "level_orders", "level_table", "dense_leaves", "dense_leaves_vjp",
-           "combine_output"]
+           "combine_output", "causal_epilogue", "merge_runs", "leaf_sums", "leaf_vjp"]
 
 
 def level_table(xp, qs, keys, vals, kept, orders):
@@ -63,7 +70,7 @@ def level_sums_into(xp, qs, keys, vals, kept, profiles, accs, orders=None):
 
 def dense_leaves(xp, x, y, w, take, profiles, leaf: int):
     """Causal attention's dense leaves on the kernels (:attr:`~slicedkern.engines.scan._causal.Levels.leaves`):
-    one :func:`._sums.leaf_sums` launch per profile, the (positions, leaf) products in registers."""
+    one :func:`leaf_sums` launch per profile, the (positions, leaf) products in registers."""
     batch, n, c = tuple(x.shape[:-1]), x.shape[-1], w.shape[-1]
     xr, yr, wr, kept = flat_rows(xp, x, 1), flat_rows(xp, y, 1), row_view(xp, w, 2), flat_rows(xp, take, 1)
     out = []
@@ -75,7 +82,7 @@ def dense_leaves(xp, x, y, w, take, profiles, leaf: int):
 
 def dense_leaves_vjp(xp, x, y, w, profiles, cotangents, leaf: int, *, param_grads: bool):
     """The pull-back of :func:`dense_leaves` (:attr:`~slicedkern.engines.scan._causal.Levels.leaves_vjp`):
-    one :func:`._sums.leaf_vjp` launch per profile, nothing of (positions, leaf) in memory."""
+    one :func:`leaf_vjp` launch per profile, nothing of (positions, leaf) in memory."""
     batch, n, c = tuple(x.shape[:-1]), x.shape[-1], w.shape[-1]
     dx, dy, dw, params = leaf_vjp(xp, flat_rows(xp, x, 1), flat_rows(xp, y, 1), row_view(xp, w, 2),
                                   profiles, [row_view(xp, g, 2) for g in cotangents], batch, leaf,
@@ -85,7 +92,7 @@ def dense_leaves_vjp(xp, x, y, w, profiles, cotangents, leaf: int, *, param_grad
 
 def combine_output(xp, grid, num, den, totals, good, *, center: bool, normalizer, dtype):
     """Causal attention's combination on the kernels (:attr:`~slicedkern.engines.scan._causal.Levels.combine`):
-    one :func:`._sums.causal_epilogue` launch reads the running sums on the positions and writes the
+    one :func:`causal_epilogue` launch reads the running sums on the positions and writes the
     output in ``dtype``."""
     batch, width = tuple(num.shape[:-2]), num.shape[-1]
     out = causal_epilogue(xp, flat_rows(xp, num, 2), None if den is None else flat_rows(xp, den[..., 0], 1),
@@ -117,7 +124,7 @@ def level_orders(xp, x, y, leaf: int):
     once in runs of ``leaf`` positions (one segmented sort each), then per level the left blocks'
     keys (the even runs) and the right blocks' queries (the odd runs) are taken, as
     ``(key_order, key_perm, query_order, query_perm)`` with one row per block pair, and the runs
-    merged in pairs (:func:`._sums.merge_runs`, one launch each) for the next level. Lazy: nothing
+    merged in pairs (:func:`merge_runs`, one launch each) for the next level. Lazy: nothing
     is sorted unless a level asks."""
     n = x.shape[-1]
     rows = 1
@@ -140,3 +147,118 @@ def level_orders(xp, x, y, leaf: int):
             keys, key_perm = merge_runs(xp, keys, key_perm, size)
             queries, query_perm = merge_runs(xp, queries, query_perm, size)
         size *= 2
+
+
+def causal_epilogue(xp, num, den, totals, good, offset: int, *, center: bool, normalizer, dtype):
+    """Causal attention's output from its running sums (:func:`._dense.causal_epilogue`, one
+    launch): ``num`` (R, n, dv + 1) float64 the values' profile sums and the ReLU count, ``den``
+    (R, n) float64 the normaliser's sums or None, ``totals`` (R, n, dv + 1) float64 the values'
+    running sums and count, on the positions; ``good`` (R, lq) bool the NaN rule's verdicts; query
+    ``i`` at position ``i + offset``. Returns (R, lq, dv) in ``dtype``."""
+    rows, n, width = num.shape
+    dv, lq = width - 1, good.shape[-1]
+    out = xp.empty((rows, lq, dv), dtype=dtype, device=num.device)
+    norm = 2 if normalizer.summed else (1 if normalizer.name == "count" else 0)
+    if rows and lq and dv:
+        loaded().causal_epilogue[(rows, triton_cdiv(lq, BLOCK_ROWS), triton_cdiv(dv, BLOCK_COLS))](
+            num, den if den is not None else num, totals, xp.astype(good, xp.int8), out, n, lq, dv, offset,
+            float(normalizer.eps), CENTER=bool(center), NORM=norm, BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
+            num_warps=8)
+    return out
+
+def merge_runs(xp, values, perm, run: int):
+    """``values`` (R, n), sorted in runs of ``run`` with ``perm`` (R, n) int32 each entry's index in
+    its run, merged in adjacent pairs: sorted runs of ``2 run`` and their indices (one launch)."""
+    rows, n = values.shape
+    merged, merged_perm = xp.empty_like(values), xp.empty_like(perm)
+    if rows and n:
+        loaded().merge_runs[(rows, triton_cdiv(n, BLOCK_ROWS))](
+            values, perm, merged, merged_perm, n, run, run.bit_length(), BLOCK=BLOCK_ROWS)
+    return merged, merged_perm
+
+
+def leaf_sums(xp, x, y, w, take, profile: Profile, batch, cols: range, leaf: int):
+    """Causal attention's dense leaves (:func:`._dense.leaf_eval`, one launch): per position ``i``
+    of a row, ``sum over j <= i in i's block of leaf positions, take_j of f(x_i - y_j) [w_j | 1]``
+    over the columns ``cols`` (column ``c`` the indicator), (R, n, len(cols)) float64. ``x``, ``y``
+    (R, n) float64 positions (``n`` a multiple of ``leaf``), ``w`` (R, n, c) in any dtype and
+    strides, ``take`` (R, n) bool; ``batch`` the shape the profile's array parameters broadcast to."""
+    rows, n = x.shape
+    c, width = w.shape[-1], len(cols)
+    out = xp.empty((rows, n, width), dtype=xp.float64, device=x.device)
+    if rows and n and width:
+        knots, coeffs, lin, K = _profile_args(xp, profile, batch, rows, x.device)
+        block_c = _blocks(xp, w)[2]
+        k = loaded()
+        k.leaf_eval[(rows, n // leaf, triton_cdiv(width, block_c))](
+            x, y, w, xp.astype(take, xp.int8), knots, coeffs, lin, out, n, c, cols.start, width,
+            w.stride(0), w.stride(1), w.stride(2), K=K, ACC=_tl_dtype(k, _acc_dtype(xp, w), xp), LEAF=leaf,
+            SUB=min(16, leaf), BLOCK_C=block_c)
+    return out
+
+
+#: keys and columns a :func:`._dense.leaf_pullback` program forms its float64 pair terms over at a time
+LEAF_SUB = 8
+LEAF_COLS = 8
+
+
+def leaf_vjp(xp, x, y, w, profiles, cotangents, batch, leaf: int, *, param_grads: bool):
+    """The pull-back of causal attention's dense leaves (:func:`._dense.leaf_pullback`, one launch
+    per profile): ``(dx, dy (R, n), dw (R, n, c), [(dknots, dcoeffs)] per profile)``, float64, as
+    :func:`slicedkern.engines.scan._leaf.leaf_vjp` returns them (knot and coefficient gradients of
+    the array parameters, shaped ``batch``; None for the fixed ones). ``x``, ``y`` (R, n) float64
+    on the positions (``n`` a multiple of ``leaf``), ``w`` (R, n, c) and ``cotangents`` (R, n, c_p)
+    in any dtype and strides."""
+    rows, n = x.shape
+    c = w.shape[-1]
+    dev = x.device
+    dx = xp.zeros((rows, n), dtype=xp.float64, device=dev)
+    dy = xp.zeros((rows, n), dtype=xp.float64, device=dev)
+    dw = xp.zeros((rows, n, c), dtype=xp.float64, device=dev)
+    params = []
+    k = loaded()
+    for p, g in zip(profiles, cotangents):
+        cols = range(c)[p.columns]
+        knots, coeffs, lin, K = _profile_args(xp, p, batch, rows, dev)
+        # the kernel's knots are the profile's less those of fixed zero coefficient (_profile_args)
+        kept = [i for i, cf in enumerate(p.coeffs) if not (is_fixed(cf) and cf == 0)]
+        learned = param_grads and any(not (is_fixed(t) and is_fixed(cf)) for t, cf in zip(p.knots, p.coeffs))
+        dpar = xp.zeros((rows, n // leaf, 2 * max(K, 1)), dtype=xp.float64, device=dev) if learned else dx
+        strict = _strict_knots(xp, tuple(bool(p.strict_knots[i]) for i in kept), dev)
+        if rows and n and len(cols):
+            k.leaf_pullback[(rows, n // leaf)](
+                x, y, w, g, knots, coeffs, lin, strict, dx, dy, dw, dpar, n, c, cols.start, len(cols),
+                w.stride(0), w.stride(1), w.stride(2), g.stride(0), g.stride(1), g.stride(2), K=K, PARAMS=learned,
+                LEAF=leaf, SUB=min(LEAF_SUB, leaf), BLOCK_C=LEAF_COLS, num_warps=8)
+        params.append(_leaf_params(xp, p, kept, dpar if learned else None, batch, param_grads))
+    return dx, dy, dw, params
+
+
+@functools.lru_cache(maxsize=64)
+def _strict_knots(xp, strict: tuple, dev):
+    """The tie side of each knot as :func:`._dense.leaf_pullback` reads it, (K,) int8: made once per
+    device and pattern, as :func:`_fixed_profile_args` makes fixed profiles (no host-to-device copy
+    per backward)."""
+    return xp.asarray([int(s) for s in strict] or [0], dtype=xp.int8, device=dev)
+
+
+def _leaf_params(xp, p: Profile, kept, dpar, batch, param_grads: bool):
+    """Per knot of ``p``, its gradient and its coefficient's from the kernel's per-block sums
+    ``dpar`` (R, blocks, 2 K), shaped ``batch``; None for a fixed parameter (or without
+    ``param_grads``). A knot of fixed zero coefficient, left out of the kernel, has gradient 0."""
+    totals = None if dpar is None else xp.sum(dpar, axis=1)
+    K = len(kept)
+    dknots, dcoeffs = [], []
+    for i, (t, cf) in enumerate(zip(p.knots, p.coeffs)):
+        if not param_grads or (is_fixed(t) and is_fixed(cf)):
+            dknots.append(None)
+            dcoeffs.append(None)
+            continue
+        if i not in kept:
+            dknots.append(None if is_fixed(t) else xp.zeros(batch, dtype=xp.float64, device=totals.device))
+            dcoeffs.append(None)
+            continue
+        slot = kept.index(i)
+        dknots.append(None if is_fixed(t) else xp.reshape(totals[:, slot], batch))
+        dcoeffs.append(None if is_fixed(cf) else xp.reshape(totals[:, K + slot], batch))
+    return tuple(dknots), tuple(dcoeffs)

@@ -42,12 +42,12 @@ __all__ = ["build", "interpreted", "tile_sums", "merge_eval", "decode_attend", "
 
 #: Every kernel the engine launches, as attributes of this module once built (:func:`build`): this
 #: module's and those of :mod:`._order` and :mod:`._dense`
-KERNELS = ("tile_sums", "merge_eval", "decode_attend", "sort_rows", "merge_runs", "leaf_eval", "leaf_pullback",
-           "causal_epilogue", "row_dots", "column_sums")
+KERNELS = ("tile_sums", "merge_eval", "decode_attend", "sort_rows", "small_attend", "merge_runs", "leaf_eval",
+           "leaf_pullback", "causal_epilogue", "row_dots", "column_sums")
 
 _JITTED = ("_rank", "_key_tile", "_tile", "_knot_ranks", "_below_sum", "_indicator_carry", "_pairs",
-           "_indicator_linear", "_indicator_profile", "_attention_epilogue", "tile_sums", "merge_eval", "_run_profile",
-           "decode_attend")
+           "_indicator_linear", "_indicator_profile", "_attention_epilogue", "tile_sums", "_eval_block", "merge_eval",
+           "_run_profile", "decode_attend")
 _mode: list = []     # [interpreted?] once built
 
 
@@ -221,53 +221,17 @@ def _attention_epilogue(acc, relu_count, count, totals, den, eps, CENTER: tl.con
     return acc
 
 
-def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, carry_ptr,
-               knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr, out_ptr,
-               nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps,
-               dot_ptr, sd_r, sd_n, sd_c, dot_col0, out_rs, out_off,
-               n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m,
-               K: tl.constexpr, STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_FACTOR: tl.constexpr,
-               SUB: tl.constexpr, ADD: tl.constexpr,
-               HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
-               ATTN: tl.constexpr, CENTER: tl.constexpr, NORM: tl.constexpr, KN: tl.constexpr, DOT: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Pass 2: ``out[perm_i, :] = (profile sum over columns col0 .. col0 + width) / div_i``
-    for one block of *sorted* queries.
-
-    Per knot the block's ranks are increasing (``x - t`` keeps the order of ``x``), so its queries
-    read one contiguous range of sorted keys: the carry (float64 sums of the tiles before it) plus,
-    tile by tile over the range, the profile's terms of the keys below each query as a product
-    ``[(s_i - y_j) if j < rank_i else 0] @ rows_j`` (DERIV: ``[j < rank_i] @ rows_j``) in ACC
-    (float32 over the span, float64 in the carry). The rows are
-    re-gathered from ``w`` through the key permutation (times ``scale`` when SCALE, as pass 1 read
-    them): nothing per key is stored between the passes.
-    The profile ``intercept + slope r + sum_k coeffs[k] ReLU(r - knots[k])`` (per batch row:
-    ``knots``, ``coeffs`` (R, K), ``lin`` (R, 2) = slope, intercept), or its derivative when DERIV.
-
-    ATTN (attention's epilogue, one launch for the whole forward; the table carries the indicator
-    in column ``c``): the same profile over the indicator, summed in the same tile loop, is the
-    query's ``relu_count``; CENTER adds ``-relu_count / count`` times the totals; the divisor is
-    NORM's (0 none, 1 the count of valid keys, 2 the normaliser profile ``nknots``, ``ncoeffs``,
-    ``nlin`` (KN knots) over the indicator, floored at ``eps``, 1 for a query that sees no key;
-    docs/mathematics.rst, "Attention"). The first column block writes ``relu_count`` and the
-    normaliser's sum (R, n), float64 in the queries' original order: the backward's residuals.
-    Then SUB subtracts the row ``sub`` (R, width) float64 from every query's sums, and HAS_FACTOR
-    multiplies them by the query's ``factor`` (R, n): the NaN policy's (1, or NaN on a bad query or
-    row) in the forward, the key mask's and the NaN policy's on ``dv`` in the backward, whose SUB
-    is the centring mean's term.
-
-    The rows are written at ``out[out_off + row * out_rs + dest * width + column]`` (``out_rs = n
-    width``, ``out_off = 0`` for an (R, n, width) array); ADD adds them to what ``out`` (float64)
-    holds there: a causal level's sums into the running sums of its right blocks, in place.
-
-    DOT (the backward's score gradients): instead of the rows, their dot product with the rows of
-    ``dot`` (strides ``sd_*``, columns from ``dot_col0``) at the same queries, read in their own
-    dtype; each column block writes its partial dot to ``out`` (R, n, column blocks), float64, so
-    that no (n, width) array is written and the sum over the blocks keeps a fixed order.
-    """
-    row = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cl = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+def _eval_block(row, i, cl, cb, blocks, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr,
+                scale_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr, out_ptr, nknots_ptr,
+                ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, dot_ptr, sd_r, sd_n, sd_c, dot_col0, out_rs, out_off,
+                n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m, K: tl.constexpr, STRICT: tl.constexpr,
+                DERIV: tl.constexpr, HAS_FACTOR: tl.constexpr, SUB: tl.constexpr, ADD: tl.constexpr,
+                HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr, ATTN: tl.constexpr,
+                CENTER: tl.constexpr, NORM: tl.constexpr, KN: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Pass 2 on the sorted queries ``i`` of row ``row`` and the columns ``cl`` of column block ``cb``
+    of ``blocks``: :func:`merge_eval`'s body (which see), shared with :func:`small_attend`; the
+    NaN policy's ``factor`` times ``row_factor`` (1, or NaN: the values' verdict of a fused call)."""
     nm = i < n
     cm = cl < width
     cols = col0 + cl
@@ -325,7 +289,7 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     if ATTN:
         linear, valid = _indicator_linear(carry_ptr, ind, nb, C, xs, slope, intercept)
         relu_count += linear
-        first_block = tl.program_id(2) == 0
+        first_block = cb == 0
         if first_block:
             tl.store(count_ptr + row * n + dest, relu_count, mask=nm)
         raw = relu_count                  # read by _attention_epilogue only when NORM == 2
@@ -339,13 +303,12 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     if SUB:
         acc = acc - tl.load(sub_ptr + row * width + cl, mask=cm, other=0.0)[None, :]
     if HAS_FACTOR:
-        acc = acc * tl.load(factor_ptr + row * n + dest, mask=nm, other=1.0)[:, None]
+        acc = acc * (tl.load(factor_ptr + row * n + dest, mask=nm, other=1.0) * row_factor)[:, None]
     if DOT:
         gv = tl.load(dot_ptr + row * sd_r + dest[:, None] * sd_n + (dot_col0 + cl)[None, :] * sd_c,
                      mask=nm[:, None] & cm[None, :], other=0.0).to(tl.float64)
-        blocks = tl.num_programs(2)
         prod = tl.where(cm[None, :], acc * gv, 0.0)        # columns past the range hold other sums
-        tl.store(out_ptr + row * n * blocks + dest * blocks + tl.program_id(2), tl.sum(prod, 1), mask=nm)
+        tl.store(out_ptr + row * n * blocks + dest * blocks + cb, tl.sum(prod, 1), mask=nm)
     else:
         result = acc
         if out_ptr.dtype.element_ty != tl.float64:
@@ -357,6 +320,61 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
         if ADD:
             result += tl.load(where, mask=nm[:, None] & cm[None, :], other=0.0)
         tl.store(where, result.to(out_ptr.dtype.element_ty), mask=nm[:, None] & cm[None, :])
+
+
+def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, carry_ptr,
+               knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr, out_ptr,
+               nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps,
+               dot_ptr, sd_r, sd_n, sd_c, dot_col0, out_rs, out_off,
+               n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m,
+               K: tl.constexpr, STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_FACTOR: tl.constexpr,
+               SUB: tl.constexpr, ADD: tl.constexpr,
+               HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
+               ATTN: tl.constexpr, CENTER: tl.constexpr, NORM: tl.constexpr, KN: tl.constexpr, DOT: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Pass 2: ``out[perm_i, :] = (profile sum over columns col0 .. col0 + width) / div_i``
+    for one block of *sorted* queries.
+
+    Per knot the block's ranks are increasing (``x - t`` keeps the order of ``x``), so its queries
+    read one contiguous range of sorted keys: the carry (float64 sums of the tiles before it) plus,
+    tile by tile over the range, the profile's terms of the keys below each query as a product
+    ``[(s_i - y_j) if j < rank_i else 0] @ rows_j`` (DERIV: ``[j < rank_i] @ rows_j``) in ACC
+    (float32 over the span, float64 in the carry). The rows are
+    re-gathered from ``w`` through the key permutation (times ``scale`` when SCALE, as pass 1 read
+    them): nothing per key is stored between the passes.
+    The profile ``intercept + slope r + sum_k coeffs[k] ReLU(r - knots[k])`` (per batch row:
+    ``knots``, ``coeffs`` (R, K), ``lin`` (R, 2) = slope, intercept), or its derivative when DERIV.
+
+    ATTN (attention's epilogue, one launch for the whole forward; the table carries the indicator
+    in column ``c``): the same profile over the indicator, summed in the same tile loop, is the
+    query's ``relu_count``; CENTER adds ``-relu_count / count`` times the totals; the divisor is
+    NORM's (0 none, 1 the count of valid keys, 2 the normaliser profile ``nknots``, ``ncoeffs``,
+    ``nlin`` (KN knots) over the indicator, floored at ``eps``, 1 for a query that sees no key;
+    docs/mathematics.rst, "Attention"). The first column block writes ``relu_count`` and the
+    normaliser's sum (R, n), float64 in the queries' original order: the backward's residuals.
+    Then SUB subtracts the row ``sub`` (R, width) float64 from every query's sums, and HAS_FACTOR
+    multiplies them by the query's ``factor`` (R, n): the NaN policy's (1, or NaN on a bad query or
+    row) in the forward, the key mask's and the NaN policy's on ``dv`` in the backward, whose SUB
+    is the centring mean's term.
+
+    The rows are written at ``out[out_off + row * out_rs + dest * width + column]`` (``out_rs = n
+    width``, ``out_off = 0`` for an (R, n, width) array); ADD adds them to what ``out`` (float64)
+    holds there: a causal level's sums into the running sums of its right blocks, in place.
+
+    DOT (the backward's score gradients): instead of the rows, their dot product with the rows of
+    ``dot`` (strides ``sd_*``, columns from ``dot_col0``) at the same queries, read in their own
+    dtype; each column block writes its partial dot to ``out`` (R, n, column blocks), float64, so
+    that no (n, width) array is written and the sum over the blocks keeps a fixed order.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cl = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    _eval_block(row, i, cl, tl.program_id(2), tl.num_programs(2), 1.0, xs_ptr, xperm_ptr, keys_ptr, shift_ptr,
+                perm_ptr, w_ptr, take_ptr, scale_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr,
+                out_ptr, nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, dot_ptr, sd_r, sd_n, sd_c,
+                dot_col0, out_rs, out_off, n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m, K, STRICT, DERIV,
+                HAS_FACTOR, SUB, ADD, HAS_TAKE, ONES, SCALE, ACC, ATTN, CENTER, NORM, KN, DOT, BLOCK_M, BLOCK_N,
+                BLOCK_C)
 
 
 def _run_profile(x, xs, qm, keys_ptr, prefix_ptr, run_base, size, knots_ptr, coeffs_ptr, lin_ptr, b, w, wm,
@@ -445,6 +463,8 @@ def build() -> None:
             scope[name] = triton.jit(scope[name])
         _dense._below_sum = scope["_below_sum"]
         _dense._attention_epilogue = scope["_attention_epilogue"]
+        _order._tile = scope["_tile"]
+        _order._eval_block = scope["_eval_block"]
         for module in (_order, _dense):
             for name in module._JITTED:
                 jitted = triton.jit(getattr(module, name))

@@ -1,9 +1,11 @@
-"""The triton engine's sorting kernels: the small-L sort of a row of scores in one program, and one
-step of the bottom-up merge sort that gives causal attention's levels their sorted blocks (issue 26,
-items 3 and 4; docs/architecture.rst, "Engines").
+"""The triton engine's sorting kernels: the small-L sort of a row of scores in one program, the
+small-L forward of attention in one launch that starts with those sorts, and one step of the
+bottom-up merge sort that gives causal attention's levels their sorted blocks (issue 26, items 3
+and 4; docs/architecture.rst, "Engines").
 
 Imports Triton at its top, as :mod:`._kernels` does, which jits these functions in its ``build``
-(they are launched as attributes of that module, so that one patch point counts every launch).
+(they are launched as attributes of that module, so that one patch point counts every launch) and
+gives this module its jitted ``_tile`` and ``_eval_block`` (pass 1's tile and pass 2's block).
 """
 
 from __future__ import annotations
@@ -13,19 +15,20 @@ try:
 except ImportError:      # imported without Triton (doctest collection): the engine declines before build()
     tl = None
 
-__all__ = ["sort_rows", "merge_runs"]
+__all__ = ["sort_rows", "small_attend", "merge_runs"]
 
-_JITTED = ("sort_rows", "merge_runs")
+_JITTED = ("_sort_row", "sort_rows", "small_attend", "merge_runs")
+#: :func:`._kernels._tile` and :func:`._kernels._eval_block`, jitted, set by :func:`._kernels.build`
+#: before the first launch
+_tile = _eval_block = None
 
 
-def sort_rows(a_ptr, values_ptr, perm_ptr, n, BLOCK: tl.constexpr):
-    """A row of ``n <= BLOCK`` float32 numbers (``a`` in any float dtype holding them) sorted in one
-    program, stably: each number's order-preserving 32-bit pattern (sign bit flipped for the
-    positive numbers, every bit for the negative ones; -0 made +0 first, as a comparison has it)
-    above its index, one 64-bit ``tl.sort``. Writes the sorted numbers (in ``values``' dtype) and
-    their int32 indices: the small-L sort (issue 26, item 3), one launch instead of ``torch.sort``
-    and its casts."""
-    row = tl.program_id(0).to(tl.int64)
+def _sort_row(a_ptr, values_ptr, perm_ptr, row, n, BLOCK: tl.constexpr):
+    """Row ``row`` of ``n <= BLOCK`` float32 numbers (``a`` in any float dtype holding them) sorted
+    stably: each number's order-preserving 32-bit pattern (sign bit flipped for the positive
+    numbers, every bit for the negative ones; -0 made +0 first, as a comparison has it) above its
+    index, one 64-bit ``tl.sort``. Writes the sorted numbers (in ``values``' dtype) and their int32
+    indices."""
     i = tl.arange(0, BLOCK)
     inside = i < n
     x = tl.load(a_ptr + row * n + i, mask=inside, other=0.0).to(tl.float32) + 0.0
@@ -38,6 +41,77 @@ def sort_rows(a_ptr, values_ptr, perm_ptr, n, BLOCK: tl.constexpr):
     tl.store(values_ptr + row * n + i, bits.to(tl.float32, bitcast=True).to(values_ptr.dtype.element_ty),
              mask=inside)
     tl.store(perm_ptr + row * n + i, (ordered & 0xFFFFFFFF).to(tl.int32), mask=inside)
+
+
+def sort_rows(a_ptr, values_ptr, perm_ptr, n, BLOCK: tl.constexpr):
+    """Rows of ``n <= BLOCK`` float32 numbers sorted, one program a row (:func:`_sort_row`): the
+    small-L sort (issue 26, item 3), one launch instead of ``torch.sort`` and its casts."""
+    _sort_row(a_ptr, values_ptr, perm_ptr, tl.program_id(0).to(tl.int64), n, BLOCK)
+
+
+def small_attend(y_ptr, x_ptr, keys_ptr, perm_ptr, xs_ptr, xperm_ptr, shift_ptr, w_ptr, take_ptr, carry_ptr,
+                 knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, out_ptr, nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr,
+                 raw_ptr, eps, n, m, c, C, nb, width, sw_r, sw_m, sw_c, log_m, per_program, query_blocks,
+                 K: tl.constexpr, HAS_TAKE: tl.constexpr, ACC: tl.constexpr, CENTER: tl.constexpr,
+                 NORM: tl.constexpr, KN: tl.constexpr, SORT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Attention's forward on short rows in one launch (issue 26, item 3): one program per row,
+    slice of ``per_program`` blocks of sorted queries and block of output columns.
+
+    Each program sorts its row's keys ``y`` and queries ``x`` (:func:`_sort_row`, ``SORT`` at least
+    both lengths), sums the tiles of sorted keys over **every** column of ``[w | take]`` into the
+    float64 carry as a running sum (pass 1, :func:`._kernels.tile_sums`' sums added in the order of
+    its cumulative sum), takes the NaN policy's verdict on the values off the carry's totals (a
+    non-finite value makes the row NaN: ``factor`` times NaN, as the two-pass forward's deferred
+    check has it), and evaluates its query blocks as pass 2 does (:func:`._kernels._eval_block`,
+    attention's epilogue). The programs of a row compute the same sorts and carry and write them,
+    all alike, as the backward's residuals (``keys``, ``perm``, ``xs``, ``xperm``, ``shift``,
+    ``carry``); a block barrier orders each program's writes before its reads. Nothing but the
+    output and the residuals is written.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    cb = tl.program_id(2)
+    _sort_row(y_ptr, keys_ptr, perm_ptr, row, m, SORT)
+    _sort_row(x_ptr, xs_ptr, xperm_ptr, row, n, SORT)
+    tl.debug_barrier()
+    tl.store(shift_ptr + row, tl.load(keys_ptr + row * m + m // 2).to(tl.float64))
+    tl.debug_barrier()
+    base = row * (nb + 1) * 2 * C
+    for cc in range(0, tl.cdiv(C, BLOCK_C)):
+        cols = cc * BLOCK_C + tl.arange(0, BLOCK_C)
+        cm = cols < C
+        s0 = tl.zeros((BLOCK_C,), dtype=tl.float64)
+        s1 = tl.zeros((BLOCK_C,), dtype=tl.float64)
+        tl.store(carry_ptr + base + cols, s0, mask=cm)
+        tl.store(carry_ptr + base + C + cols, s1, mask=cm)
+        for blk in range(0, nb):
+            j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+            wv, y, _ = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, shift_ptr, row, j, cols, m, c, sw_r,
+                             sw_m, sw_c, HAS_TAKE, True, False, ACC)
+            s0 += tl.sum(wv.to(tl.float64), 0)
+            s1 += tl.sum(wv.to(tl.float64) * y[:, None], 0)
+            tl.store(carry_ptr + base + (blk + 1) * 2 * C + cols, s0, mask=cm)
+            tl.store(carry_ptr + base + (blk + 1) * 2 * C + C + cols, s1, mask=cm)
+    tl.debug_barrier()
+    # the values' verdict: float64 sums of narrower values cannot overflow, so the sum of their
+    # totals is finite exactly when every value that takes part is (_nanpolicy's deferred check)
+    totals = tl.zeros((BLOCK_C,), dtype=tl.float64)
+    for cc in range(0, tl.cdiv(c, BLOCK_C)):
+        cols = cc * BLOCK_C + tl.arange(0, BLOCK_C)
+        totals += tl.load(carry_ptr + base + nb * 2 * C + cols, mask=cols < c, other=0.0)
+    verdict = tl.sum(totals, 0)
+    row_factor = tl.where(verdict - verdict == 0.0, 1.0, float("nan"))
+    cl = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    first = part * per_program
+    last = tl.minimum(first + per_program, query_blocks)
+    for qb in range(first, last):
+        i = qb * BLOCK_N + tl.arange(0, BLOCK_N)
+        _eval_block(row, i, cl, cb, tl.num_programs(2), row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr,
+                    w_ptr, take_ptr, shift_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, xs_ptr, out_ptr,
+                    nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, w_ptr, 0, 0, 0, 0, n * width, 0,
+                    n, m, c, C, nb, 0, width, sw_r, sw_m, sw_c, log_m, K, True, False, True, False, False, HAS_TAKE,
+                    True, False, ACC, True, CENTER, NORM, KN, False, BLOCK_M, BLOCK_N, BLOCK_C)
 
 
 def merge_runs(values_ptr, perm_ptr, merged_ptr, merged_perm_ptr, n, run, log_run, BLOCK: tl.constexpr):

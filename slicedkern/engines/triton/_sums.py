@@ -19,8 +19,7 @@ from typing import Any, NamedTuple
 from ...kernels import Profile, is_fixed
 
 __all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_sum_into", "profile_dot",
-           "attend", "row_dots", "column_sums", "merge_runs", "leaf_sums", "leaf_vjp", "causal_epilogue", "loaded",
-           "interpreted", "flat_rows", "row_view"]
+           "attend", "attend_small", "row_dots", "column_sums", "loaded", "interpreted", "flat_rows", "row_view"]
 
 #: Keys per tile, queries per block and columns per block. With 16 keys a tile and pass 2 on 8 warps,
 #: its float32 and bfloat16 forms hold every value in registers on an H100 (sm_90); 64 keys a tile on
@@ -235,6 +234,16 @@ def _build_profile_args(xp, pairs, slope, intercept, batch, rows: int, dev):
     return knots, coeffs, lin, len(pairs)
 
 
+def _normaliser_args(xp, normalizer, batch, rows: int, dev, fill: tuple):
+    """Attention's divisor as pass 2's epilogue reads it: ``(nknots, ncoeffs, nlin, KN, NORM, eps)``,
+    NORM 0 for none, 1 for the count, 2 for a summed normaliser (its profile's arguments; otherwise
+    ``fill``, any three float64 arrays, stands in for them)."""
+    eps = float(normalizer.eps)
+    if normalizer.summed:
+        return (*_profile_args(xp, normalizer.profile, batch, rows, dev), 2, eps)
+    return (*fill, 0, 1 if normalizer.name == "count" else 0, eps)
+
+
 def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, out, *, strict: bool,
               factor=None, sub=None, attention=None, dot=None, add=None):
     """Launch pass 2 into ``out`` (R, n, len(cols)); ``attention`` = ``(center, normalizer, count, raw)``
@@ -250,16 +259,11 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
     dev = x.device
     width = len(cols)
     knots, coeffs, lin, K = _profile_args(xp, profile, batch, rows, dev)
-    center, norm, kn = False, 0, 0
-    nknots, ncoeffs, nlin, count, raw, eps = knots, coeffs, lin, x, x, 0.0
+    center, count, raw = False, x, x
+    nknots, ncoeffs, nlin, kn, norm, eps = knots, coeffs, lin, 0, 0, 0.0
     if attention is not None:
         center, normalizer, count, raw = attention
-        eps = float(normalizer.eps)
-        if normalizer.summed:
-            norm = 2
-            nknots, ncoeffs, nlin, kn = _profile_args(xp, normalizer.profile, batch, rows, dev)
-        elif normalizer.name == "count":
-            norm = 1
+        nknots, ncoeffs, nlin, kn, norm, eps = _normaliser_args(xp, normalizer, batch, rows, dev, (knots, coeffs, lin))
     nb = table.carry.shape[1] - 1
     w = table.w
     c = w.shape[-1]
@@ -355,6 +359,54 @@ def attend(xp, table: Table, queries: Queries, profile: Profile, normalizer, bat
     return out[..., :dv], count, raw
 
 
+#: Rows of at most this many queries and keys take attention's forward in one launch
+#: (:func:`attend_small`); longer ones the sorts and the two passes. A guess until a GPU measures
+#: the crossing (``scripts/gpu_check.sh`` times both sides of it).
+SMALL_FUSED = 1024
+#: query blocks each program of :func:`attend_small` evaluates
+SMALL_BLOCKS = 2
+
+
+def attend_small(xp, y, x, w, take, profile: Profile, normalizer, batch, *, center: bool, factor, dtype):
+    """Attention's forward on short rows in one launch (:func:`._order.small_attend`; issue 26, item
+    3): ``(out, relu_count, raw, table, queries)``, the first three as :func:`attend` returns them and
+    the last two what :func:`build_table` (``ones=True``, ``narrow=True``) and :func:`sort_queries`
+    (``narrow=True``) would give, the backward's residuals. ``y`` (R, m) and ``x`` (R, n) float32
+    numbers (in any float dtype), each at most :data:`SMALL_FUSED`; ``w`` (R, m, c) narrower than
+    float64; ``take`` (R, m) bool or None; ``factor`` (R, n) float64, the NaN policy's verdicts on
+    the scores: the kernel multiplies in the values' own, read off its carry's totals."""
+    rows, m = y.shape
+    n, c = x.shape[-1], w.shape[-1]
+    dev = y.device
+    block_m, block_n, block_c = _blocks(xp, w)
+    nb, C, width = triton_cdiv(m, block_m), c + 1, max(c, 1)
+    keys = xp.empty((rows, m), dtype=xp.float32, device=dev)
+    perm = xp.empty((rows, m), dtype=xp.int32, device=dev)
+    xs = xp.empty((rows, n), dtype=xp.float64, device=dev)
+    xperm = xp.empty((rows, n), dtype=xp.int32, device=dev)
+    shift = xp.empty((rows,), dtype=xp.float64, device=dev)
+    carry = xp.empty((rows, nb + 1, 2 * C), dtype=xp.float64, device=dev)
+    out = xp.empty((rows, n, width), dtype=dtype, device=dev)
+    count = xp.empty((rows, n), dtype=xp.float64, device=dev)
+    raw = xp.empty((rows, n), dtype=xp.float64, device=dev) if normalizer.summed else None
+    take_arg = xp.astype(take, xp.int8).contiguous() if take is not None else None
+    if rows and n and m:
+        knots, coeffs, lin, K = _profile_args(xp, profile, batch, rows, dev)
+        nknots, ncoeffs, nlin, kn, norm, eps = _normaliser_args(xp, normalizer, batch, rows, dev, (knots, coeffs, lin))
+        query_blocks = triton_cdiv(n, block_n)
+        grid = (rows, triton_cdiv(query_blocks, SMALL_BLOCKS), triton_cdiv(width, block_c))
+        k = loaded()
+        k.small_attend[grid](
+            y.contiguous(), x.contiguous(), keys, perm, xs, xperm, shift, w, take_arg if take is not None else perm,
+            carry, knots, coeffs, lin, factor, out, nknots, ncoeffs, nlin, count, raw if raw is not None else count,
+            eps, n, m, c, C, nb, width, w.stride(0), w.stride(1), w.stride(2), max(1, math.ceil(math.log2(m + 1))),
+            SMALL_BLOCKS, query_blocks, K=K, HAS_TAKE=take is not None, ACC=_tl_dtype(k, _acc_dtype(xp, w), xp),
+            CENTER=bool(center), NORM=norm, KN=kn, SORT=max(256, 1 << (max(m, n) - 1).bit_length()),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c, num_warps=MERGE_WARPS)
+    table = Table(keys, perm, shift, carry, w, take_arg, C, True)
+    return out[..., :c], count, raw, table, Queries(xs, xperm)
+
+
 def row_dots(xp, a, b):
     """``<a[r, i], b[r, i]>`` for every row ``i``: (R, n) float64, from ``a`` (R, n, d) and ``b``
     (R, n or 1, d) read in their own dtypes and strides (one launch; no float64 copy of either)."""
@@ -378,118 +430,3 @@ def column_sums(xp, weights, g):
         loaded().column_sums[(rows, triton_cdiv(d, BLOCK_COLS))](
             weights, g, out, n, d, g.stride(0), g.stride(1), g.stride(2), BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS)
     return out
-
-
-def causal_epilogue(xp, num, den, totals, good, offset: int, *, center: bool, normalizer, dtype):
-    """Causal attention's output from its running sums (:func:`._dense.causal_epilogue`, one
-    launch): ``num`` (R, n, dv + 1) float64 the values' profile sums and the ReLU count, ``den``
-    (R, n) float64 the normaliser's sums or None, ``totals`` (R, n, dv + 1) float64 the values'
-    running sums and count, on the positions; ``good`` (R, lq) bool the NaN rule's verdicts; query
-    ``i`` at position ``i + offset``. Returns (R, lq, dv) in ``dtype``."""
-    rows, n, width = num.shape
-    dv, lq = width - 1, good.shape[-1]
-    out = xp.empty((rows, lq, dv), dtype=dtype, device=num.device)
-    norm = 2 if normalizer.summed else (1 if normalizer.name == "count" else 0)
-    if rows and lq and dv:
-        loaded().causal_epilogue[(rows, triton_cdiv(lq, BLOCK_ROWS), triton_cdiv(dv, BLOCK_COLS))](
-            num, den if den is not None else num, totals, xp.astype(good, xp.int8), out, n, lq, dv, offset,
-            float(normalizer.eps), CENTER=bool(center), NORM=norm, BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
-            num_warps=8)
-    return out
-
-def merge_runs(xp, values, perm, run: int):
-    """``values`` (R, n), sorted in runs of ``run`` with ``perm`` (R, n) int32 each entry's index in
-    its run, merged in adjacent pairs: sorted runs of ``2 run`` and their indices (one launch)."""
-    rows, n = values.shape
-    merged, merged_perm = xp.empty_like(values), xp.empty_like(perm)
-    if rows and n:
-        loaded().merge_runs[(rows, triton_cdiv(n, BLOCK_ROWS))](
-            values, perm, merged, merged_perm, n, run, run.bit_length(), BLOCK=BLOCK_ROWS)
-    return merged, merged_perm
-
-
-def leaf_sums(xp, x, y, w, take, profile: Profile, batch, cols: range, leaf: int):
-    """Causal attention's dense leaves (:func:`._dense.leaf_eval`, one launch): per position ``i``
-    of a row, ``sum over j <= i in i's block of leaf positions, take_j of f(x_i - y_j) [w_j | 1]``
-    over the columns ``cols`` (column ``c`` the indicator), (R, n, len(cols)) float64. ``x``, ``y``
-    (R, n) float64 positions (``n`` a multiple of ``leaf``), ``w`` (R, n, c) in any dtype and
-    strides, ``take`` (R, n) bool; ``batch`` the shape the profile's array parameters broadcast to."""
-    rows, n = x.shape
-    c, width = w.shape[-1], len(cols)
-    out = xp.empty((rows, n, width), dtype=xp.float64, device=x.device)
-    if rows and n and width:
-        knots, coeffs, lin, K = _profile_args(xp, profile, batch, rows, x.device)
-        block_c = _blocks(xp, w)[2]
-        k = loaded()
-        k.leaf_eval[(rows, n // leaf, triton_cdiv(width, block_c))](
-            x, y, w, xp.astype(take, xp.int8), knots, coeffs, lin, out, n, c, cols.start, width,
-            w.stride(0), w.stride(1), w.stride(2), K=K, ACC=_tl_dtype(k, _acc_dtype(xp, w), xp), LEAF=leaf,
-            SUB=min(16, leaf), BLOCK_C=block_c)
-    return out
-
-
-#: keys and columns a :func:`._dense.leaf_pullback` program forms its float64 pair terms over at a time
-LEAF_SUB = 8
-LEAF_COLS = 8
-
-
-def leaf_vjp(xp, x, y, w, profiles, cotangents, batch, leaf: int, *, param_grads: bool):
-    """The pull-back of causal attention's dense leaves (:func:`._dense.leaf_pullback`, one launch
-    per profile): ``(dx, dy (R, n), dw (R, n, c), [(dknots, dcoeffs)] per profile)``, float64, as
-    :func:`slicedkern.engines.scan._leaf.leaf_vjp` returns them (knot and coefficient gradients of
-    the array parameters, shaped ``batch``; None for the fixed ones). ``x``, ``y`` (R, n) float64
-    on the positions (``n`` a multiple of ``leaf``), ``w`` (R, n, c) and ``cotangents`` (R, n, c_p)
-    in any dtype and strides."""
-    rows, n = x.shape
-    c = w.shape[-1]
-    dev = x.device
-    dx = xp.zeros((rows, n), dtype=xp.float64, device=dev)
-    dy = xp.zeros((rows, n), dtype=xp.float64, device=dev)
-    dw = xp.zeros((rows, n, c), dtype=xp.float64, device=dev)
-    params = []
-    k = loaded()
-    for p, g in zip(profiles, cotangents):
-        cols = range(c)[p.columns]
-        knots, coeffs, lin, K = _profile_args(xp, p, batch, rows, dev)
-        # the kernel's knots are the profile's less those of fixed zero coefficient (_profile_args)
-        kept = [i for i, cf in enumerate(p.coeffs) if not (is_fixed(cf) and cf == 0)]
-        learned = param_grads and any(not (is_fixed(t) and is_fixed(cf)) for t, cf in zip(p.knots, p.coeffs))
-        dpar = xp.zeros((rows, n // leaf, 2 * max(K, 1)), dtype=xp.float64, device=dev) if learned else dx
-        strict = _strict_knots(xp, tuple(bool(p.strict_knots[i]) for i in kept), dev)
-        if rows and n and len(cols):
-            k.leaf_pullback[(rows, n // leaf)](
-                x, y, w, g, knots, coeffs, lin, strict, dx, dy, dw, dpar, n, c, cols.start, len(cols),
-                w.stride(0), w.stride(1), w.stride(2), g.stride(0), g.stride(1), g.stride(2), K=K, PARAMS=learned,
-                LEAF=leaf, SUB=min(LEAF_SUB, leaf), BLOCK_C=LEAF_COLS, num_warps=8)
-        params.append(_leaf_params(xp, p, kept, dpar if learned else None, batch, param_grads))
-    return dx, dy, dw, params
-
-
-@functools.lru_cache(maxsize=64)
-def _strict_knots(xp, strict: tuple, dev):
-    """The tie side of each knot as :func:`._dense.leaf_pullback` reads it, (K,) int8: made once per
-    device and pattern, as :func:`_fixed_profile_args` makes fixed profiles (no host-to-device copy
-    per backward)."""
-    return xp.asarray([int(s) for s in strict] or [0], dtype=xp.int8, device=dev)
-
-
-def _leaf_params(xp, p: Profile, kept, dpar, batch, param_grads: bool):
-    """Per knot of ``p``, its gradient and its coefficient's from the kernel's per-block sums
-    ``dpar`` (R, blocks, 2 K), shaped ``batch``; None for a fixed parameter (or without
-    ``param_grads``). A knot of fixed zero coefficient, left out of the kernel, has gradient 0."""
-    totals = None if dpar is None else xp.sum(dpar, axis=1)
-    K = len(kept)
-    dknots, dcoeffs = [], []
-    for i, (t, cf) in enumerate(zip(p.knots, p.coeffs)):
-        if not param_grads or (is_fixed(t) and is_fixed(cf)):
-            dknots.append(None)
-            dcoeffs.append(None)
-            continue
-        if i not in kept:
-            dknots.append(None if is_fixed(t) else xp.zeros(batch, dtype=xp.float64, device=totals.device))
-            dcoeffs.append(None)
-            continue
-        slot = kept.index(i)
-        dknots.append(None if is_fixed(t) else xp.reshape(totals[:, slot], batch))
-        dcoeffs.append(None if is_fixed(cf) else xp.reshape(totals[:, K + slot], batch))
-    return tuple(dknots), tuple(dcoeffs)

@@ -158,7 +158,7 @@ class ArrayBackend:
 
     def finite_rows(self, xp, values, valid=None):
         """(...) True where every entry of ``values`` (..., m, c) on a valid key is finite."""
-        ok = xp.all(xp.isfinite(values), axis=-1)
+        ok = self.finite_keys(xp, values)
         if valid is not None:
             ok = ok | ~valid
         return xp.all(ok, axis=-1)

@@ -30,6 +30,7 @@ from ._sums import (
     build_table,
     flat_rows,
     loaded,
+    norm_code,
     profile_sum,
     profile_sum_into,
     row_view,
@@ -158,13 +159,13 @@ def causal_epilogue(xp, num, den, totals, good, offset: int, *, center: bool, no
     rows, n, width = num.shape
     dv, lq = width - 1, good.shape[-1]
     out = xp.empty((rows, lq, dv), dtype=dtype, device=num.device)
-    norm = 2 if normalizer.summed else (1 if normalizer.name == "count" else 0)
     if rows and lq and dv:
         loaded().causal_epilogue[(rows, triton_cdiv(lq, BLOCK_ROWS), triton_cdiv(dv, BLOCK_COLS))](
             num, den if den is not None else num, totals, xp.astype(good, xp.int8), out, n, lq, dv, offset,
-            float(normalizer.eps), CENTER=bool(center), NORM=norm, BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
-            num_warps=8)
+            float(normalizer.eps), CENTER=bool(center), NORM=norm_code(normalizer), BLOCK_N=BLOCK_ROWS,
+            BLOCK_C=BLOCK_COLS, num_warps=8)
     return out
+
 
 def merge_runs(xp, values, perm, run: int):
     """``values`` (R, n), sorted in runs of ``run`` with ``perm`` (R, n) int32 each entry's index in

@@ -18,7 +18,7 @@ from ..._spec import Normalizer
 from ...backends import finite, finite_keys
 from ...kernels import Profile
 from .._runs import RunCounter
-from ._sums import _profile_args, loaded
+from ._sums import _profile_args, loaded, norm_code
 
 __all__ = ["DeviceRuns"]
 
@@ -127,7 +127,7 @@ class DeviceRuns(RunCounter):
             knots, coeffs, lin, K = self._args
             nknots, ncoeffs, nlin, KN = self._nargs
             bounds = xp.asarray(self.bounds[:, :self.n_runs].copy(), device=self._device)
-            norm = 2 if self.normalizer.summed else (1 if self.normalizer.name == "count" else 0)
+            norm = norm_code(self.normalizer)
             grid = (self._bsz, -(-m // BLOCK_Q))
             loaded().decode_attend[grid](
                 xp.reshape(xp.astype(q.detach(), xp.float64), (self._bsz, m)).contiguous(), bounds, self.n_runs,

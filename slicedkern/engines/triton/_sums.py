@@ -234,6 +234,12 @@ def _build_profile_args(xp, pairs, slope, intercept, batch, rows: int, dev):
     return knots, coeffs, lin, len(pairs)
 
 
+def norm_code(normalizer) -> int:
+    """The kernels' NORM: 0 for no divisor, 1 for the count of valid keys, 2 for a summed normaliser
+    (:func:`._kernels._attention_epilogue`)."""
+    return 2 if normalizer.summed else (1 if normalizer.name == "count" else 0)
+
+
 def _normaliser_args(xp, normalizer, batch, rows: int, dev, fill: tuple):
     """Attention's divisor as pass 2's epilogue reads it: ``(nknots, ncoeffs, nlin, KN, NORM, eps)``,
     NORM 0 for none, 1 for the count, 2 for a summed normaliser (its profile's arguments; otherwise
@@ -241,7 +247,7 @@ def _normaliser_args(xp, normalizer, batch, rows: int, dev, fill: tuple):
     eps = float(normalizer.eps)
     if normalizer.summed:
         return (*_profile_args(xp, normalizer.profile, batch, rows, dev), 2, eps)
-    return (*fill, 0, 1 if normalizer.name == "count" else 0, eps)
+    return (*fill, 0, norm_code(normalizer), eps)
 
 
 def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, out, *, strict: bool,

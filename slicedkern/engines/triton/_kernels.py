@@ -45,7 +45,7 @@ __all__ = ["build", "interpreted", "tile_sums", "merge_eval", "decode_attend", "
 KERNELS = ("tile_sums", "merge_eval", "decode_attend", "sort_rows", "small_attend", "merge_runs", "leaf_eval",
            "leaf_pullback", "causal_epilogue", "row_dots", "column_sums")
 
-_JITTED = ("_rank", "_key_tile", "_tile", "_knot_ranks", "_below_sum", "_indicator_carry", "_pairs",
+_JITTED = ("_rank", "_key_tile", "_tile", "_tile_moments", "_knot_ranks", "_below_sum", "_indicator_carry", "_pairs",
            "_indicator_linear", "_indicator_profile", "_attention_epilogue", "tile_sums", "_eval_block", "merge_eval",
            "_run_profile", "decode_attend")
 _mode: list = []     # [interpreted?] once built
@@ -72,10 +72,18 @@ def tile_sums(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, agg_ptr
         zero = tl.zeros((BLOCK_C,), dtype=tl.float64)
         tl.store(agg_ptr + base + cols, zero, mask=cm)
         tl.store(agg_ptr + base + C + cols, zero, mask=cm)
-    tl.store(agg_ptr + tot, tl.sum(wv.to(tl.float64), 0), mask=cm)
-    # the products in float64 with the exact shifted keys: the carry's sums of y w are the terms that
-    # cancel against s P0 in pass 2 (docs/mathematics.rst, "Numerics")
-    tl.store(agg_ptr + tot + C, tl.sum(wv.to(tl.float64) * y[:, None], 0), mask=cm)
+    sum_w, sum_yw = _tile_moments(wv, y)
+    tl.store(agg_ptr + tot, sum_w, mask=cm)
+    tl.store(agg_ptr + tot + C, sum_yw, mask=cm)
+
+
+def _tile_moments(wv, y):
+    """A tile's column sums ``[sum w, sum (y - shift) w]`` in float64: pass 1's aggregates, for
+    :func:`tile_sums` and :func:`._order.small_attend` alike. The products are formed in float64 with
+    the exact shifted keys: the carry's sums of y w are the terms that cancel against s P0 in pass 2
+    (docs/mathematics.rst, "Numerics")."""
+    wide = wv.to(tl.float64)
+    return tl.sum(wide, 0), tl.sum(wide * y[:, None], 0)
 
 
 def _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, HAS_TAKE: tl.constexpr):
@@ -464,6 +472,7 @@ def build() -> None:
         _dense._below_sum = scope["_below_sum"]
         _dense._attention_epilogue = scope["_attention_epilogue"]
         _order._tile = scope["_tile"]
+        _order._tile_moments = scope["_tile_moments"]
         _order._eval_block = scope["_eval_block"]
         for module in (_order, _dense):
             for name in module._JITTED:

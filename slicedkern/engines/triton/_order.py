@@ -18,9 +18,9 @@ except ImportError:      # imported without Triton (doctest collection): the eng
 __all__ = ["sort_rows", "small_attend", "merge_runs"]
 
 _JITTED = ("_sort_row", "sort_rows", "small_attend", "merge_runs")
-#: :func:`._kernels._tile` and :func:`._kernels._eval_block`, jitted, set by :func:`._kernels.build`
-#: before the first launch
-_tile = _eval_block = None
+#: :func:`._kernels._tile`, :func:`._kernels._tile_moments` and :func:`._kernels._eval_block`, jitted,
+#: set by :func:`._kernels.build` before the first launch
+_tile = _tile_moments = _eval_block = None
 
 
 def _sort_row(a_ptr, values_ptr, perm_ptr, row, n, BLOCK: tl.constexpr):
@@ -89,8 +89,9 @@ def small_attend(y_ptr, x_ptr, keys_ptr, perm_ptr, xs_ptr, xperm_ptr, shift_ptr,
             j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
             wv, y, _ = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, shift_ptr, row, j, cols, m, c, sw_r,
                              sw_m, sw_c, HAS_TAKE, True, False, ACC)
-            s0 += tl.sum(wv.to(tl.float64), 0)
-            s1 += tl.sum(wv.to(tl.float64) * y[:, None], 0)
+            sum_w, sum_yw = _tile_moments(wv, y)
+            s0 += sum_w
+            s1 += sum_yw
             tl.store(carry_ptr + base + (blk + 1) * 2 * C + cols, s0, mask=cm)
             tl.store(carry_ptr + base + (blk + 1) * 2 * C + C + cols, s1, mask=cm)
     tl.debug_barrier()

@@ -14,6 +14,8 @@ rate, batches and steps.
 
 Reported per model: validation bits per character (mean cross-entropy / ln 2 on fixed validation
 windows) and the time of a training step (forward, backward, AdamW; median of the timed steps).
+For scale, the same validation characters are scored by count n-gram models (1 to 3 characters,
+add-0.1 smoothing) fit on the training text.
 Then each sliced model generates from a validation prompt with its layers' caches
 (``init_cache`` / ``cache=``), one character at a time, and the script checks in float64 that the
 characters and logits of the cached generation equal those of full causal recomputation over the
@@ -128,14 +130,42 @@ def _windows(text: np.ndarray, starts: np.ndarray, context: int) -> tuple[torch.
     return chunk[:, :-1], chunk[:, 1:]
 
 
+def _val_starts(val: np.ndarray, size: Size) -> np.ndarray:
+    return np.linspace(0, val.size - size.context - 2, size.val_windows).astype(np.int64)
+
+
 def bits_per_char(model: CharLM, val: np.ndarray, size: Size) -> float:
-    starts = np.linspace(0, val.size - size.context - 2, size.val_windows).astype(np.int64)
+    starts = _val_starts(val, size)
     model.eval()
     with torch.no_grad():
         x, y = _windows(val, starts, size.context)
         loss = nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
     model.train()
     return float(loss) / math.log(2)
+
+
+def ngram_bits(train_text: np.ndarray, val: np.ndarray, size: Size, order: int, alpha: float = 0.1) -> float:
+    """Bits per character of a count n-gram model (``order - 1`` characters of context, add-``alpha``
+    smoothing) fit on the training text, on the characters :func:`bits_per_char` scores: a scale for
+    the models' numbers, and a check that two sizes' validation windows are equally hard."""
+    def codes(text, ends):
+        # the n-gram ending at each position as one integer in base VOCAB (order <= 8 fits int64)
+        code = np.zeros(ends.shape, dtype=np.int64)
+        for back in range(order - 1, -1, -1):
+            code = code * VOCAB + text[ends - back]
+        return code
+    seen = codes(train_text, np.arange(order - 1, train_text.size))
+    grams, gram_counts = np.unique(seen, return_counts=True)
+    contexts, context_counts = np.unique(seen // VOCAB, return_counts=True)
+
+    def lookup(keys, table, counts):
+        at = np.minimum(np.searchsorted(table, keys), table.size - 1)
+        return np.where(table[at] == keys, counts[at], 0)
+    ends = (_val_starts(val, size)[:, None] + 1 + np.arange(size.context)).ravel()
+    ends = ends[ends >= order - 1]
+    gram = codes(val, ends)
+    p = (lookup(gram, grams, gram_counts) + alpha) / (lookup(gram // VOCAB, contexts, context_counts) + alpha * VOCAB)
+    return float(-np.log2(p).mean())
 
 
 def train(attention: str, size: Size, seed: int, train_text: np.ndarray, val_text: np.ndarray) -> dict:
@@ -191,6 +221,8 @@ def run(size: Size, seeds: list[int], models=MODELS, log=print) -> dict:
     log(f"standard library text: {train_text.size} training and {val_text.size} validation characters; "
         f"width {size.width}, {size.heads} heads, {size.layers} layers, batch {size.batch}, context "
         f"{size.context}, {size.steps} steps, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    baselines = ", ".join(f"{order}-gram {ngram_bits(train_text, val_text, size, order):.3f}" for order in (1, 2, 3))
+    log(f"count n-gram models fit on the training text, on the same validation characters: {baselines} bits/char")
     results = {name: [] for name in models}
     for seed in seeds:
         for name in models:

@@ -115,3 +115,25 @@ def test_tables_report_mean_std_and_step_time(script, tmp_path, capsys):
     lm = script.curve_table(other, "lm").splitlines()
     assert lm[3].split() == ["softmax", "1.100", "2.200"]
     assert lm[4].split() == ["hat", "1.350", "(+0.250)", "2.700", "(+0.500)"]
+
+
+def test_the_language_models_count_ngram_baseline():
+    """``scripts/char_lm.py``'s scale for its bits per character: a count n-gram model scores a text
+    that the previous character determines at ~0 bits from order 2 on (0.04: the add-0.1 smoothing of
+    128 symbols against 500 counts) and, on uniform random characters, log2(128) = 7 bits at order 1
+    (to the sampling error)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import char_lm
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    import numpy as np
+    size = replace(char_lm.SIZES["ci"], context=32, val_windows=4)
+    cycle = np.tile(np.arange(40, 60), 500)
+    assert char_lm.ngram_bits(cycle, cycle[:400], size, 1) == pytest.approx(np.log2(20), abs=1e-2)
+    assert char_lm.ngram_bits(cycle, cycle[:400], size, 2) < 0.05
+    assert char_lm.ngram_bits(cycle, cycle[:400], size, 3) < 0.05
+    rng = np.random.default_rng(0)
+    uniform = rng.integers(0, char_lm.VOCAB, 200_000)
+    size = replace(size, context=1000, val_windows=50)
+    assert char_lm.ngram_bits(uniform, rng.integers(0, char_lm.VOCAB, 60_000), size, 1) == pytest.approx(7.0, abs=0.02)

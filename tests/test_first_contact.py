@@ -330,6 +330,43 @@ def test_sweep_on_torch_tensors_uses_torchs_thread_count(monkeypatch):
     assert numba.get_num_threads() == before_numba          # restored for the calling thread
 
 
+def test_a_fresh_process_keeps_torchs_thread_count_through_numbas_first_launch():
+    """In a fresh interpreter (numba's thread pool not launched yet): ``torch.set_num_threads(1)``,
+    then causal attention's forward and backward on the sweep. Numba's OpenMP pool, launched by the
+    first compiled call, could set the process's OpenMP count, torch's own, back to the cores: torch
+    then reported 2 threads and every later call ran numba on 2 threads beside torch's one."""
+    pytest.importorskip("torch")
+    pytest.importorskip("numba")
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import numba, torch, slicedkern\n"
+        "from slicedkern.engines import sweep\n"
+        "torch.set_num_threads(1)\n"
+        "torch.get_num_threads()\n"      # this read is what made the launch's change stick here
+        "seen = []\n"
+        "bridge = sweep._bridge()\n"
+        "for name in ('causal_attention', 'causal_attention_vjp'):\n"
+        "    def spy(*a, _f=getattr(bridge, name), **k):\n"
+        "        seen.append(numba.get_num_threads())\n"
+        "        return _f(*a, **k)\n"
+        "    setattr(bridge, name, spy)\n"
+        "q = torch.randn(2, 256, dtype=torch.float64, requires_grad=True)\n"
+        "v = torch.randn(2, 256, 4, dtype=torch.float64)\n"
+        "for _ in range(2):\n"
+        "    slicedkern.relu_attention(q, q, v, causal=True, engine='sweep').sum().backward()\n"
+        "print('numba', seen, 'torch', torch.get_num_threads())\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env.pop("OMP_NUM_THREADS", None)
+    env.pop("NUMBA_NUM_THREADS", None)
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "numba [1, 1, 1, 1] torch 1" in result.stdout, result.stdout
+
+
 def test_numpy_arrays_follow_omp_num_threads(monkeypatch):
     numba = pytest.importorskip("numba")
     from slicedkern.backends import compiled_threads

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 import array_api_compat as compat
 import numpy as np
@@ -63,7 +64,7 @@ class ArrayBackend:
             yield None
             return
         cap = self.cpu_threads()
-        before = numba.get_num_threads()
+        before = _numba_threads(numba)
         if cap is None or cap >= before:
             yield before
             return
@@ -256,3 +257,20 @@ class ArrayBackend:
         this library; ``None`` when this library has none for these arrays (no compiled code, or
         a gradient to record): the caller then sums the pairs in array-API operations."""
         return None
+
+
+def _numba_threads(numba) -> int:
+    """``numba.get_num_threads()``, keeping torch's thread count as it was.
+
+    The first call launches numba's thread pool; with the OpenMP threading layer the launch can set
+    the process's OpenMP thread count, which torch reads as its own, to numba's (the cores): a
+    ``torch.set_num_threads(1)`` made before it was undone, and every later call capped numba at
+    two threads beside torch's (docs/backends.rst, "Threads")."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return numba.get_num_threads()
+    torch_threads = torch.get_num_threads()
+    threads = numba.get_num_threads()
+    if torch.get_num_threads() != torch_threads:
+        torch.set_num_threads(torch_threads)
+    return threads

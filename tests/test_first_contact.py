@@ -304,6 +304,20 @@ def test_layer_is_causal_must_be_a_boolean(bad):
         attn(x, x, x, is_causal=bad)
 
 
+def _fresh_interpreter(code: str, unset: tuple = ()):
+    """Run ``code`` in a new Python process with this checkout importable (and the variables
+    ``unset`` removed from its environment); the completed process."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    for name in unset:
+        env.pop(name, None)
+    return subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
 # ---------------------------------------------------- 6. numba threads follow the caller's framework
 def test_sweep_on_torch_tensors_uses_torchs_thread_count(monkeypatch):
     torch = pytest.importorskip("torch")
@@ -337,9 +351,6 @@ def test_a_fresh_process_keeps_torchs_thread_count_through_numbas_first_launch()
     then reported 2 threads and every later call ran numba on 2 threads beside torch's one."""
     pytest.importorskip("torch")
     pytest.importorskip("numba")
-    import os
-    import subprocess
-    import sys
     code = (
         "import numba, torch, slicedkern\n"
         "from slicedkern.engines import sweep\n"
@@ -357,12 +368,7 @@ def test_a_fresh_process_keeps_torchs_thread_count_through_numbas_first_launch()
         "for _ in range(2):\n"
         "    slicedkern.relu_attention(q, q, v, causal=True, engine='sweep').sum().backward()\n"
         "print('numba', seen, 'torch', torch.get_num_threads())\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    env.pop("OMP_NUM_THREADS", None)
-    env.pop("NUMBA_NUM_THREADS", None)
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=600)
+    result = _fresh_interpreter(code, unset=("OMP_NUM_THREADS", "NUMBA_NUM_THREADS"))
     assert result.returncode == 0, result.stderr
     assert "numba [1, 1, 1, 1] torch 1" in result.stdout, result.stdout
 
@@ -388,8 +394,6 @@ def test_torch_compile_of_the_layer_warns_nothing_about_caches():
     in slicedkern's own files."""
     pytest.importorskip("torch")
     import os
-    import subprocess
-    import sys
     code = (
         "import warnings\n"
         "warnings.simplefilter('always')\n"
@@ -405,10 +409,7 @@ def test_torch_compile_of_the_layer_warns_nothing_about_caches():
         "for w in caught:\n"
         "    print('WARNING', w.filename, str(w.message).splitlines()[0])\n"
         "print('grad', bool(torch.isfinite(x.grad).all()))\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=600)
+    result = _fresh_interpreter(code)
     assert result.returncode == 0, result.stderr
     warned = [line for line in result.stdout.splitlines() if line.startswith("WARNING")]
     assert not [w for w in warned if "lru_cache" in w or os.sep + "slicedkern" + os.sep in w], warned

@@ -14,8 +14,8 @@ rate, batches and steps.
 
 Reported per model: validation bits per character (mean cross-entropy / ln 2 on fixed validation
 windows) and the time of a training step (forward, backward, AdamW; median of the timed steps).
-For scale, the same validation characters are scored by count n-gram models (1 to 3 characters,
-add-0.1 smoothing) fit on the training text.
+For scale, the same validation characters are scored by count n-gram models of orders 1 to 3 (0 to
+2 characters of context, add-0.1 smoothing) fit on the training text.
 Then each sliced model generates from a validation prompt with its layers' caches
 (``init_cache`` / ``cache=``), one character at a time, and the script checks in float64 that the
 characters and logits of the cached generation equal those of full causal recomputation over the

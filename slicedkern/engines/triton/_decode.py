@@ -127,14 +127,13 @@ class DeviceRuns(RunCounter):
             knots, coeffs, lin, K = self._args
             nknots, ncoeffs, nlin, KN = self._nargs
             bounds = xp.asarray(self.bounds[:, :self.n_runs].copy(), device=self._device)
-            norm = norm_code(self.normalizer)
             grid = (self._bsz, -(-m // BLOCK_Q))
             loaded().decode_attend[grid](
                 xp.reshape(xp.astype(q.detach(), xp.float64), (self._bsz, m)).contiguous(), bounds, self.n_runs,
                 self.sorted_keys, self.prefix, self.shifts, self.totals, xp.astype(self.bad, xp.int8),
                 knots, coeffs, lin, nknots, ncoeffs, nlin, out,
                 m, self.capacity, self.dv, float(self.normalizer.eps), max(1, math.ceil(math.log2(self.capacity + 1))),
-                K=K, KN=KN, CENTER=bool(self.center), NORM=norm, BLOCK_Q=BLOCK_Q,
+                K=K, KN=KN, CENTER=bool(self.center), NORM=norm_code(self.normalizer), BLOCK_Q=BLOCK_Q,
                 BLOCK_W=max(2, 1 << self.dv.bit_length()))      # a power of two >= dv + 1
         out = xp.reshape(out, self._batch + (m, self.dv))
         return out if dtype is None else xp.astype(out, dtype)

@@ -242,12 +242,10 @@ def norm_code(normalizer) -> int:
 
 def _normaliser_args(xp, normalizer, batch, rows: int, dev, fill: tuple):
     """Attention's divisor as pass 2's epilogue reads it: ``(nknots, ncoeffs, nlin, KN, NORM, eps)``,
-    NORM 0 for none, 1 for the count, 2 for a summed normaliser (its profile's arguments; otherwise
-    ``fill``, any three float64 arrays, stands in for them)."""
-    eps = float(normalizer.eps)
-    if normalizer.summed:
-        return (*_profile_args(xp, normalizer.profile, batch, rows, dev), 2, eps)
-    return (*fill, 0, norm_code(normalizer), eps)
+    NORM from :func:`norm_code` (a summed normaliser's profile arguments; otherwise ``fill``, any
+    three float64 arrays, stands in for them)."""
+    args = _profile_args(xp, normalizer.profile, batch, rows, dev) if normalizer.summed else (*fill, 0)
+    return (*args, norm_code(normalizer), float(normalizer.eps))
 
 
 def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, out, *, strict: bool,

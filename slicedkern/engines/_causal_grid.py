@@ -92,11 +92,12 @@ class CausalGrid:
         return _pad(xp, seen, self.before, 0, 0.0, axis)
 
 
-def running_sum(xp, a, axis: int = -1, *, reverse: bool = False):
-    """Inclusive cumulative sum of ``a`` along ``axis`` (from the end when ``reverse``)."""
+def running_sum(xp, a, axis: int = -1, *, reverse: bool = False, dtype=None):
+    """Inclusive cumulative sum of ``a`` along ``axis`` (from the end when ``reverse``), in
+    ``dtype`` (None: ``a``'s), to which ``a`` is cast as it is summed: no cast copy of it first."""
     if not reverse:
-        return xp.cumulative_sum(a, axis=axis)
-    return xp.flip(xp.cumulative_sum(xp.flip(a, axis=axis), axis=axis), axis=axis)
+        return xp.cumulative_sum(a, axis=axis, dtype=dtype)
+    return xp.flip(xp.cumulative_sum(xp.flip(a, axis=axis), axis=axis, dtype=dtype), axis=axis)
 
 
 class CausalScreen(NamedTuple):

@@ -107,7 +107,8 @@ def pullback(xp, gout, out, *, relu_count, den, count, value_sums, good, center:
     count_c = clamp_min(xp, count, 1.0)
     cot_r = None
     if center:
-        cot_r = -(scale * dot(gout, value_sums / count_c))
+        # the row dots of the sums, divided after: no (lq, dv) array of the means
+        cot_r = -(scale * dot(gout, value_sums) / count_c)
     cot_den = None
     if normalizer.summed:
         cot_den = xp.where(good & (den >= normalizer.eps), -dot(gout, out) / den_c, zero)

@@ -99,8 +99,15 @@ class AllKeys:
 
     def to_keys(self, xp, weights, g):
         """The adjoint of :meth:`seen` applied to ``weights * g`` ((..., lq, 1) and (..., lq, c)), with
-        no (lq, c) temporary: (..., 1, c)."""
+        no (lq, c) temporary: (..., 1, c). What :meth:`finish_dv` subtracts (an engine's view may
+        return it unevaluated, for its ``finish_dv`` to fuse)."""
         return xp.matrix_transpose(weights) @ g
+
+    def finish_dv(self, xp, dv, dv_sub, dv_factor):
+        """``(dv - dv_sub) * dv_factor``: the pulled-back value sums ``dv`` (..., lk, Dv) less the
+        centring mean's cotangent ``dv_sub`` (from :meth:`to_keys`, or None), times the keys'
+        factor ``dv_factor`` (..., lk, 1) (0 on keys that take no part, NaN on bad rows)."""
+        return (dv if dv_sub is None else dv - dv_sub) * dv_factor
 
     def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
         """The engine's pull-back of the profile sums over the keys each query sees."""
@@ -126,7 +133,7 @@ class SeenKeys(AllKeys):
 
     def seen(self, xp, a):
         """Running sums of ``a`` (..., lk, c) read at each query's position: (..., lq, c), work dtype."""
-        return self.grid.at_queries(xp, running_sum(xp, xp.astype(a, self.q.dtype), axis=-2), axis=-2)
+        return self.grid.at_queries(xp, running_sum(xp, a, axis=-2, dtype=self.q.dtype), axis=-2)
 
     def to_keys(self, xp, weights, g):
         """The adjoint of :meth:`seen` applied to ``weights * g``: (..., lk, c)."""
@@ -215,7 +222,7 @@ def sums_vjp(keys, profile: Profile, normalizer: Normalizer, gout, cot, silent, 
         indicator_cots.append(cot.den)
     if not indicator_profiles:
         dq, dk, dv, params = keys.profiles_vjp(keys.q, keys.k, keys.v, [profile], [gnum], xp=xp)
-        return dq, dk, _finish_dv(dv, dv_sub, dv_factor), params[0]
+        return dq, dk, keys.finish_dv(xp, dv, dv_sub, dv_factor), params[0]
     dv_cols = keys.v.shape[-1]
     zero = xp.zeros((), dtype=gnum.dtype, device=array_device(gnum))
     columns = [keys.v, xp.astype(keys.take, keys.v.dtype)[..., None]]
@@ -239,11 +246,7 @@ def sums_vjp(keys, profile: Profile, normalizer: Normalizer, gout, cot, silent, 
     if silent is not None:
         params = add_params(params[:1], params[-1:]) + params[1:-1]
     params = add_params(params[:1], params[1:2]) if center else params[:1]
-    return dq, dk, _finish_dv(dw[..., :dv_cols], dv_sub, dv_factor), params[0]
-
-
-def _finish_dv(dv, dv_sub, dv_factor):
-    return (dv if dv_sub is None else dv - dv_sub) * dv_factor
+    return dq, dk, keys.finish_dv(xp, dw[..., :dv_cols], dv_sub, dv_factor), params[0]
 
 
 def _silent_rows(xp, profile: Profile, normalizer: Normalizer, den, good, *, uniform: bool = False,

@@ -75,7 +75,8 @@ class Levels(NamedTuple):
     of such sums without the indicator, as ``Engine.profiles_vjp``. ``leaf``: positions per dense
     leaf block in float64 work (None: :data:`LEAF`); double-float work always has leaves of one.
     ``native_values``: attention's forward gives ``sums`` the values in their own dtype (kernels
-    that sum float32 / half tiles into float64 carries), not cast to the work dtype.
+    that sum float32 / half tiles into float64 carries), not cast to the work dtype, and the
+    backward gives ``vjp`` and ``leaves_vjp`` its weights so.
     ``orders(xp, x, y, leaf)``: an iterator over the levels, smallest blocks first, of the sorted
     orders each level's ``sums`` and ``vjp`` then take as ``orders=`` (the left blocks' sorted keys
     and the right blocks' sorted queries, with their permutations), so that the levels sort
@@ -93,6 +94,9 @@ class Levels(NamedTuple):
     (..., lq, dv) in ``dtype`` from the plain running sums on the positions, as
     :func:`slicedkern.engines._combine.combine` gives it from them read at the queries (float64
     work only; None: that function).
+    ``mutable``: the engine's arrays take in-place additions (torch's), so that the backward adds
+    each level's pull-backs into the leaves' gradients on the positions rather than joining copies
+    of them (:func:`_add_level_into`; float64 work only).
     """
 
     sums: Callable
@@ -104,6 +108,7 @@ class Levels(NamedTuple):
     leaves: Callable | None = None
     leaves_vjp: Callable | None = None
     combine: Callable | None = None
+    mutable: bool = False
 
 
 def _level_orders(xp, levels: Levels, x, y, leaf: int):
@@ -187,6 +192,19 @@ def _add_level(xp, ar, acc, part, core: int, right: bool):
     return join(first, second)
 
 
+def _add_level_into(acc, part, core: int, right: bool):
+    """:func:`_add_level` in place, on plain arrays that take in-place additions: ``part`` (..., P,
+    s, *core) added into the right (``right``) or left block of every pair of ``acc`` (..., n,
+    *core), the running gradients on the positions (``n = 2 P s``); returns ``acc``."""
+    shape = tuple(acc.shape)
+    ndim = len(shape)
+    lead, tail = shape[:ndim - 1 - core], shape[ndim - core:]
+    pairs, size = part.shape[part.ndim - 2 - core], part.shape[part.ndim - 1 - core]
+    paired = acc.reshape(lead + (pairs, 2, size) + tail)        # a view: acc is contiguous
+    paired[(..., 1 if right else 0) + (slice(None),) * (1 + core)] += part
+    return acc
+
+
 def _per_block(cache: dict):
     """Profiles with their array parameters given a trailing axis (the blocks are a batch axis);
     the same array gets the same expansion, so that knots shared by two profiles are searched once."""
@@ -243,12 +261,13 @@ def causal_sums(xp, ar, x, y, w, take, profiles, levels: Levels = SCAN_LEVELS):
     return [each(ar, lambda a: _unblocked(xp, a, 1), acc) for acc in sums]
 
 
-def _running_totals(xp, ar, w, take):
-    """Inclusive running sums of ``[w * take, take]`` over the positions: a wide (..., n, c + 1)."""
-    work = w.dtype
-    rows = xp.concat([w, xp.astype(take, work)[..., None]], axis=-1)
+def _running_totals(xp, ar, w, take, work):
+    """Inclusive running sums of ``[w * take, take]`` over the positions: a wide (..., n, c + 1) in
+    the ``work`` dtype, ``w`` in any float dtype (cast as it is summed)."""
     if not ar.wide:
-        return running_sum(xp, rows, axis=-2)
+        return running_sum(xp, xp.concat([w, xp.astype(take, w.dtype)[..., None]], axis=-1), axis=-2, dtype=work)
+    w = as_work(xp, w, work)
+    rows = xp.concat([w, xp.astype(take, work)[..., None]], axis=-1)
     # double-float: the scan's prefix table of a zero key gives the wide running sums of the weights
     zero = xp.zeros(take.shape, dtype=work, device=array_device(w))
     perm = xp.broadcast_to(xp.arange(take.shape[-1], device=array_device(w)), take.shape)
@@ -277,7 +296,7 @@ def causal_attention(q, k, v, profile: Profile, *, key_mask, center: bool, norma
     if normalizer.summed:
         profiles.append(normalizer.profile.with_(columns=slice(dv, dv + 1)))
     sums = causal_sums(xp, ar, x, y, w, take, profiles, levels)
-    totals = _running_totals(xp, ar, as_work(xp, w, q.dtype), take)
+    totals = _running_totals(xp, ar, w, take, q.dtype)
     if levels.combine is not None and not ar.wide:
         den_sum = sums[1] if len(sums) > 1 else None
         out = levels.combine(xp, grid, sums[0], den_sum, totals, sc.good, center=center, normalizer=normalizer,
@@ -314,7 +333,7 @@ def causal_profile_sums(x, y, w, profiles, *, xp, levels: Levels = SCAN_LEVELS):
     grid = CausalGrid(lq, lk)
     fill = y[..., -1:]
     xq, yk = grid.queries(xp, x, fill), grid.keys(xp, y, fill)
-    wk = grid.keys(xp, xp.astype(w, x.dtype), 0.0, axis=-2)
+    wk = grid.keys(xp, as_work(xp, w, x.dtype), 0.0, axis=-2)
     take = grid.keys(xp, xp.ones(y.shape, dtype=xp.bool, device=array_device(y)), False)
     sums = causal_sums(xp, ar, xq, yk, wk, take, profiles, levels)
     return [_unscaled(grid.at_queries(xp, ar.value(s), axis=-2), unscale) for s in sums]
@@ -356,12 +375,16 @@ def causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True, 
     n = grid.n
     fill = y[..., -1:]
     xq, yk = grid.queries(xp, x, fill), grid.keys(xp, y, fill)
-    wk = grid.keys(xp, xp.astype(w, x.dtype), 0.0, axis=-2)
+    # the levels that read the values in their own dtype read the weights so (no work-dtype copy)
+    native = levels.native_values and not ar.wide
+    wk = grid.keys(xp, w if native else as_work(xp, w, x.dtype), 0.0, axis=-2)
     gq = [grid.queries(xp, g, 0.0, axis=-2) for g in cotangents]
     leaf = _leaf_size(ar, n, levels)
     pullback = levels.leaves_vjp if levels.leaves_vjp is not None and not ar.wide else leaf_vjp
     dx, dy, dw, params = pullback(xp, xq, yk, wk, profiles, gq, leaf, param_grads=param_grads)
-    dx, dy, dw = _blocks(xp, dx, leaf, 0), _blocks(xp, dy, leaf, 0), _blocks(xp, dw, leaf, 1)
+    mutable = levels.mutable and not ar.wide
+    if not mutable:
+        dx, dy, dw = _blocks(xp, dx, leaf, 0), _blocks(xp, dy, leaf, 0), _blocks(xp, dw, leaf, 1)
     params = _add_params(None, params, lambda a: a)
     expand = _per_block({})
     blocked = [expand(p) for p in profiles]
@@ -374,9 +397,14 @@ def causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True, 
         gs = [_halves(xp, g, size, 1)[1] for g in gq]
         pdx, pdy, pdw, pparams = levels.vjp(qs, keys, vals, blocked, gs, xp=xp, param_grads=param_grads,
                                             **next(orders))
-        dx = _add_level(xp, plain, dx, pdx, 0, right=True)
-        dy = _add_level(xp, plain, dy, pdy, 0, right=False)
-        dw = _add_level(xp, plain, dw, pdw, 1, right=False)
+        if mutable:
+            dx, dy, dw = (_add_level_into(dx, pdx, 0, right=True), _add_level_into(dy, pdy, 0, right=False),
+                          _add_level_into(dw, pdw, 1, right=False))
+        else:
+            dx = _add_level(xp, plain, dx, pdx, 0, right=True)
+            dy = _add_level(xp, plain, dy, pdy, 0, right=False)
+            dw = _add_level(xp, plain, dw, pdw, 1, right=False)
         params = _add_params(params, pparams, lambda a: xp.sum(a, axis=-1))
-    dx, dy, dw = _unblocked(xp, dx, 0), _unblocked(xp, dy, 0), _unblocked(xp, dw, 1)
+    if not mutable:
+        dx, dy, dw = _unblocked(xp, dx, 0), _unblocked(xp, dy, 0), _unblocked(xp, dw, 1)
     return (grid.at_queries(xp, dx), dy[..., :lk], dw[..., :lk, :], params)

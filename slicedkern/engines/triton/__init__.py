@@ -37,7 +37,10 @@ the time (issue 26, item 3); its residuals are the same, and so is its backward.
 Causal attention is the scan's divide and conquer over positions (:mod:`..scan._causal`) with these
 kernels at every level, its dense leaves (sums and pull-back) and its combination (:mod:`._causal`):
 two launches per profile and level whatever the number of blocks, each score array sorted once in
-runs of :data:`CAUSAL_LEAF` positions and merged bottom-up for the levels above.
+runs of :data:`CAUSAL_LEAF` positions and merged bottom-up for the levels above. Its backward is the
+generic one over the causal prefix (:class:`_CausalKeys`): the cotangent read in its own dtype, the
+levels' pull-backs added in place into the leaves' gradients, and ``dv`` finished in one launch
+(:func:`._sums.causal_dv`).
 
 It serves torch tensors: chosen automatically for CUDA tensors when Triton is installed, and on
 request (``engine="triton"`` / :func:`~slicedkern.use_engine`) for CPU tensors too, which Triton runs
@@ -53,7 +56,7 @@ from ...backends import quiet_nonfinite
 from ...kernels import Profile, is_fixed
 from .._base import Engine
 from .._nanpolicy import screen
-from .._vjp import AllKeys
+from .._vjp import AllKeys, SeenKeys
 from ..scan._causal import Levels, causal_attention, causal_profile_sums, causal_profiles_vjp
 from ..sortscan.pullback import ColumnSums, column_range
 from . import _sums
@@ -64,6 +67,7 @@ from ._sums import (
     attend,
     attend_small,
     build_table,
+    causal_dv,
     column_sums,
     flat_rows,
     interpreted,
@@ -196,7 +200,7 @@ class TritonEngine(Engine):
     def _levels(self) -> Levels:
         return Levels(level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True, orders=level_orders,
                       sums_into=level_sums_into, leaves=dense_leaves, leaves_vjp=dense_leaves_vjp,
-                      combine=combine_output)
+                      combine=combine_output, mutable=True)
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
         out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,
@@ -216,7 +220,9 @@ class TritonEngine(Engine):
         return dict(zip(_RESIDUALS, residuals))
 
     def key_view(self, q, k, v, key_mask, aux, *, causal: bool, xp):
-        if causal or aux is None or "query_perm" not in aux:
+        if causal:
+            return _CausalKeys(self, q, k, v, key_mask, xp)
+        if aux is None or "query_perm" not in aux:
             return super().key_view(q, k, v, key_mask, aux, causal=causal, xp=xp)
         return _SortedKeys(self, q, k, v, key_mask, xp, aux)
 
@@ -278,7 +284,44 @@ class TritonEngine(Engine):
                 for p in profiles]
 
 
-class _SortedKeys(AllKeys):
+class _KernelRows:
+    """The quotient rule's reads of the output's cotangent on the kernels, for the engine's views
+    of the keys: the cotangent kept in its own dtype and strides (no float64 copy of it), its row
+    dots one launch (:func:`._sums.row_dots`)."""
+
+    def cotangent(self, xp, g):
+        return g
+
+    def row_dot(self, xp, g, b):
+        batch, lq = tuple(g.shape[:-2]), g.shape[-2]
+        b = xp.broadcast_to(b, batch + tuple(b.shape[-2:]))
+        dots = row_dots(xp, row_view(xp, g, 2), row_view(xp, b, 2))
+        return xp.reshape(dots, batch + (lq, 1))
+
+
+class _CausalKeys(_KernelRows, SeenKeys):
+    """The keys each query sees in causal attention (:class:`~slicedkern.engines._vjp.SeenKeys`),
+    with the cotangent read by the kernels (:class:`_KernelRows`) and ``dv`` finished in one launch
+    (:func:`._sums.causal_dv`): the centring mean's cotangent is handed from :meth:`to_keys` to
+    :meth:`finish_dv` unevaluated, so that neither its reverse running sum nor ``dv - sub`` is an
+    (lk, dv) array (issue 26, item 5)."""
+
+    def to_keys(self, xp, weights, g):
+        return weights, g
+
+    def finish_dv(self, xp, dv, dv_sub, dv_factor):
+        batch, lk, d = tuple(dv.shape[:-2]), dv.shape[-2], dv.shape[-1]
+        weights = g = None
+        if dv_sub is not None:
+            weights, g = dv_sub
+            lq = g.shape[-2]
+            weights = flat_rows(xp, xp.broadcast_to(weights, batch + (lq, 1))[..., 0], 1)
+            g = row_view(xp, xp.broadcast_to(g, batch + (lq, d)), 2)
+        factor = flat_rows(xp, xp.broadcast_to(dv_factor, batch + (lk, 1))[..., 0], 1)
+        return xp.reshape(causal_dv(xp, row_view(xp, dv, 2), g, weights, factor, self.v.dtype), batch + (lk, d))
+
+
+class _SortedKeys(_KernelRows, AllKeys):
     """Every key of the row (:class:`~slicedkern.engines._vjp.AllKeys`), pulled back over the
     forward's residuals: its sorted orders, table of keys and NaN policy's verdicts, so that the
     backward of attention on the triton engine sorts and screens nothing (:func:`_sums_vjp`).
@@ -294,16 +337,6 @@ class _SortedKeys(AllKeys):
         self.orders = (aux["key_order"], aux["key_perm"], aux["query_order"], aux["query_perm"])
         self.key_carry = aux["key_carry"]
         self.engine, self.xp, self._v = engine, xp, None
-
-    def cotangent(self, xp, g):
-        # read by the kernels in its own dtype and strides: no float64 copy of it
-        return g
-
-    def row_dot(self, xp, g, b):
-        batch, lq = tuple(g.shape[:-2]), g.shape[-2]
-        b = xp.broadcast_to(b, batch + tuple(b.shape[-2:]))
-        dots = row_dots(xp, row_view(xp, g, 2), row_view(xp, b, 2))
-        return xp.reshape(dots, batch + (lq, 1))
 
     def to_keys(self, xp, weights, g):
         batch, dv = tuple(g.shape[:-2]), g.shape[-1]

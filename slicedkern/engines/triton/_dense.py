@@ -13,9 +13,9 @@ try:
 except ImportError:      # imported without Triton (doctest collection): the engine declines before build()
     tl = None
 
-__all__ = ["leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots", "column_sums"]
+__all__ = ["leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots", "column_sums", "causal_dv"]
 
-_JITTED = ("leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots", "column_sums")
+_JITTED = ("leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots", "column_sums", "causal_dv")
 #: :func:`._kernels._below_sum` and :func:`._kernels._attention_epilogue`, jitted, set by
 #: :func:`._kernels.build` before the first launch
 _below_sum = _attention_epilogue = None
@@ -186,3 +186,40 @@ def column_sums(weights_ptr, g_ptr, out_ptr, n, d, sg_r, sg_n, sg_d, BLOCK_N: tl
                     other=0.0)
         acc += tl.sum(w[:, None] * g.to(tl.float64), 0)
     tl.store(out_ptr + row * d + cols, acc, mask=cm)
+
+
+def causal_dv(dw_ptr, g_ptr, weights_ptr, factor_ptr, out_ptr, lq, lk, d, shift, sdw_r, sdw_n, sdw_d,
+              sg_r, sg_n, sg_d, SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Causal attention's ``dv``, finished in one pass: ``out[r, j] = (dw[r, j] - sub[r, j]) *
+    factor[r, j]`` (R, lk, d) in ``out``'s dtype, where ``sub[r, j]`` is the sum over the queries
+    ``i`` that see key ``j`` (position ``i - shift >= j``, ``shift = lq - lk``) of ``weights[r, i]
+    g[r, i]`` (with SUB; zero without): the centring mean's cotangent taken back to the keys by a
+    reverse running sum over the positions, carried in float64 from block to block, so that neither
+    it nor ``dw - sub`` is written as an (lk, d) array (docs/architecture.rst, "Engines").
+
+    ``dw`` (R, lk, >= d) float64 the pulled-back value sums, ``g`` (R, lq, d) the output's cotangent,
+    both read in their own dtypes and strides; ``weights`` (R, lq) and ``factor`` (R, lk) float64.
+    One program per (row, column block) walks the key blocks from the last."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = cols < d
+    carry = tl.zeros((BLOCK_D,), dtype=tl.float64)
+    blocks = tl.cdiv(lk, BLOCK_N)
+    for b in range(0, blocks):
+        j = (blocks - 1 - b) * BLOCK_N + tl.arange(0, BLOCK_N)
+        jm = j < lk
+        mask = jm[:, None] & cm[None, :]
+        acc = tl.load(dw_ptr + row * sdw_r + j[:, None] * sdw_n + cols[None, :] * sdw_d, mask=mask, other=0.0)
+        if SUB:
+            # the query at key j's position; queries before position 0 see no key and are never read
+            t = j + shift
+            tm = jm & (t >= 0) & (t < lq)
+            w = tl.load(weights_ptr + row * lq + t, mask=tm, other=0.0)
+            g = tl.load(g_ptr + row * sg_r + t[:, None] * sg_n + cols[None, :] * sg_d, mask=tm[:, None] & cm[None, :],
+                        other=0.0)
+            rows = w[:, None] * g.to(tl.float64)
+            acc -= carry[None, :] + tl.cumsum(rows, axis=0, reverse=True)
+            carry += tl.sum(rows, 0)
+        factor = tl.load(factor_ptr + row * lk + j, mask=jm, other=0.0)
+        acc = acc * factor[:, None]
+        tl.store(out_ptr + row * lk * d + j[:, None] * d + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)

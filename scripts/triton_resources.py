@@ -141,7 +141,8 @@ def _captured(names, run, variants: bool = False) -> list:
 
 def causal_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> list:
     """The launches of one level of causal attention (the first of each kernel), its combination, the
-    pull-back of its dense leaves and the backward's finish of ``dv``, captured."""
+    pull-back of its dense leaves, the running totals' block sums, and the backward's row dots and
+    finish of ``dv``, captured."""
     import slicedkern
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, heads, length, generator=g).to(dtype).requires_grad_() for _ in range(2))
@@ -151,7 +152,7 @@ def causal_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> 
         out = slicedkern.relu_attention(q, k, v, causal=True, engine="triton")
         torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     return _captured(("leaf_eval", "tile_sums", "merge_eval", "merge_runs", "causal_epilogue", "leaf_pullback",
-                      "row_dots", "causal_dv"), run)
+                      "row_dots", "causal_dv", "position_sums", "causal_row_dots"), run)
 
 
 def backward_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> list:

@@ -768,6 +768,34 @@ def test_causal_dv_finishes_dv_with_the_reverse_running_sum(lq, lk):
     torch.testing.assert_close(plain, dw * factor[..., None], rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("lq, n", [(150, 150), (90, 150), (150, 90), (1, 70)])
+def test_causal_row_dots_sum_the_running_totals_as_they_read(lq, n):
+    """The running totals of ``[v take | take]`` over the positions, summed from their blocks'
+    carry (``_causal.position_carry``) and a running sum in registers, as the backward's row dots
+    read them (``_causal.causal_row_dots``: ``<g_i, V_{i + offset}>``, query ``i`` at position
+    ``i + n - lq``, before position 0 for the first ``lq - n``): against the array form, position
+    blocks of 64 crossed, 40 columns (two column blocks), strided float32 values that hold junk
+    where ``take`` is False, a strided bfloat16 cotangent. And the forward's combination on the same
+    totals, through causal attention, in the other tests."""
+    import array_api_compat.torch as xp
+
+    from slicedkern.engines.triton import _causal
+    g = torch.Generator().manual_seed(lq + n)
+    w = torch.randn(2, 40, n, generator=g, device=DEVICE).transpose(1, 2)
+    take = torch.rand(2, n, generator=g, device=DEVICE) > 0.25
+    cot = torch.randn(2, lq, 40, generator=g, device=DEVICE).to(torch.bfloat16)
+    offset = n - lq
+    got = _causal.causal_row_dots(xp, cot, w, take, offset)
+    running = torch.cumsum(torch.where(take[..., None], w.double(), 0.0), dim=1)
+    positions = torch.arange(lq, device=DEVICE) + offset
+    seen = torch.where((positions >= 0)[None, :, None], running[:, positions.clamp(min=0)], 0.0)
+    want = (cot.double() * seen).sum(-1)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    carry = _causal.position_carry(xp, w, take.to(torch.int8))
+    torch.testing.assert_close(carry[:, -1, :40], running[:, -1], rtol=1e-12, atol=1e-12)
+    assert torch.equal(carry[:, -1, 40], take.sum(-1).double())
+
+
 @pytest.mark.parametrize("lq, lk", [(21, 13), (13, 21)])
 def test_causal_gradients_with_more_or_fewer_queries_than_keys(rng, small_leaves, lq, lk):
     """Centred ReLU attention's gradients, causal, with Lq > Lk (blind first queries) and Lq < Lk,
@@ -791,44 +819,48 @@ def test_traffic_of_the_causal_forward(small_leaves):
     added in place into the running sums: per level one merge launch per array for the next level
     (none after the last), one tile-sum launch and one evaluation launch per profile (the values
     with the indicator, and the "abs" normaliser's), whatever the number of blocks; 48 positions
-    with leaves of 4: levels of 4, 8, 16 and 32 positions. The backward takes the same orders from
-    the same merges: it sorts each array once more, not once per level."""
+    with leaves of 4: levels of 4, 8, 16 and 32 positions. The backward takes the forward's sorted
+    runs (residuals) through the same merges: it sorts nothing (before: each array once more)."""
     if DEVICE != "cpu":
         pytest.skip("counted under the interpreter, on CPU tensors (the counts do not depend on the device)")
     found = _traffic().count(48, 8, 1, backward=False, causal=True)
     # the dense leaves are one launch per profile, their (positions, leaf) products in registers;
     # the output is combined from the running sums by one launch more, in its own dtype
     assert found["launches"] == {"leaf_eval": 2, "tile_sums": 4, "merge_eval": 8, "merge_runs": 2 * 3,
-                                 "causal_epilogue": 1}
+                                 "position_sums": 1, "causal_epilogue": 1}
     assert found["sorts"] == 2
-    # what remains of n * D and more is the running sums, the running totals (summed in float64 from
-    # the values in their own dtype) and the NaN rule's check of the values: 9.8 times the values'
-    # bytes; 14.0 with the totals summed from a float64 copy, 23.75 with the combination as array
-    # code (float64 centring and division), 29.4 with the leaves' (positions, leaf) matrices too
-    assert found["large bytes / (n D itemsize)"] < 10.5, found
+    # what remains of n * D and more is the running sums, the NaN rule's screened values and their
+    # padding to the positions: 5.3 times the values' bytes; 9.8 with the running totals as a
+    # float64 array, 14.0 with them summed from a float64 copy of the values, 23.75 with the
+    # combination as array code (float64 centring and division), 29.4 with the leaves' (positions,
+    # leaf) matrices too; the combination sums the totals from their blocks' carry as it reads the
+    # values (position_sums one launch)
+    assert found["large bytes / (n D itemsize)"] < 5.5, found
     both = _traffic().count(48, 8, 1, backward=True, causal=True)
-    assert both["sorts"] == 4 and both["launches"]["merge_runs"] == 2 * 2 * 3
+    assert both["sorts"] == 2 and both["launches"]["merge_runs"] == 2 * 2 * 3
 
 
 def test_traffic_of_the_causal_backward():
     """The causal backward's dense leaves are pulled back by one launch per profile (the values, the
     indicator's ReLU count and the "abs" normaliser), their (positions, leaf) terms in registers;
     the levels' pull-backs are added in place into the leaves' gradients, the cotangent is read in
-    its own dtype (the quotient rule's row dots one launch each) and ``dv`` is finished in one
+    its own dtype (the quotient rule's row dots one launch each, that with the value sums each query
+    sees summing them from their blocks' carry as it reads the values) and ``dv`` is finished in one
     launch with the centring mean's reverse running sum: at 128 positions (two leaves of 64) what
-    remains of n * D and more, forward and backward, is 15.0 times the values' bytes (9
-    intermediates), against 44.6 (23) with those steps as array code and 810 when the leaves'
-    pull-back ran as array code too. With learned bandwidths the backward sorts each score array
-    once, as without."""
+    remains of n * D and more, forward and backward, is 9.6 times the values' bytes (6
+    intermediates), against 15.0 (9) with the running totals as float64 arrays, 44.6 (23) with all
+    those steps as array code and 810 when the leaves' pull-back ran as array code too. With learned
+    bandwidths the backward sorts nothing, as without: it merges the forward's sorted runs."""
     if DEVICE != "cpu":
         pytest.skip("counted under the interpreter, on CPU tensors (the counts do not depend on the device)")
     both = _traffic().count(128, 8, 1, backward=True, causal=True)
     assert both["launches"]["leaf_pullback"] == 3
-    assert both["launches"]["causal_dv"] == 1 and both["launches"]["row_dots"] == 2
-    assert "bmm" not in both["by op"]
-    assert both["large bytes / (n D itemsize)"] < 16, both
+    assert both["launches"]["causal_dv"] == 1 and both["launches"]["row_dots"] == 1
+    assert both["launches"]["causal_row_dots"] == 1 and both["launches"]["position_sums"] == 2
+    assert "bmm" not in both["by op"] and "cumsum" not in both["by op"]
+    assert both["large bytes / (n D itemsize)"] < 10, both
     # learned bandwidths: the levels' knot gradients over the tables their pull-backs build, as the
     # non-causal backward's (before: the scan's knot sums, one more sort of each array and a row
     # gather per knot)
     learned = _traffic().count(128, 8, 1, backward=True, causal=True, bandwidths=True)
-    assert learned["sorts"] == 4 and "gather" not in learned["by op"], learned
+    assert learned["sorts"] == 2 and "gather" not in learned["by op"], learned

@@ -90,10 +90,11 @@ class Levels(NamedTuple):
     None: ``sums``, added to copies.
     ``leaves_vjp(xp, x, y, w, profiles, cotangents, leaf, *, param_grads)``: the pull-back of the
     dense leaves' sums, as :func:`._leaf.leaf_vjp` (float64 work only; None: that function).
-    ``combine(xp, grid, num, den, totals, good, *, center, normalizer, dtype)``: attention's output
-    (..., lq, dv) in ``dtype`` from the plain running sums on the positions, as
-    :func:`slicedkern.engines._combine.combine` gives it from them read at the queries (float64
-    work only; None: that function).
+    ``combine(xp, grid, num, den, w, take, good, *, center, normalizer, dtype)``: attention's output
+    (..., lq, dv) in ``dtype`` from the plain running sums on the positions and the values ``w``
+    and indicator ``take`` there, whose running totals it sums itself, as
+    :func:`slicedkern.engines._combine.combine` gives it from those sums and totals read at the
+    queries (float64 work only; None: that function).
     ``mutable``: the engine's arrays take in-place additions (torch's), so that the backward adds
     each level's pull-backs into the leaves' gradients on the positions rather than joining copies
     of them (:func:`_add_level_into`; float64 work only).
@@ -296,14 +297,14 @@ def causal_attention(q, k, v, profile: Profile, *, key_mask, center: bool, norma
     if normalizer.summed:
         profiles.append(normalizer.profile.with_(columns=slice(dv, dv + 1)))
     sums = causal_sums(xp, ar, x, y, w, take, profiles, levels)
-    totals = _running_totals(xp, ar, w, take, q.dtype)
     if levels.combine is not None and not ar.wide:
         den_sum = sums[1] if len(sums) > 1 else None
-        out = levels.combine(xp, grid, sums[0], den_sum, totals, sc.good, center=center, normalizer=normalizer,
+        out = levels.combine(xp, grid, sums[0], den_sum, w, take, sc.good, center=center, normalizer=normalizer,
                              dtype=v.dtype)
         relu_count = grid.at_queries(xp, sums[0][..., dv:dv + 1], axis=-2)
         raw_den = None if den_sum is None else grid.at_queries(xp, den_sum, axis=-2)
     else:
+        totals = _running_totals(xp, ar, w, take, q.dtype)
         on_queries = [each(ar, lambda a: grid.at_queries(xp, a, axis=-2), s) for s in sums + [totals]]
         num_r, den_sum, totals = on_queries[0], on_queries[1] if len(sums) > 1 else None, on_queries[-1]
         out, relu_count, raw_den = combine(xp, ar, num_r, den_sum, totals, sc.good, center=center,

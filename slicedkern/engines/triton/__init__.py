@@ -49,6 +49,7 @@ only under its interpreter (``TRITON_INTERPRET=1``, how the tests run it).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 from ..._lib.namespace import as_work
@@ -56,11 +57,20 @@ from ...backends import quiet_nonfinite
 from ...kernels import Profile, is_fixed
 from .._base import Engine
 from .._nanpolicy import screen
-from .._vjp import AllKeys, SeenKeys
+from .._vjp import AllKeys, SeenKeys, attention_vjp
 from ..scan._causal import Levels, causal_attention, causal_profile_sums, causal_profiles_vjp
 from ..sortscan.pullback import ColumnSums, column_range
 from . import _sums
-from ._causal import combine_output, dense_leaves, dense_leaves_vjp, level_orders, level_sums, level_sums_into
+from ._causal import (
+    RUN_NAMES,
+    causal_row_dots,
+    combine_output,
+    dense_leaves,
+    dense_leaves_vjp,
+    level_orders,
+    level_sums,
+    level_sums_into,
+)
 from ._decode import DeviceRuns
 from ._sums import (
     Queries,
@@ -197,15 +207,34 @@ class TritonEngine(Engine):
             residuals.append(xp.reshape(raw, batch + (lq, 1)))
         return xp.reshape(out, batch + (lq, dv)), tuple(residuals)
 
-    def _levels(self) -> Levels:
-        return Levels(level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True, orders=level_orders,
+    def _levels(self, runs: dict | None = None) -> Levels:
+        """The causal levels on the kernels; ``runs``: :func:`._causal.level_orders`' sorted runs,
+        recorded by a forward (empty) or read by its backward (filled)."""
+        orders = level_orders if runs is None else functools.partial(level_orders, runs=runs)
+        return Levels(level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True, orders=orders,
                       sums_into=level_sums_into, leaves=dense_leaves, leaves_vjp=dense_leaves_vjp,
                       combine=combine_output, mutable=True)
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
+        runs = {}
         out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,
-                                    xp=xp, levels=self._levels())
-        return out, self.residuals_of(aux)
+                                    xp=xp, levels=self._levels(runs))
+        residuals = self.residuals_of(aux)
+        if runs:
+            # the levels' sorted runs (n elements each) go to the backward: it sorts nothing again
+            residuals = residuals[:2] + tuple(runs[name] for name in RUN_NAMES) + residuals[2:]
+        return out, residuals
+
+    def causal_attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
+        runs = None
+        if len(residuals) >= 2 + len(RUN_NAMES):
+            runs = dict(zip(RUN_NAMES, residuals[2:2 + len(RUN_NAMES)]))
+            residuals = residuals[:2] + residuals[2 + len(RUN_NAMES):]
+        aux = self.aux_of(residuals)
+        if runs is not None:
+            aux["runs"] = runs
+        return attention_vjp(self, q, k, v, profile, g, out, aux, key_mask=key_mask, center=center,
+                             normalizer=normalizer, causal=True, xp=xp)
 
     def causal_profile_sums(self, x, y, w, profiles, *, xp):
         return causal_profile_sums(x, y, w, profiles, xp=xp, levels=self._levels())
@@ -221,7 +250,7 @@ class TritonEngine(Engine):
 
     def key_view(self, q, k, v, key_mask, aux, *, causal: bool, xp):
         if causal:
-            return _CausalKeys(self, q, k, v, key_mask, xp)
+            return _CausalKeys(self, q, k, v, key_mask, xp, None if aux is None else aux.get("runs"))
         if aux is None or "query_perm" not in aux:
             return super().key_view(q, k, v, key_mask, aux, causal=causal, xp=xp)
         return _SortedKeys(self, q, k, v, key_mask, xp, aux)
@@ -299,12 +328,41 @@ class _KernelRows:
         return xp.reshape(dots, batch + (lq, 1))
 
 
+#: the value sums each query of causal attention sees, as :meth:`_CausalKeys.totals` hands them to
+#: :meth:`_CausalKeys.row_dot` (unevaluated: :func:`._causal.causal_row_dots` sums them as it reads)
+_SEEN_VALUE_SUMS = object()
+
+
 class _CausalKeys(_KernelRows, SeenKeys):
     """The keys each query sees in causal attention (:class:`~slicedkern.engines._vjp.SeenKeys`),
     with the cotangent read by the kernels (:class:`_KernelRows`) and ``dv`` finished in one launch
     (:func:`._sums.causal_dv`): the centring mean's cotangent is handed from :meth:`to_keys` to
     :meth:`finish_dv` unevaluated, so that neither its reverse running sum nor ``dv - sub`` is an
-    (lk, dv) array (issue 26, item 5)."""
+    (lk, dv) array (issue 26, item 5). ``runs``: the forward's sorted runs of the levels (its
+    residuals, :func:`._causal.level_orders`), or None: the levels' pull-backs merge from them and
+    sort nothing."""
+
+    def __init__(self, engine, q, k, v, key_mask, xp, runs=None):
+        super().__init__(engine, q, k, v, key_mask, xp)
+        self.runs = runs
+
+    def totals(self, xp, *, values: bool):
+        # the value sums each query sees are read only by the quotient rule's row dots (row_dot),
+        # which sum them as they read the values: handed over unevaluated
+        count = self.seen(xp, xp.astype(self.take, self.q.dtype)[..., None])
+        return count, _SEEN_VALUE_SUMS if values else None
+
+    def row_dot(self, xp, g, b):
+        if b is not _SEEN_VALUE_SUMS:
+            return super().row_dot(xp, g, b)
+        batch, lq = tuple(g.shape[:-2]), g.shape[-2]
+        lk = self.take.shape[-1]
+        dots = causal_row_dots(xp, row_view(xp, g, 2), row_view(xp, self.v, 2), flat_rows(xp, self.take, 1), lk - lq)
+        return xp.reshape(dots, batch + (lq, 1))
+
+    def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
+        return causal_profiles_vjp(x, y, w, profiles, cotangents, xp=xp, param_grads=param_grads,
+                                   levels=self.engine._levels(self.runs))
 
     def to_keys(self, xp, weights, g):
         return weights, g

@@ -39,7 +39,12 @@ from ._sums import (
 )
 
 __all__ = ["level_sums", "level_sums_into", "level_orders", "level_table", "dense_leaves", "dense_leaves_vjp",
-           "combine_output", "causal_epilogue", "merge_runs", "leaf_sums", "leaf_vjp"]
+           "combine_output", "causal_epilogue", "merge_runs", "leaf_sums", "leaf_vjp", "position_carry",
+           "causal_row_dots"]
+
+
+#: the names of :func:`level_orders`' sorted runs, in the order the engine keeps them as residuals
+RUN_NAMES = ("keys", "key_perm", "queries", "query_perm")
 
 
 def level_table(xp, qs, keys, vals, kept, orders):
@@ -91,14 +96,14 @@ def dense_leaves_vjp(xp, x, y, w, profiles, cotangents, leaf: int, *, param_grad
     return xp.reshape(dx, batch + (n,)), xp.reshape(dy, batch + (n,)), xp.reshape(dw, batch + (n, c)), params
 
 
-def combine_output(xp, grid, num, den, totals, good, *, center: bool, normalizer, dtype):
+def combine_output(xp, grid, num, den, w, take, good, *, center: bool, normalizer, dtype):
     """Causal attention's combination on the kernels (:attr:`~slicedkern.engines.scan._causal.Levels.combine`):
-    one :func:`causal_epilogue` launch reads the running sums on the positions and writes the
-    output in ``dtype``."""
+    one :func:`causal_epilogue` launch reads the running sums on the positions, sums the running
+    totals of the values ``w`` and indicator ``take`` there, and writes the output in ``dtype``."""
     batch, width = tuple(num.shape[:-2]), num.shape[-1]
     out = causal_epilogue(xp, flat_rows(xp, num, 2), None if den is None else flat_rows(xp, den[..., 0], 1),
-                          flat_rows(xp, totals, 2), flat_rows(xp, good, 1), grid.before - grid.blind, center=center,
-                          normalizer=normalizer, dtype=dtype)
+                          row_view(xp, w, 2), flat_rows(xp, take, 1), flat_rows(xp, good, 1), grid.before - grid.blind,
+                          center=center, normalizer=normalizer, dtype=dtype)
     return xp.reshape(out, batch + (grid.lq, width - 1))
 
 
@@ -117,7 +122,7 @@ def level_sums(xp, ar, qs, keys, vals, kept, profiles, orders=None):
     return sums
 
 
-def level_orders(xp, x, y, leaf: int):
+def level_orders(xp, x, y, leaf: int, runs: dict | None = None):
     """The sorted orders of every level of causal attention from one bottom-up merge sort per score
     array (:attr:`~slicedkern.engines.scan._causal.Levels.orders`; issue 26, item 4).
 
@@ -126,13 +131,18 @@ def level_orders(xp, x, y, leaf: int):
     keys (the even runs) and the right blocks' queries (the odd runs) are taken, as
     ``(key_order, key_perm, query_order, query_perm)`` with one row per block pair, and the runs
     merged in pairs (:func:`merge_runs`, one launch each) for the next level. Lazy: nothing
-    is sorted unless a level asks."""
+    is sorted unless a level asks.
+
+    ``runs``: a dict that carries the sorted runs from a forward to its backward (the engine keeps
+    them as residuals): empty, the runs sorted here are recorded in it (``"keys"``, ``"key_perm"``,
+    ``"queries"``, ``"query_perm"``, (R, n) each); filled, they are taken from it and nothing is
+    sorted."""
     n = x.shape[-1]
     rows = 1
     for d in x.shape[:-1]:
         rows *= d
 
-    def runs(a):
+    def sorted_runs(a):
         values, perm = sort_queries(xp, xp.reshape(a, (rows * (n // leaf), leaf)))
         return xp.reshape(values, (rows, n)), xp.reshape(perm, (rows, n))
 
@@ -140,7 +150,12 @@ def level_orders(xp, x, y, leaf: int):
         return xp.reshape(xp.reshape(a, (rows, n // (2 * size), 2, size))[:, :, side, :],
                           (rows * (n // (2 * size)), size)).contiguous()
 
-    (keys, key_perm), (queries, query_perm) = runs(y), runs(x)
+    if runs:
+        keys, key_perm, queries, query_perm = (runs[name] for name in RUN_NAMES)
+    else:
+        (keys, key_perm), (queries, query_perm) = sorted_runs(y), sorted_runs(x)
+        if runs is not None:
+            runs.update(zip(RUN_NAMES, (keys, key_perm, queries, query_perm)))
     size = leaf
     while size < n:
         yield (half(keys, size, 0), half(key_perm, size, 0), half(queries, size, 1), half(query_perm, size, 1))
@@ -150,20 +165,56 @@ def level_orders(xp, x, y, leaf: int):
         size *= 2
 
 
-def causal_epilogue(xp, num, den, totals, good, offset: int, *, center: bool, normalizer, dtype):
+def causal_epilogue(xp, num, den, w, take, good, offset: int, *, center: bool, normalizer, dtype):
     """Causal attention's output from its running sums (:func:`._dense.causal_epilogue`, one
-    launch): ``num`` (R, n, dv + 1) float64 the values' profile sums and the ReLU count, ``den``
-    (R, n) float64 the normaliser's sums or None, ``totals`` (R, n, dv + 1) float64 the values'
-    running sums and count, on the positions; ``good`` (R, lq) bool the NaN rule's verdicts; query
-    ``i`` at position ``i + offset``. Returns (R, lq, dv) in ``dtype``."""
+    launch after :func:`position_carry`'s): ``num`` (R, n, dv + 1) float64 the values' profile sums
+    and the ReLU count, ``den`` (R, n) float64 the normaliser's sums or None, ``w`` (R, n, dv) the
+    values (own dtype and strides) and ``take`` (R, n) bool, on the positions; ``good`` (R, lq)
+    bool the NaN rule's verdicts; query ``i`` at position ``i + offset``. Returns (R, lq, dv) in
+    ``dtype``."""
     rows, n, width = num.shape
     dv, lq = width - 1, good.shape[-1]
     out = xp.empty((rows, lq, dv), dtype=dtype, device=num.device)
     if rows and lq and dv:
+        take = xp.astype(take, xp.int8)
+        carry = position_carry(xp, w, take)
         loaded().causal_epilogue[(rows, triton_cdiv(lq, BLOCK_ROWS), triton_cdiv(dv, BLOCK_COLS))](
-            num, den if den is not None else num, totals, xp.astype(good, xp.int8), out, n, lq, dv, offset,
-            float(normalizer.eps), CENTER=bool(center), NORM=norm_code(normalizer), BLOCK_N=BLOCK_ROWS,
-            BLOCK_C=BLOCK_COLS, num_warps=8)
+            num, den if den is not None else num, w, take, carry, xp.astype(good, xp.int8), out, n, lq, dv, offset,
+            float(normalizer.eps), w.stride(0), w.stride(1), w.stride(2), CENTER=bool(center),
+            NORM=norm_code(normalizer), BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=8)
+    return out
+
+
+def position_carry(xp, w, take):
+    """The exclusive prefix over blocks of :data:`BLOCK_ROWS` positions of the sums of ``[w take |
+    take]``: (R, nb + 1, c + 1) float64, the last row the totals (:func:`._dense.position_sums`,
+    one launch, and one cumulative sum in place); ``w`` (R, n, c) in its own dtype and strides,
+    ``take`` (R, n) int8. What :func:`._dense._running_totals` reads."""
+    rows, n, c = w.shape
+    blocks = triton_cdiv(n, BLOCK_ROWS)
+    carry = xp.zeros((rows, blocks + 1, c + 1), dtype=xp.float64, device=w.device)
+    if rows and blocks:
+        loaded().position_sums[(rows, blocks, triton_cdiv(c + 1, BLOCK_COLS))](
+            w, take, carry, n, c, w.stride(0), w.stride(1), w.stride(2), BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
+        carry.cumsum_(dim=1)
+    return carry
+
+
+def causal_row_dots(xp, g, w, take, offset: int):
+    """``<g[r, i], V[r, i + offset]>`` (R, lq) float64, ``V`` the running sums of the values ``w``
+    (R, n, c) (own dtype and strides) over the positions where ``take`` (R, n) (0 before position
+    0): the quotient rule's row dots with the value sums each query of causal attention sees
+    (:func:`._dense.causal_row_dots`, one launch after :func:`position_carry`'s); ``g`` (R, lq, c)
+    in its own dtype and strides."""
+    rows, lq, c = g.shape
+    n = w.shape[1]
+    out = xp.empty((rows, lq), dtype=xp.float64, device=g.device)
+    if rows and lq:
+        take = xp.astype(take, xp.int8)
+        carry = position_carry(xp, w, take)
+        loaded().causal_row_dots[(rows, triton_cdiv(lq, BLOCK_ROWS))](
+            g, w, take, carry, out, n, lq, c, offset, g.stride(0), g.stride(1), g.stride(2), w.stride(0), w.stride(1),
+            w.stride(2), BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=8)
     return out
 
 

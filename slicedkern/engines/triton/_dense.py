@@ -13,9 +13,11 @@ try:
 except ImportError:      # imported without Triton (doctest collection): the engine declines before build()
     tl = None
 
-__all__ = ["leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots", "column_sums", "causal_dv"]
+__all__ = ["leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots", "column_sums", "causal_dv", "position_sums",
+           "causal_row_dots"]
 
-_JITTED = ("leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots", "column_sums", "causal_dv")
+_JITTED = ("_position_rows", "_running_totals", "leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots",
+           "column_sums", "causal_dv", "position_sums", "causal_row_dots")
 #: :func:`._kernels._below_sum` and :func:`._kernels._attention_epilogue`, jitted, set by
 #: :func:`._kernels.build` before the first launch
 _below_sum = _attention_epilogue = None
@@ -118,18 +120,86 @@ def leaf_pullback(x_ptr, y_ptr, w_ptr, g_ptr, knots_ptr, coeffs_ptr, lin_ptr, st
     tl.store(dx_ptr + row * n + i, tl.load(dx_ptr + row * n + i) + dx)
 
 
-def causal_epilogue(num_ptr, den_ptr, tot_ptr, good_ptr, out_ptr, n, lq, dv, offset, eps,
-                    CENTER: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+def _position_rows(w_ptr, take_ptr, row, j, jm, cols, n, c, sw_r, sw_n, sw_c):
+    """The rows ``[w_j take_j | take_j]`` of the positions ``j`` of one row over the columns ``cols``
+    (column ``c`` the indicator), float64, zero where ``jm`` is False; ``w`` (R, n, c) in its own
+    dtype and strides, ``take`` (R, n) int8."""
+    ok = (tl.load(take_ptr + row * n + j, mask=jm, other=0) != 0) & jm
+    wv = tl.load(w_ptr + row * sw_r + j[:, None] * sw_n + cols[None, :] * sw_c,
+                 mask=ok[:, None] & (cols < c)[None, :], other=0.0).to(tl.float64)
+    return tl.where(ok[:, None] & (cols == c)[None, :], 1.0, wv)
+
+
+def _running_totals(w_ptr, take_ptr, carry_ptr, row, p0, cols, n, c, sw_r, sw_n, sw_c, BLOCK_N: tl.constexpr):
+    """The running totals ``sum over j <= p of [w_j take_j | take_j]`` at the positions ``p = p0 ..
+    p0 + BLOCK_N - 1`` of one row, over the columns ``cols``, (BLOCK_N, len(cols)) float64 (0 before
+    position 0), from ``carry`` (R, nb + 1, c + 1) float64, the exclusive prefix of the sums of
+    blocks of ``BLOCK_N`` positions (:func:`position_sums`), the rows of the block that holds ``p0``
+    before it, and a running sum in registers of the rows from ``p0``: no (n, c) array of the totals
+    (issue 26, item 5)."""
+    start = tl.maximum(p0, 0)
+    first = start // BLOCK_N
+    a = first * BLOCK_N + tl.arange(0, BLOCK_N)
+    before = tl.sum(_position_rows(w_ptr, take_ptr, row, a, a < start, cols, n, c, sw_r, sw_n, sw_c), 0)
+    carry = tl.load(carry_ptr + (row * (tl.cdiv(n, BLOCK_N) + 1) + first) * (c + 1) + cols, mask=cols <= c,
+                    other=0.0)
+    p = p0 + tl.arange(0, BLOCK_N)
+    rows = _position_rows(w_ptr, take_ptr, row, p, (p >= 0) & (p < n), cols, n, c, sw_r, sw_n, sw_c)
+    return (carry + before)[None, :] + tl.cumsum(rows, axis=0)
+
+
+def position_sums(w_ptr, take_ptr, carry_ptr, n, c, sw_r, sw_n, sw_c, BLOCK_N: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
+    """The sums of ``[w_j take_j | take_j]`` over each block of ``BLOCK_N`` positions of a row,
+    float64, written to ``carry[r, b + 1]`` (R, nb + 1, c + 1) (row 0 left zero): one cumulative sum
+    makes it the exclusive prefix that :func:`_running_totals` reads."""
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    j = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = _position_rows(w_ptr, take_ptr, row, j, j < n, cols, n, c, sw_r, sw_n, sw_c)
+    tl.store(carry_ptr + (row * tl.num_programs(1) + row + blk + 1) * (c + 1) + cols, tl.sum(rows, 0),
+             mask=cols <= c)
+
+
+def causal_row_dots(g_ptr, w_ptr, take_ptr, carry_ptr, out_ptr, n, lq, c, offset, sg_r, sg_n, sg_c,
+                    sw_r, sw_n, sw_c, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``out[r, i] = <g[r, i], V[r, i + offset]>`` (R, lq) float64, ``V`` the running sums of the
+    values ``w`` (R, n, c) over the positions (:func:`_running_totals`): the quotient rule's row
+    dots with the value sums each query of causal attention sees, with no (lq, c) array of them;
+    ``g`` (R, lq, c) in its own dtype and strides."""
+    row = tl.program_id(0).to(tl.int64)
+    i0 = tl.program_id(1) * BLOCK_N
+    i = i0 + tl.arange(0, BLOCK_N)
+    im = i < lq
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float64)
+    for c0 in range(0, c, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        cm = cols < c
+        totals = _running_totals(w_ptr, take_ptr, carry_ptr, row, i0 + offset, cols, n, c, sw_r, sw_n, sw_c,
+                                 BLOCK_N)
+        gv = tl.load(g_ptr + row * sg_r + i[:, None] * sg_n + cols[None, :] * sg_c, mask=im[:, None] & cm[None, :],
+                     other=0.0)
+        acc += tl.sum(tl.where(cm[None, :], totals, 0.0) * gv.to(tl.float64), 1)
+    tl.store(out_ptr + row * lq + i, acc, mask=im)
+
+
+def causal_epilogue(num_ptr, den_ptr, w_ptr, take_ptr, carry_ptr, good_ptr, out_ptr, n, lq, dv, offset, eps,
+                    sw_r, sw_n, sw_c, CENTER: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
     """Causal attention's output from its running sums, in one pass (the arithmetic of
     :func:`._kernels._attention_epilogue`): query ``i`` of a row sits at position ``i + offset``
     (none before 0: a query that sees no key) and reads there ``num`` (R, n, dv + 1) float64, the
-    profile sums of the values and of the indicator (its ReLU count), the totals ``tot`` (R, n, dv
-    + 1) float64 of the values and the count it sees, and with NORM 2 the normaliser sums ``den``
-    (R, n) float64; ``good`` (R, lq) int8 False makes its row NaN (the causal NaN rule). Writes
-    ``out`` (R, lq, dv) in its own dtype: no float64 output and no (n, dv) temporaries of the
-    centring and the division (docs/architecture.rst, "Engines")."""
+    profile sums of the values and of the indicator (its ReLU count), and with NORM 2 the
+    normaliser sums ``den`` (R, n) float64; the totals of the values and the count it sees are
+    summed here from the values ``w`` (R, n, dv) (own dtype and strides), ``take`` (R, n) int8 and
+    their blocks' ``carry`` (:func:`_running_totals`); ``good`` (R, lq) int8 False makes its row NaN
+    (the causal NaN rule). Writes ``out`` (R, lq, dv) in its own dtype: no float64 output, no (n,
+    dv) array of the totals and no temporaries of the centring and the division
+    (docs/architecture.rst, "Engines")."""
     row = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    i0 = tl.program_id(1) * BLOCK_N
+    i = i0 + tl.arange(0, BLOCK_N)
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     p = i + offset
     seen = (i < lq) & (p >= 0)
@@ -137,8 +207,13 @@ def causal_epilogue(num_ptr, den_ptr, tot_ptr, good_ptr, out_ptr, n, lq, dv, off
     base = row * n * (dv + 1) + p * (dv + 1)
     acc = tl.load(num_ptr + base[:, None] + cols[None, :], mask=seen[:, None] & cm[None, :], other=0.0)
     relu_count = tl.load(num_ptr + base + dv, mask=seen, other=0.0)
-    totals = tl.load(tot_ptr + base[:, None] + cols[None, :], mask=seen[:, None] & cm[None, :], other=0.0)
-    count = tl.load(tot_ptr + base + dv, mask=seen, other=0.0)
+    totals = acc                              # read by the epilogue only with CENTER
+    if CENTER:
+        totals = _running_totals(w_ptr, take_ptr, carry_ptr, row, i0 + offset, cols, n, dv, sw_r, sw_n, sw_c,
+                                 BLOCK_N)
+    # the count is the indicator's column dv (the pair's second column is past the carry: zero)
+    count = tl.sum(_running_totals(w_ptr, take_ptr, carry_ptr, row, i0 + offset, dv + tl.arange(0, 2), n, dv,
+                                   sw_r, sw_n, sw_c, BLOCK_N), 1)
     den = relu_count                          # read by the epilogue only when NORM == 2
     if NORM == 2:
         den = tl.load(den_ptr + row * n + p, mask=seen, other=0.0)

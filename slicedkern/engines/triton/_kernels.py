@@ -43,7 +43,8 @@ __all__ = ["build", "interpreted", "tile_sums", "merge_eval", "decode_attend", "
 #: Every kernel the engine launches, as attributes of this module once built (:func:`build`): this
 #: module's and those of :mod:`._order` and :mod:`._dense`
 KERNELS = ("tile_sums", "merge_eval", "decode_attend", "sort_rows", "small_attend", "merge_runs", "leaf_eval",
-           "leaf_pullback", "causal_epilogue", "row_dots", "column_sums", "causal_dv")
+           "leaf_pullback", "causal_epilogue", "row_dots", "column_sums", "causal_dv", "position_sums",
+           "causal_row_dots")
 
 _JITTED = ("_rank", "_key_tile", "_tile", "_tile_moments", "_knot_ranks", "_below_sum", "_indicator_carry", "_pairs",
            "_indicator_linear", "_indicator_profile", "_attention_epilogue", "tile_sums", "_eval_block", "merge_eval",

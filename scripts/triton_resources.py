@@ -140,7 +140,8 @@ def _captured(names, run, variants: bool = False) -> list:
 
 
 def causal_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> list:
-    """The launches of one level of causal attention (the first of each kernel), its combination, the
+    """The launches of one level of causal attention (the first of each kernel), the sort of its
+    runs, its combination, the
     pull-back of its dense leaves, the running totals' block sums, and the backward's row dots and
     finish of ``dv``, captured."""
     import slicedkern
@@ -152,7 +153,7 @@ def causal_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> 
         out = slicedkern.relu_attention(q, k, v, causal=True, engine="triton")
         torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     return _captured(("leaf_eval", "tile_sums", "merge_eval", "merge_runs", "causal_epilogue", "leaf_pullback",
-                      "row_dots", "causal_dv", "position_sums", "causal_row_dots"), run)
+                      "row_dots", "causal_dv", "position_sums", "causal_row_dots", "sort_rows"), run)
 
 
 def backward_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> list:

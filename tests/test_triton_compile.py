@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_kernels_compile_for_hopper_without_spills():
     """Forward (with the small-L sort), the one-launch forward of short rows, a causal level (with
-    its merge sort's step, the dense leaves, their pull-back, the combination with its running
+    the sort of its runs, its merge sort's step, the dense leaves, their pull-back, the combination with its running
     totals' block sums, and the backward's row dots and finish of ``dv``), a forward with
     its backward (every variant compiled: 3 of pass 1, 6 of pass 2, and the quotient rule's row
     dots and column sums) and decoding, float32 and bfloat16 values: every kernel compiles for
@@ -47,7 +47,7 @@ def test_kernels_compile_for_hopper_without_spills():
         ("small", "small_attend", dtype) for dtype in ("float32", "bfloat16")} | {
         ("causal", kernel, dtype) for kernel in ("merge_runs", "leaf_eval", "leaf_pullback", "causal_epilogue",
                                                  "row_dots", "causal_dv", "position_sums",
-                                                 "causal_row_dots")
+                                                 "causal_row_dots", "sort_rows")
         for dtype in ("float32", "bfloat16")} | {
         (call, kernel, dtype) for call, kernel in (("forward", "sort_rows"), ("backward", "sort_rows_0"))
         for dtype in ("float32", "bfloat16")} | {

@@ -681,11 +681,14 @@ def test_traffic_of_the_backward_with_learned_bandwidths():
     assert found["sorts"] == 2
 
 
-def test_relu_normaliser_gradients_at_large_tied_scores():
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_relu_normaliser_gradients_at_large_tied_scores(small_leaves, causal):
     """Rows whose ReLU normaliser is exactly 0 send their cotangent to dq and dk but not to dv
     (engines/_vjp.py, ``_silent_rows``): on the triton engine, a second cotangent table with those
-    rows' factors zeroed. Scores of 1e20 with ties: dv within 1e-12 of the dense reference, where
-    the rounding of the sums over the queries would put 1.7e10 (issue 23, item 10)."""
+    rows' factors zeroed (causal: a second copy of the value columns, through the levels and the
+    leaves, whose dv is dropped). Scores of 1e20 with ties: dv within 1e-12 of the dense
+    reference, where the rounding of the sums over the queries would put 1.7e10 (issue 23, item
+    10)."""
     worst = 0.0
     for seed in (80, 100, 114, 138, 174):
         rng = np.random.default_rng(seed)
@@ -695,7 +698,7 @@ def test_relu_normaliser_gradients_at_large_tied_scores():
         for module, engine in ((slicedkern, "triton"), (reference, None)):
             args = [_t(a).requires_grad_() for a in (scores, scores, v)]
             kw = {"engine": engine} if engine else {}
-            out = module.relu_attention(*args, normalize="relu", **kw)
+            out = module.relu_attention(*args, normalize="relu", causal=causal, **kw)
             grads.append(torch.autograd.grad((out * g).sum(), args[2])[0])
         worst = max(worst, float((grads[0] - grads[1]).abs().max()))
     assert worst < 1e-12
@@ -826,8 +829,10 @@ def test_traffic_of_the_causal_forward(small_leaves):
     found = _traffic().count(48, 8, 1, backward=False, causal=True)
     # the dense leaves are one launch per profile, their (positions, leaf) products in registers;
     # the output is combined from the running sums by one launch more, in its own dtype
-    assert found["launches"] == {"leaf_eval": 2, "tile_sums": 4, "merge_eval": 8, "merge_runs": 2 * 3,
-                                 "position_sums": 1, "causal_epilogue": 1}
+    # float32 scores: each array's runs sorted as float32 in one launch of the engine's own sort
+    assert found["launches"] == {"sort_rows": 2, "leaf_eval": 2, "tile_sums": 4, "merge_eval": 8,
+                                 "merge_runs": 2 * 3, "position_sums": 1, "causal_epilogue": 1}
+    assert found["sorted dtypes"] == ["float32"]
     assert found["sorts"] == 2
     # what remains of n * D and more is the running sums, the NaN rule's screened values and their
     # padding to the positions: 5.3 times the values' bytes; 9.8 with the running totals as a

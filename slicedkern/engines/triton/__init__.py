@@ -207,18 +207,21 @@ class TritonEngine(Engine):
             residuals.append(xp.reshape(raw, batch + (lq, 1)))
         return xp.reshape(out, batch + (lq, dv)), tuple(residuals)
 
-    def _levels(self, runs: dict | None = None) -> Levels:
+    def _levels(self, runs: dict | None = None, narrow: bool = False) -> Levels:
         """The causal levels on the kernels; ``runs``: :func:`._causal.level_orders`' sorted runs,
-        recorded by a forward (empty) or read by its backward (filled)."""
-        orders = level_orders if runs is None else functools.partial(level_orders, runs=runs)
+        recorded by a forward (empty) or read by its backward (filled); ``narrow``: the scores are
+        float32 numbers, sorted as such (:func:`._causal.level_orders`)."""
+        orders = level_orders if runs is None and not narrow else functools.partial(level_orders, runs=runs,
+                                                                                    narrow=narrow)
         return Levels(level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True, orders=orders,
                       sums_into=level_sums_into, leaves=dense_leaves, leaves_vjp=dense_leaves_vjp,
                       combine=combine_output, mutable=True)
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
         runs = {}
+        # values narrower than float64: scores of float32 or narrower (attention's forward, above)
         out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,
-                                    xp=xp, levels=self._levels(runs))
+                                    xp=xp, levels=self._levels(runs, narrow=v.dtype != xp.float64))
         residuals = self.residuals_of(aux)
         if runs:
             # the levels' sorted runs (n elements each) go to the backward: it sorts nothing again

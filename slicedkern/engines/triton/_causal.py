@@ -122,7 +122,7 @@ def level_sums(xp, ar, qs, keys, vals, kept, profiles, orders=None):
     return sums
 
 
-def level_orders(xp, x, y, leaf: int, runs: dict | None = None):
+def level_orders(xp, x, y, leaf: int, runs: dict | None = None, narrow: bool = False):
     """The sorted orders of every level of causal attention from one bottom-up merge sort per score
     array (:attr:`~slicedkern.engines.scan._causal.Levels.orders`; issue 26, item 4).
 
@@ -136,14 +136,18 @@ def level_orders(xp, x, y, leaf: int, runs: dict | None = None):
     ``runs``: a dict that carries the sorted runs from a forward to its backward (the engine keeps
     them as residuals): empty, the runs sorted here are recorded in it (``"keys"``, ``"key_perm"``,
     ``"queries"``, ``"query_perm"``, (R, n) each); filled, they are taken from it and nothing is
-    sorted."""
+    sorted. ``narrow``: the scores are float32 numbers (or narrower) lifted to float64, sorted as
+    float32 (one :func:`._order.sort_rows` launch each instead of ``torch.sort`` and casts); the
+    runs keep float64 values. (Float32 keys, as the non-causal tables keep them, would halve the
+    keys' bytes in the merges, but the levels' evaluation kernel then spills 24 bytes a thread for
+    bfloat16 values on ``sm_90``: ``tests/test_triton_compile.py``.)"""
     n = x.shape[-1]
     rows = 1
     for d in x.shape[:-1]:
         rows *= d
 
     def sorted_runs(a):
-        values, perm = sort_queries(xp, xp.reshape(a, (rows * (n // leaf), leaf)))
+        values, perm = sort_queries(xp, xp.reshape(a, (rows * (n // leaf), leaf)), narrow)
         return xp.reshape(values, (rows, n)), xp.reshape(perm, (rows, n))
 
     def half(a, size, side):

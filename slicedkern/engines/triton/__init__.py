@@ -211,9 +211,8 @@ class TritonEngine(Engine):
         """The causal levels on the kernels; ``runs``: :func:`._causal.level_orders`' sorted runs,
         recorded by a forward (empty) or read by its backward (filled); ``narrow``: the scores are
         float32 numbers, sorted as such (:func:`._causal.level_orders`)."""
-        orders = level_orders if runs is None and not narrow else functools.partial(level_orders, runs=runs,
-                                                                                    narrow=narrow)
-        return Levels(level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True, orders=orders,
+        return Levels(level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True,
+                      orders=functools.partial(level_orders, runs=runs, narrow=narrow),
                       sums_into=level_sums_into, leaves=dense_leaves, leaves_vjp=dense_leaves_vjp,
                       combine=combine_output, mutable=True)
 

@@ -65,7 +65,9 @@ class Recorder(TorchDispatchMode):
 def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32, causal: bool = False,
           bandwidths: bool = False) -> dict:
     """The counts of one call of ReLU attention (centred, "abs"), or with ``bandwidths`` of hat
-    attention with one bandwidth per head, learned (its gradient taken too)."""
+    attention with one bandwidth per head, learned (its gradient taken too). With ``backward``, the
+    counts of the forward and backward together, and under ``"forward"`` those of the forward alone
+    (as ``backward=False`` gives them: the same call, counted when the output is made)."""
     from slicedkern.engines.triton import _sums
     kernels = _sums.loaded()
     launches = collections.Counter()
@@ -94,26 +96,34 @@ def count(length: int, dim: int, heads: int, backward: bool, dtype=torch.float32
                 out = slicedkern.hat_attention(q, k, v, width, causal=causal, engine="triton")
             else:
                 out = slicedkern.relu_attention(q, k, v, causal=causal, engine="triton")
+            forward = _counts(launches, rec, (out,), length * dim * heads * dtype.itemsize)
             inputs = (q, k, v, width) if bandwidths else (q, k, v)
             grads = torch.autograd.grad(out, inputs, cot) if backward else ()
     finally:
         for name, jitted in originals.items():
             setattr(kernels, name, jitted)
-    kept = {t.untyped_storage().data_ptr() for t in (out, *grads)}
+    if not backward:
+        return forward
+    return {**_counts(launches, rec, (out, *grads), length * dim * heads * dtype.itemsize), "forward": forward}
+
+
+def _counts(launches: collections.Counter, rec: Recorder, kept: tuple, values_bytes: int) -> dict:
+    """What ``launches`` and ``rec`` have counted so far; ``kept`` (the output, the gradients) are
+    not intermediates."""
+    kept = {t.untyped_storage().data_ptr() for t in kept}
     large = [(op, n, dt) for op, n, dt, ptr in rec.large if ptr not in kept]
     # a sort is torch's or, for short rows of float32 scores, one launch of the engine's own; the
     # one-launch forward of short rows sorts the keys and the queries in it
     sorted_dtypes = {str(dt).replace("torch.", "") for dt in rec.sorted_dtypes}
     sorted_dtypes |= {"float32"} if launches["sort_rows"] or launches["small_attend"] else set()
     sorts = rec.ops["sort"] + rec.ops["argsort"] + launches["sort_rows"] + 2 * launches["small_attend"]
-    return {"launches": dict(launches), "sorts": sorts,
+    return {"launches": {name: n for name, n in launches.items() if n}, "sorts": sorts,
             "sorted dtypes": sorted(sorted_dtypes),
             # values read back to the host (``.item()``, ``bool(tensor)``): each a device synchronisation
             "host reads": rec.ops["_local_scalar_dense"],
             "large intermediates": len(large),
             "large float64": sum(dt == torch.float64 for _, _, dt in large),
-            "large bytes / (n D itemsize)": sum(n * dt.itemsize for _, n, dt in large)
-            / (length * dim * heads * dtype.itemsize),
+            "large bytes / (n D itemsize)": sum(n * dt.itemsize for _, n, dt in large) / values_bytes,
             "by op": dict(collections.Counter(op for op, _, _ in large))}
 
 
@@ -204,11 +214,12 @@ def main(argv=None):
     if a.two_pass:
         from slicedkern.engines.triton import _sums
         _sums.SMALL_FUSED = 0
+    both = None if a.host else count(a.length, a.dim, a.heads, True, causal=a.causal, bandwidths=a.bandwidths)
     for backward in (False, True):
         if a.host:
             found = host_cost(a.length, a.dim, a.heads, backward, causal=a.causal)
         else:
-            found = count(a.length, a.dim, a.heads, backward, causal=a.causal, bandwidths=a.bandwidths)
+            found = {key: value for key, value in both.items() if key != "forward"} if backward else both["forward"]
         print(f"{'causal ' if a.causal else ''}{'forward+backward' if backward else 'forward'}, L = {a.length}, "
               f"D = {a.dim}, H = {a.heads}, float32:")
         for key, value in found.items():

@@ -36,13 +36,63 @@ def _tiles(monkeypatch, keys, queries, columns):
     monkeypatch.setattr(_sums, "BLOCK_C", columns)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def language_patched_once_per_launch():
+    """Triton's interpreter patches ``triton.language`` at every launch and again at every call of a
+    ``@triton.jit`` helper from inside the kernel (about 1 ms each: a fifth of this file's time, the
+    helpers being called per loop step). Inside a launch the language is already patched, so the
+    nested calls get an empty patch scope. Nothing else changes; if Triton's interpreter no longer
+    has these names, the tests run unchanged, only slower."""
+    try:
+        from triton.runtime import interpreter
+        patch, empty_scope = interpreter._patch_lang, interpreter._LangPatchScope
+    except (ImportError, AttributeError):
+        yield
+        return
+    languages = {id(m) for m in (interpreter.tl, interpreter.tl.core)}
+    patched = set()            # the language modules patched since the launch began
+
+    def patch_unless_launched(fn):
+        seen = {id(m) for m in fn.__globals__.values() if id(m) in languages}
+        if patched and seen <= patched:
+            return empty_scope()
+        scope = patch(fn)
+        if patched:            # a helper (triton's own) that sees another language module
+            patched.update(seen)
+            return scope
+        restore = scope.restore
+
+        def restore_and_end_launch():
+            patched.clear()
+            restore()
+
+        scope.restore = restore_and_end_launch
+        patched.update(seen)
+        return scope
+
+    with pytest.MonkeyPatch.context() as mp:
+        if DEVICE == "cpu":
+            mp.setattr(interpreter, "_patch_lang", patch_unless_launched)
+        yield
+
+
+@pytest.fixture
+def engine_tiles():
+    """The engine's own tile sizes, not :func:`small_tiles`': for the traffic counts, which do not
+    depend on them (fewer programs for the interpreter to run)."""
+
+
 @pytest.fixture(autouse=True)
-def small_tiles(monkeypatch):
+def small_tiles(request, monkeypatch):
     """Tiles of 8 keys and blocks of 8 queries under the interpreter, so that these small cases cross
-    tiles and query blocks (L not a multiple of either); the compiled kernels keep the defaults
-    (``tl.dot`` needs 16 or more)."""
+    tiles and query blocks (L not a multiple of either), and short rows sorted in blocks of their
+    length's power of two (not of 256: the interpreter runs every stage of the network); the
+    compiled kernels keep the defaults (``tl.dot`` needs 16 or more)."""
     if DEVICE == "cpu":
-        _tiles(monkeypatch, 8, 8, 4)
+        from slicedkern.engines.triton import _sums
+        monkeypatch.setattr(_sums, "SORT_MIN_BLOCK", 16)
+        if "engine_tiles" not in request.fixturenames:
+            _tiles(monkeypatch, 8, 8, 4)
 
 
 def _t(a, dtype=torch.float64):
@@ -53,13 +103,16 @@ def _np(a):
     return a.detach().cpu().to(torch.float64).numpy()
 
 
-def _data(rng, ties=False):
+def _data(rng, ties=False, rows=None):
+    """Scores, values and a key mask of :data:`SHAPE_Q` and :data:`SHAPE_K`; with ``rows``, of one
+    batch dim of that many rows instead (the interpreter's time grows with the rows)."""
+    shape_q, shape_k = (SHAPE_Q, SHAPE_K) if rows is None else ((rows, SHAPE_Q[-1]), (rows, SHAPE_K[-1]))
     if ties:   # dyadic scores: exact ties between queries, keys and the knots +-0.5, 0
-        q = rng.choice([-1.0, -0.5, 0.0, 0.25, 0.5, 1.0], size=SHAPE_Q)
-        k = rng.choice([-1.0, -0.5, 0.0, 0.25, 0.5, 1.0], size=SHAPE_K)
+        q = rng.choice([-1.0, -0.5, 0.0, 0.25, 0.5, 1.0], size=shape_q)
+        k = rng.choice([-1.0, -0.5, 0.0, 0.25, 0.5, 1.0], size=shape_k)
     else:
-        q, k = rng.normal(size=SHAPE_Q), rng.normal(size=SHAPE_K)
-    return q, k, rng.normal(size=SHAPE_K + (DV,)), rng.random(SHAPE_K) > 0.3
+        q, k = rng.normal(size=shape_q), rng.normal(size=shape_k)
+    return q, k, rng.normal(size=shape_k + (DV,)), rng.random(shape_k) > 0.3
 
 
 ATTENTION = [
@@ -359,9 +412,10 @@ CAUSAL = ATTENTION         # every normaliser: the causal epilogue divides by ea
 def test_causal_attention_matches_the_dense_reference(rng, small_leaves, name, op):
     """Causal attention on the triton kernels (the scan's levels, each one pass 1 and one pass 2 over
     the block pairs as rows): Lq < Lk (bottom-right alignment), dyadic ties, a key mask; forward
-    and gradients against the dense causal reference."""
-    q, k, v, mask = _data(rng, ties=True)
-    cot = _t(rng.normal(size=SHAPE_Q + (DV,)))
+    and gradients against the dense causal reference; two rows (the batch dims are flattened before
+    the engine: the other tests hold them)."""
+    q, k, v, mask = _data(rng, ties=True, rows=2)
+    cot = _t(rng.normal(size=q.shape + (DV,)))
     results = []
     for module, kw in ((slicedkern, {"engine": "triton"}), (reference, {})):
         args = [_t(a).requires_grad_() for a in (q, k, v)]
@@ -396,9 +450,9 @@ def test_causal_more_queries_than_keys_nan_rule_and_low_precision(rng, small_lea
 
 def test_causal_bandwidth_and_weight_gradients(rng, small_leaves):
     """Per-head bandwidths and mixture weights: their gradients summed over the blocks of every
-    level and the leaves, equal to the scan's."""
-    q, k, v, _ = _data(rng)
-    b = rng.uniform(0.3, 1.5, size=(3,))
+    level and the leaves, equal to the scan's (two heads)."""
+    q, k, v, _ = _data(rng, rows=2)
+    b = rng.uniform(0.3, 1.5, size=(2,))
     grads = []
     for engine in ("triton", "scan"):
         qa, ka, va = (_t(a).requires_grad_() for a in (q, k, v))
@@ -544,7 +598,7 @@ def two_passes(monkeypatch):
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["one-launch", "two-pass"])
-def test_host_work_of_a_warm_call_makes_no_profile_arrays(monkeypatch, fused):
+def test_host_work_of_a_warm_call_makes_no_profile_arrays(monkeypatch, fused, engine_tiles):
     """On a GPU at small L the host's operators are the time (docs/benchmarks.rst, "On a GPU"): a
     fixed profile's knot, coefficient and slope arrays are made by the first call only, and the
     NaN policy makes no pass over the values; the forward of short rows in one launch runs fewer
@@ -563,7 +617,7 @@ def test_host_work_of_a_warm_call_makes_no_profile_arrays(monkeypatch, fused):
         assert "aminmax" not in found["by op"], found["by op"]
 
 
-def test_traffic_of_the_forward(two_passes):
+def test_traffic_of_the_forward(two_passes, engine_tiles):
     """The forward's structure (scripts/triton_traffic.py counts it): one sort each of the keys and
     the queries (each one launch at this length), one tile-sum launch and one evaluation launch (the
     count and normaliser sums and the values together, centring and divisor in its epilogue), and
@@ -572,8 +626,8 @@ def test_traffic_of_the_forward(two_passes):
     float64 and cast."""
     if DEVICE != "cpu":
         pytest.skip("counted under the interpreter, on CPU tensors (the counts do not depend on the device)")
-    traffic = _traffic()
-    found = traffic.count(48, 8, 1, backward=False)
+    both = _traffic().count(48, 8, 1, backward=True)
+    found = both["forward"]
     # the two sorts are one launch each of the small-L sort (float32 scores, 48 per row)
     assert found["launches"] == {"sort_rows": 2, "tile_sums": 1, "merge_eval": 1}
     assert found["sorts"] == 2
@@ -581,10 +635,10 @@ def test_traffic_of_the_forward(two_passes):
     assert found["sorted dtypes"] == ["float32"]
     assert found["large intermediates"] == 0
     # the backward reuses the forward's sorted orders (its residuals): still one sort per array
-    assert traffic.count(48, 8, 1, backward=True)["sorts"] == 2
+    assert both["sorts"] == 2
 
 
-def test_traffic_of_the_backward(two_passes):
+def test_traffic_of_the_backward(two_passes, engine_tiles):
     """The backward's structure (issue 26, item 2): the forward's table of keys kept (its carry a
     residual: no pass 1 over the keys again), one table of the cotangent rows over the sorted
     queries, scaled as the kernels read them, and one of the two indicator cotangents; evaluations
@@ -606,7 +660,7 @@ def test_traffic_of_the_backward(two_passes):
     assert found["host reads"] == 0, found
 
 
-def test_traffic_of_the_forward_of_short_rows(monkeypatch):
+def test_traffic_of_the_forward_of_short_rows(monkeypatch, engine_tiles):
     """Short rows take attention's forward in one launch (issue 26, item 3: ``small_attend`` sorts
     the keys and the queries, sums every column's tiles, reads the values' NaN verdict off the
     totals and evaluates the queries): no other launch, no intermediate of n * D elements or more,
@@ -616,11 +670,11 @@ def test_traffic_of_the_forward_of_short_rows(monkeypatch):
         pytest.skip("counted under the interpreter, on CPU tensors (the counts do not depend on the device)")
     from slicedkern.engines.triton import _sums
     traffic = _traffic()
-    found = traffic.count(48, 8, 1, backward=False)
-    assert found["launches"] == {"small_attend": 1}
-    assert found["sorts"] == 2 and found["sorted dtypes"] == ["float32"]
-    assert found["large intermediates"] == 0, found
     found = traffic.count(48, 8, 1, backward=True)
+    forward = found["forward"]
+    assert forward["launches"] == {"small_attend": 1}
+    assert forward["sorts"] == 2 and forward["sorted dtypes"] == ["float32"]
+    assert forward["large intermediates"] == 0, forward
     assert found["launches"] == {"small_attend": 1, "tile_sums": 3, "merge_eval": 3 + 3 + 1, "row_dots": 2,
                                  "column_sums": 1}
     assert found["sorts"] == 2 and found["large intermediates"] == 0 and found["host reads"] == 0, found
@@ -669,7 +723,7 @@ def test_short_rows_in_one_launch_equal_the_two_passes(rng, monkeypatch, name, o
             np.testing.assert_allclose(one, two, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
 
 
-def test_traffic_of_the_backward_with_learned_bandwidths():
+def test_traffic_of_the_backward_with_learned_bandwidths(engine_tiles):
     """Hat attention with a learned bandwidth per head: its knot and coefficient gradients are the
     knots' ReLU and step sums dotted with the cotangent in pass 2's epilogue (``_knot_grads``), and
     the bandwidths' NaN rule is the forward's factor (``Engine.folds_row_ok``): no intermediate of
@@ -709,12 +763,14 @@ def test_sort_rows_is_a_stable_sort(n):
     """The small-L sort (``_order.sort_rows``: float32 numbers as order-preserving bit patterns
     above their indices, one 64-bit ``tl.sort``) equals ``torch.sort(stable=True)``: values and
     indices, with ties, -0.0 beside 0.0, the largest finite numbers of both signs and subnormal
-    ones, rows of 1 to 4096 (a whole block) entries, float64 arrays holding float32 numbers."""
+    ones, rows of 1 to 4096 (a whole block) entries, float64 arrays holding float32 numbers; three
+    rows a launch (one at 4096)."""
     import array_api_compat.torch as xp
 
     from slicedkern.engines.triton import _sums
     g = torch.Generator().manual_seed(n)
-    a = (torch.randint(-3, 4, (3, n), generator=g) * 0.5).to(torch.float32)
+    rows = 1 if n > 1024 else 3             # the interpreter runs a 4096-entry network in 7 s a row
+    a = (torch.randint(-3, 4, (rows, n), generator=g) * 0.5).to(torch.float32)
     special = torch.tensor([-0.0, 0.0, 3.4e38, -3.4e38, 1e-45, -1e-45, -0.0], dtype=torch.float32)
     a.view(-1)[:min(special.numel(), a.numel())] = special[:a.numel()]
     a = a.to(device=DEVICE, dtype=torch.float64)
@@ -816,7 +872,7 @@ def test_causal_gradients_with_more_or_fewer_queries_than_keys(rng, small_leaves
         np.testing.assert_allclose(_np(got), _np(want), rtol=1e-9, atol=1e-11, err_msg=label)
 
 
-def test_traffic_of_the_causal_forward(small_leaves):
+def test_traffic_of_the_causal_forward(small_leaves, engine_tiles):
     """Causal: one segmented sort of each score array in runs of a leaf, and one bottom-up merge
     sort from there (issue 26, item 4); the dense leaves one launch per profile, each level's sums
     added in place into the running sums: per level one merge launch per array for the next level
@@ -826,7 +882,8 @@ def test_traffic_of_the_causal_forward(small_leaves):
     runs (residuals) through the same merges: it sorts nothing (before: each array once more)."""
     if DEVICE != "cpu":
         pytest.skip("counted under the interpreter, on CPU tensors (the counts do not depend on the device)")
-    found = _traffic().count(48, 8, 1, backward=False, causal=True)
+    both = _traffic().count(48, 8, 1, backward=True, causal=True)
+    found = both["forward"]
     # the dense leaves are one launch per profile, their (positions, leaf) products in registers;
     # the output is combined from the running sums by one launch more, in its own dtype
     # float32 scores: each array's runs sorted as float32 in one launch of the engine's own sort
@@ -841,11 +898,10 @@ def test_traffic_of_the_causal_forward(small_leaves):
     # leaf) matrices too; the combination sums the totals from their blocks' carry as it reads the
     # values (position_sums one launch)
     assert found["large bytes / (n D itemsize)"] < 5.5, found
-    both = _traffic().count(48, 8, 1, backward=True, causal=True)
     assert both["sorts"] == 2 and both["launches"]["merge_runs"] == 2 * 2 * 3
 
 
-def test_traffic_of_the_causal_backward():
+def test_traffic_of_the_causal_backward(engine_tiles):
     """The causal backward's dense leaves are pulled back by one launch per profile (the values, the
     indicator's ReLU count and the "abs" normaliser), their (positions, leaf) terms in registers;
     the levels' pull-backs are added in place into the leaves' gradients, the cotangent is read in

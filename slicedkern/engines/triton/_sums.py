@@ -34,6 +34,10 @@ BLOCK_COLS = 32
 #: longer ones by ``torch.sort``. Its 64-bit bitonic network compiles once per power of two and
 #: holds a row in registers: 112 a thread at 4096 on 8 warps (``sm_90``, no spill), 206 at 8192.
 SMALL_SORT = 4096
+#: The smallest block a row is sorted in: below 256 the 128 threads of 4 warps hold under two numbers
+#: each. (Under Triton's interpreter, where every stage of the network is Python work, the tests
+#: lower it so that short rows sort in short networks.)
+SORT_MIN_BLOCK = 256
 #: warps of a pass-2 program (:func:`._kernels.merge_eval`)
 MERGE_WARPS = 8
 _MODULE = "slicedkern.engines.triton._kernels"
@@ -137,7 +141,7 @@ def _sorted(xp, a, work, into=None):
     if work == xp.float32 and 0 < n <= SMALL_SORT and rows:
         values = xp.empty((rows, n), dtype=into, device=a.device)
         perm = xp.empty((rows, n), dtype=xp.int32, device=a.device)
-        block = max(256, 1 << (n - 1).bit_length())
+        block = max(SORT_MIN_BLOCK, 1 << (n - 1).bit_length())
         loaded().sort_rows[(rows,)](a.contiguous(), values, perm, n, BLOCK=block, num_warps=8 if block > 1024 else 4)
         return values, perm
     values, perm = xp.astype(a, work).sort(dim=-1, stable=True)
@@ -405,7 +409,7 @@ def attend_small(xp, y, x, w, take, profile: Profile, normalizer, batch, *, cent
             carry, knots, coeffs, lin, factor, out, nknots, ncoeffs, nlin, count, raw if raw is not None else count,
             eps, n, m, c, C, nb, width, w.stride(0), w.stride(1), w.stride(2), max(1, math.ceil(math.log2(m + 1))),
             SMALL_BLOCKS, query_blocks, K=K, HAS_TAKE=take is not None, ACC=_tl_dtype(k, _acc_dtype(xp, w), xp),
-            CENTER=bool(center), NORM=norm, KN=kn, SORT=max(256, 1 << (max(m, n) - 1).bit_length()),
+            CENTER=bool(center), NORM=norm, KN=kn, SORT=max(SORT_MIN_BLOCK, 1 << (max(m, n) - 1).bit_length()),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c, num_warps=MERGE_WARPS)
     table = Table(keys, perm, shift, carry, w, take_arg, C, True)
     return out[..., :c], count, raw, table, Queries(xs, xperm)

@@ -105,18 +105,20 @@ class CausalScreen(NamedTuple):
 
     q: Any            # (..., lq) non-finite queries replaced by 0
     k: Any            # (..., lk) keys that take no part replaced by the mean of those that do
-    v: Any            # (..., lk, dv) zero on the keys that take no part
+    v: Any            # (..., lk, dv) zero on the keys that take no part (or as given: zero_values)
     take: Any         # (..., lk) bool: the key takes part (unmasked and finite)
     good: Any         # (..., lq) bool: the query is finite and sees no non-finite key
     row_bad: Any      # (...) bool: some query of the batch row sees a non-finite key
 
 
-def screen_causal(xp, grid: CausalGrid, q, k, v, key_mask) -> CausalScreen:
+def screen_causal(xp, grid: CausalGrid, q, k, v, key_mask, *, zero_values: bool = True) -> CausalScreen:
     """Apply the causal NaN rule: find the bad queries and keys and make every input finite.
 
     A key is *bad* when it takes part (``key_mask``) and its score or any entry of its value is not
     finite; the queries whose positions are at or past a bad key's position see it and are NaN.
-    Everything is replaced by finite numbers before any arithmetic, so that no backend warns.
+    Everything is replaced by finite numbers before any arithmetic, so that no backend warns; with
+    ``zero_values`` False, the values are returned as given, for kernels that read a value only
+    where ``take`` is True (no copy of them: issue 26, item 5).
     """
     q_ok = finite(xp, q)
     bad = ~(finite(xp, k) & finite_keys(xp, v))
@@ -135,6 +137,7 @@ def screen_causal(xp, grid: CausalGrid, q, k, v, key_mask) -> CausalScreen:
     fill = xp.sum(xp.where(take, k, zero), axis=-1, keepdims=True) / clamp_min(
         xp, xp.sum(takef, axis=-1, keepdims=True), 1.0)
     k = xp.where(take, k, fill)
-    v = xp.where(take[..., None], v, xp.asarray(0.0, dtype=v.dtype, device=array_device(v)))
+    if zero_values:
+        v = xp.where(take[..., None], v, xp.asarray(0.0, dtype=v.dtype, device=array_device(v)))
     q = xp.where(q_ok, q, zero)
     return CausalScreen(q, k, v, take, good, xp.any(poisoned, axis=-1))

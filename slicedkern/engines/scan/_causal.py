@@ -98,6 +98,9 @@ class Levels(NamedTuple):
     ``mutable``: the engine's arrays take in-place additions (torch's), so that the backward adds
     each level's pull-backs into the leaves' gradients on the positions rather than joining copies
     of them (:func:`_add_level_into`; float64 work only).
+    ``masked_values``: ``leaves``, ``sums_into`` and ``combine`` read a value only where ``take`` is
+    True (masked loads), so attention's forward hands them the values as given, with no copy
+    zeroed on the keys that take no part (float64 work only).
     """
 
     sums: Callable
@@ -110,6 +113,7 @@ class Levels(NamedTuple):
     leaves_vjp: Callable | None = None
     combine: Callable | None = None
     mutable: bool = False
+    masked_values: bool = False
 
 
 def _level_orders(xp, levels: Levels, x, y, leaf: int):
@@ -236,9 +240,10 @@ def _level_inputs(xp, x, y, w, take, size: int):
 def causal_sums(xp, ar, x, y, w, take, profiles, levels: Levels = SCAN_LEVELS):
     """Per position ``p``, ``sum_{j <= p, take_j} f(x_p - y_j) [w_j, 1]`` for each profile (its columns).
 
-    x, y (..., n) finite on the positions; w (..., n, c) zero where ``take`` (..., n) is False, in the
-    work dtype (or the values' own with ``levels.native_values``; the leaves cast it). Returns one
-    wide (..., n, c_p) value per profile, the column of ones being column ``c``.
+    x, y (..., n) finite on the positions; w (..., n, c) zero where ``take`` (..., n) is False (any
+    value there with ``levels.masked_values``), in the work dtype (or the values' own with
+    ``levels.native_values``; the leaves cast it). Returns one wide (..., n, c_p) value per
+    profile, the column of ones being column ``c``.
     """
     n = x.shape[-1]
     leaf = _leaf_size(ar, n, levels)
@@ -288,7 +293,7 @@ def causal_attention(q, k, v, profile: Profile, *, key_mask, center: bool, norma
     ar = arithmetic(xp, q.dtype)
     v, unscale = _power_of_two_scaled(xp, ar, v)
     grid = CausalGrid(lq, lk)
-    sc = screen_causal(xp, grid, q, k, v, key_mask)
+    sc = screen_causal(xp, grid, q, k, v, key_mask, zero_values=not (levels.masked_values and not ar.wide))
     fill = sc.k[..., -1:]
     x, y = grid.queries(xp, sc.q, fill), grid.keys(xp, sc.k, fill)
     w = grid.keys(xp, sc.v if levels.native_values else xp.astype(sc.v, q.dtype), 0.0, axis=-2)

@@ -214,7 +214,7 @@ class TritonEngine(Engine):
         return Levels(level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True,
                       orders=functools.partial(level_orders, runs=runs, narrow=narrow),
                       sums_into=level_sums_into, leaves=dense_leaves, leaves_vjp=dense_leaves_vjp,
-                      combine=combine_output, mutable=True)
+                      combine=combine_output, mutable=True, masked_values=True)
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
         runs = {}

@@ -76,6 +76,13 @@ class AllKeys:
     def v(self, values):
         self._v = values
 
+    def value_columns(self, xp, *, silent: bool):
+        """``[v | take]`` (..., lk, Dv + 1), with ``silent`` ``[v | take | v]``: the columns whose
+        profile sums attention's pull-back takes together (:func:`sums_vjp`), zero on the keys that
+        take no part (an engine's view may zero them as it joins them)."""
+        v = self.v
+        return xp.concat([v, xp.astype(self.take, v.dtype)[..., None]] + ([v] if silent else []), axis=-1)
+
     def cotangent(self, xp, g):
         """The output's cotangent ``g`` (any float dtype) as this view's pull-back reads it: in the
         work dtype (an engine's view may read it in its own, :meth:`row_dot` and :meth:`to_keys`
@@ -126,10 +133,11 @@ class SeenKeys(AllKeys):
 
     def __init__(self, engine, q, k, v, key_mask, xp):
         self.grid = CausalGrid(q.shape[-1], k.shape[-1])
-        sc = screen_causal(xp, self.grid, q, k, v, key_mask)
-        self.q, self.k, self.v, self.take, self.good = sc.q, sc.k, sc.v, sc.take, sc.good
+        sc = screen_causal(xp, self.grid, q, k, v, key_mask, zero_values=False)
+        self.q, self.k, self.take, self.good = sc.q, sc.k, sc.take, sc.good
         self.row_bad = sc.row_bad
-        self.engine = engine
+        # the values zeroed on the keys that take no part are made on first use (AllKeys.v)
+        self.raw_v, self.engine, self.xp, self._v = v, engine, xp, None
 
     def seen(self, xp, a):
         """Running sums of ``a`` (..., lk, c) read at each query's position: (..., lq, c), work dtype."""
@@ -223,9 +231,8 @@ def sums_vjp(keys, profile: Profile, normalizer: Normalizer, gout, cot, silent, 
     if not indicator_profiles:
         dq, dk, dv, params = keys.profiles_vjp(keys.q, keys.k, keys.v, [profile], [gnum], xp=xp)
         return dq, dk, keys.finish_dv(xp, dv, dv_sub, dv_factor), params[0]
-    dv_cols = keys.v.shape[-1]
+    dv_cols = keys.raw_v.shape[-1]
     zero = xp.zeros((), dtype=gnum.dtype, device=array_device(gnum))
-    columns = [keys.v, xp.astype(keys.take, keys.v.dtype)[..., None]]
     value_cots = [gnum]
     if silent is not None:
         # Rows whose normaliser sum is exactly 0 while the profile vanishes wherever it does (ReLU
@@ -234,9 +241,8 @@ def sums_vjp(keys, profile: Profile, normalizer: Normalizer, gout, cot, silent, 
         # reach dv: 1.7e10 for -0.9 at |q| = 1e20 (issue 23, item 10). Their cotangent goes
         # through a copy of the value columns whose gradient is dropped: dq and dk keep its
         # tie-rule terms (H(0) = 1), dv gets none of it.
-        columns.append(keys.v)
         value_cots = [xp.where(silent, zero, gnum), xp.where(silent, gnum, zero)]
-    w = xp.concat(columns, axis=-1)
+    w = keys.value_columns(xp, silent=silent is not None)
     profiles = [profile.with_(columns=slice(0, dv_cols))] + [
         p.with_(columns=slice(dv_cols, dv_cols + 1)) for p in indicator_profiles]
     if silent is not None:

@@ -116,7 +116,7 @@ class ShardedSeenKeys(_vjp.SeenKeys):
         self.row_bad = ranks[..., 1, dv + 1] > 0                          # the last query sees every key
 
     def totals(self, xp, *, values: bool):
-        dv = self.v.shape[-1]
+        dv = self.raw_v.shape[-1]
         count = self.seen(xp, xp.astype(self.take, self.q.dtype)[..., None]) + self._before[..., dv:dv + 1]
         return count, self.seen(xp, self.v) + self._before[..., :dv] if values else None
 

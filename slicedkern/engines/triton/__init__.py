@@ -359,7 +359,8 @@ class _CausalKeys(_KernelRows, SeenKeys):
             return super().row_dot(xp, g, b)
         batch, lq = tuple(g.shape[:-2]), g.shape[-2]
         lk = self.take.shape[-1]
-        dots = causal_row_dots(xp, row_view(xp, g, 2), row_view(xp, self.v, 2), flat_rows(xp, self.take, 1), lk - lq)
+        dots = causal_row_dots(xp, row_view(xp, g, 2), row_view(xp, self.raw_v, 2), flat_rows(xp, self.take, 1),
+                               lk - lq)
         return xp.reshape(dots, batch + (lq, 1))
 
     def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
@@ -378,7 +379,15 @@ class _CausalKeys(_KernelRows, SeenKeys):
             weights = flat_rows(xp, xp.broadcast_to(weights, batch + (lq, 1))[..., 0], 1)
             g = row_view(xp, xp.broadcast_to(g, batch + (lq, d)), 2)
         factor = flat_rows(xp, xp.broadcast_to(dv_factor, batch + (lk, 1))[..., 0], 1)
-        return xp.reshape(causal_dv(xp, row_view(xp, dv, 2), g, weights, factor, self.v.dtype), batch + (lk, d))
+        return xp.reshape(causal_dv(xp, row_view(xp, dv, 2), g, weights, factor, self.raw_v.dtype), batch + (lk, d))
+
+    def value_columns(self, xp, *, silent):
+        # the values as given (any number on the keys that take no part: the kernels of the row dots
+        # read them so), zeroed in the joined columns, which are this view's own: no zeroed copy of
+        # the values besides (issue 26, item 5)
+        v = self.raw_v
+        w = xp.concat([v, xp.astype(self.take, v.dtype)[..., None]] + ([v] if silent else []), axis=-1)
+        return w.masked_fill_(~self.take[..., None], 0.0)
 
 
 class _SortedKeys(_KernelRows, AllKeys):

@@ -16,7 +16,8 @@ left out) and the wall time of what remains. On a GPU at small L that share is t
 Counted with a ``TorchDispatchMode`` (every aten op the call runs: its name, and every output tensor
 with its size and dtype) and by wrapping the engine's Triton kernels (launches per kernel). The
 inputs, the output and the gradients themselves are not intermediates; everything else of
-``n * D`` elements or more is, with the bytes it holds.
+``n * D`` elements or more is, with the bytes it holds, and the bytes of all intermediates, of any
+size, are summed too (every tensor is held to the end, so that no address is counted twice).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Recorder(TorchDispatchMode):
     def __init__(self, big: int):
         super().__init__()
         self.big, self.ops, self.large, self.sorted_dtypes, self.held = big, collections.Counter(), [], [], []
+        self.allocated = []          # (bytes, storage address) of every new storage, whatever its size
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -54,11 +56,15 @@ class Recorder(TorchDispatchMode):
             return out
         given = {a.untyped_storage().data_ptr() for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.numel() >= self.big:
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in given:
-                    self.large.append((name, t.numel(), t.dtype, ptr))
-                    self.held.append(t)
+            if not isinstance(t, torch.Tensor):
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in given:
+                continue
+            self.allocated.append((t.untyped_storage().nbytes(), ptr))
+            if t.numel() >= self.big:
+                self.large.append((name, t.numel(), t.dtype, ptr))
+            self.held.append(t)
         return out
 
 
@@ -124,6 +130,8 @@ def _counts(launches: collections.Counter, rec: Recorder, kept: tuple, values_by
             "large intermediates": len(large),
             "large float64": sum(dt == torch.float64 for _, _, dt in large),
             "large bytes / (n D itemsize)": sum(n * dt.itemsize for _, n, dt in large) / values_bytes,
+            # every intermediate, small ones too (a causal level's arrays are each below n * D)
+            "all bytes / (n D itemsize)": sum(b for b, ptr in rec.allocated if ptr not in kept) / values_bytes,
             "by op": dict(collections.Counter(op for op, _, _ in large))}
 
 

@@ -39,6 +39,11 @@ def _nan_rows(xp, dx, dy, dw, q_ok, row_ok):
             xp.where(row_ok[..., None, None], dw, nan))
 
 
+def join_value_columns(xp, v, take, *, silent: bool):
+    """``[v | take]`` (..., lk, Dv + 1), with ``silent`` ``[v | take | v]`` (:meth:`AllKeys.value_columns`)."""
+    return xp.concat([v, xp.astype(take, v.dtype)[..., None]] + ([v] if silent else []), axis=-1)
+
+
 class AllKeys:
     """Every query sees every valid key of its batch row (the non-causal ops).
 
@@ -80,8 +85,7 @@ class AllKeys:
         """``[v | take]`` (..., lk, Dv + 1), with ``silent`` ``[v | take | v]``: the columns whose
         profile sums attention's pull-back takes together (:func:`sums_vjp`), zero on the keys that
         take no part (an engine's view may zero them as it joins them)."""
-        v = self.v
-        return xp.concat([v, xp.astype(self.take, v.dtype)[..., None]] + ([v] if silent else []), axis=-1)
+        return join_value_columns(xp, self.v, self.take, silent=silent)
 
     def cotangent(self, xp, g):
         """The output's cotangent ``g`` (any float dtype) as this view's pull-back reads it: in the

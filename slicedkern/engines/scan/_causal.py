@@ -97,7 +97,9 @@ class Levels(NamedTuple):
     queries (float64 work only; None: that function).
     ``mutable``: the engine's arrays take in-place additions (torch's), so that the backward adds
     each level's pull-backs into the leaves' gradients on the positions rather than joining copies
-    of them (:func:`_add_level_into`; float64 work only).
+    of them (:func:`_add_level_into`; float64 work only); its ``vjp`` then also takes ``dw_into =
+    (acc, row_stride, offset)`` and adds the values' gradient there itself (as
+    :meth:`slicedkern.engines.triton.TritonEngine.profiles_vjp` says), returning None for it.
     ``masked_values``: ``leaves``, ``sums_into`` and ``combine`` read a value only where ``take`` is
     True (masked loads), so attention's forward hands them the values as given, with no copy
     zeroed on the keys that take no part (float64 work only).
@@ -401,12 +403,15 @@ def causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True, 
         _, qs = _halves(xp, xq, size, 0)
         vals, _ = _halves(xp, wk, size, 1)
         gs = [_halves(xp, g, size, 1)[1] for g in gq]
-        pdx, pdy, pdw, pparams = levels.vjp(qs, keys, vals, blocked, gs, xp=xp, param_grads=param_grads,
-                                            **next(orders))
         if mutable:
-            dx, dy, dw = (_add_level_into(dx, pdx, 0, right=True), _add_level_into(dy, pdy, 0, right=False),
-                          _add_level_into(dw, pdw, 1, right=False))
+            # the left blocks' value gradients added into the leaves' by the pull-back itself: block
+            # pair r's left block starts at position 2 r size of the flattened positions
+            pdx, pdy, _, pparams = levels.vjp(qs, keys, vals, blocked, gs, xp=xp, param_grads=param_grads,
+                                              dw_into=(dw, 2 * size * dw.shape[-1], 0), **next(orders))
+            dx, dy = _add_level_into(dx, pdx, 0, right=True), _add_level_into(dy, pdy, 0, right=False)
         else:
+            pdx, pdy, pdw, pparams = levels.vjp(qs, keys, vals, blocked, gs, xp=xp, param_grads=param_grads,
+                                                **next(orders))
             dx = _add_level(xp, plain, dx, pdx, 0, right=True)
             dy = _add_level(xp, plain, dy, pdy, 0, right=False)
             dw = _add_level(xp, plain, dw, pdw, 1, right=False)

@@ -57,7 +57,7 @@ from ...backends import quiet_nonfinite
 from ...kernels import Profile, is_fixed
 from .._base import Engine
 from .._nanpolicy import screen
-from .._vjp import AllKeys, SeenKeys, attention_vjp
+from .._vjp import AllKeys, SeenKeys, attention_vjp, join_value_columns
 from ..scan._causal import Levels, causal_attention, causal_profile_sums, causal_profiles_vjp
 from ..sortscan.pullback import ColumnSums, column_range
 from . import _sums
@@ -83,6 +83,7 @@ from ._sums import (
     interpreted,
     profile_dot,
     profile_sum,
+    profile_sum_into,
     row_dots,
     row_view,
     sort_queries,
@@ -257,15 +258,17 @@ class TritonEngine(Engine):
             return super().key_view(q, k, v, key_mask, aux, causal=causal, xp=xp)
         return _SortedKeys(self, q, k, v, key_mask, xp, aux)
 
-    def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True, orders=None):
+    def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True, orders=None, dw_into=None):
         """The pull-back of profile sums; ``orders``: the (R, m) / (R, n) sorted keys, their int32
         permutation, the sorted queries and theirs, from the forward (attention's residuals), so
-        that no array is sorted twice in a forward and its backward."""
+        that no array is sorted twice in a forward and its backward. ``dw_into = (acc, row_stride,
+        offset)``: ``dw`` added in place to ``acc`` (float64, contiguous), key ``j`` of row ``r`` at
+        ``acc.flat[offset + r row_stride + j c + column]`` (a causal level's), and None returned."""
         batch, n, m, c = tuple(x.shape[:-1]), x.shape[-1], y.shape[-1], w.shape[-1]
         if n == 0 or m == 0:
             dx = xp.zeros(x.shape, dtype=x.dtype, device=x.device)
             dy = xp.zeros(y.shape, dtype=x.dtype, device=x.device)
-            dw = xp.zeros(w.shape, dtype=x.dtype, device=x.device)
+            dw = xp.zeros(w.shape, dtype=x.dtype, device=x.device) if dw_into is None else None
             return dx, dy, dw, [(tuple(None for _ in p.knots), tuple(None for _ in p.coeffs))
                                 for p in profiles]
         # dx: derivative sums over the sorted keys, H(0) = 1 (the scan's convention)
@@ -292,13 +295,18 @@ class TritonEngine(Engine):
             start += g.shape[-1]
             r = p.reflect()
             cols = column_range(p, c)
-            dw.add(profile_sum(xp, queried, yq, r, batch, span, strict=True), cols)
+            if dw_into is None:
+                dw.add(profile_sum(xp, queried, yq, r, batch, span, strict=True), cols)
+            else:
+                acc, row_stride, at = dw_into
+                profile_sum_into(xp, queried, yq, r, batch, span, acc, row_stride, at + cols.start, strict=True,
+                                 query_stride=c)
             term = profile_dot(xp, queried, yq, r.with_(derivative=True), batch, span, row_view(xp, w, 2),
                                cols.start, strict=True)
             dy = term if dy is None else dy + term
         dx = xp.reshape(dx, batch + (n,))
         dy = xp.reshape(dy, batch + (m,))
-        dw = xp.reshape(dw.assemble(xp), batch + (m, c))
+        dw = xp.reshape(dw.assemble(xp), batch + (m, c)) if dw_into is None else None
         if param_grads:
             # knot and coefficient gradients over the same table and sorted queries as dx
             params = [_knot_grads(xp, keyed, xq, p, batch, row_view(xp, g, 2), column_range(p, c))
@@ -358,9 +366,8 @@ class _CausalKeys(_KernelRows, SeenKeys):
         if b is not _SEEN_VALUE_SUMS:
             return super().row_dot(xp, g, b)
         batch, lq = tuple(g.shape[:-2]), g.shape[-2]
-        lk = self.take.shape[-1]
-        dots = causal_row_dots(xp, row_view(xp, g, 2), row_view(xp, self.raw_v, 2), flat_rows(xp, self.take, 1),
-                               lk - lq)
+        v, take = row_view(xp, self.raw_v, 2), flat_rows(xp, self.take, 1)
+        dots = causal_row_dots(xp, row_view(xp, g, 2), v, take, take.shape[-1] - lq)
         return xp.reshape(dots, batch + (lq, 1))
 
     def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
@@ -382,12 +389,9 @@ class _CausalKeys(_KernelRows, SeenKeys):
         return xp.reshape(causal_dv(xp, row_view(xp, dv, 2), g, weights, factor, self.raw_v.dtype), batch + (lk, d))
 
     def value_columns(self, xp, *, silent):
-        # the values as given (any number on the keys that take no part: the kernels of the row dots
-        # read them so), zeroed in the joined columns, which are this view's own: no zeroed copy of
-        # the values besides (issue 26, item 5)
-        v = self.raw_v
-        w = xp.concat([v, xp.astype(self.take, v.dtype)[..., None]] + ([v] if silent else []), axis=-1)
-        return w.masked_fill_(~self.take[..., None], 0.0)
+        # the values as given (the row dots' kernel reads them so), zeroed in place in the joined
+        # columns, this view's own array: no zeroed copy of the values besides (issue 26, item 5)
+        return join_value_columns(xp, self.raw_v, self.take, silent=silent).masked_fill_(~self.take[..., None], 0.0)
 
 
 class _SortedKeys(_KernelRows, AllKeys):

@@ -233,7 +233,7 @@ def _attention_epilogue(acc, relu_count, count, totals, den, eps, CENTER: tl.con
 def _eval_block(row, i, cl, cb, blocks, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr,
                 scale_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr, out_ptr, nknots_ptr,
                 ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, dot_ptr, sd_r, sd_n, sd_c, dot_col0, out_rs, out_off,
-                n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m, K: tl.constexpr, STRICT: tl.constexpr,
+                out_qs, n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m, K: tl.constexpr, STRICT: tl.constexpr,
                 DERIV: tl.constexpr, HAS_FACTOR: tl.constexpr, SUB: tl.constexpr, ADD: tl.constexpr,
                 HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr, ATTN: tl.constexpr,
                 CENTER: tl.constexpr, NORM: tl.constexpr, KN: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -325,7 +325,7 @@ def _eval_block(row, i, cl, cb, blocks, row_factor, xs_ptr, xperm_ptr, keys_ptr,
             # double rounding moves a 16-bit result by one unit only when the float32 value falls on
             # a midpoint
             result = acc.to(tl.float32)
-        where = out_ptr + out_off + row * out_rs + dest[:, None] * width + cl[None, :]
+        where = out_ptr + out_off + row * out_rs + dest[:, None] * out_qs + cl[None, :]
         if ADD:
             result += tl.load(where, mask=nm[:, None] & cm[None, :], other=0.0)
         tl.store(where, result.to(out_ptr.dtype.element_ty), mask=nm[:, None] & cm[None, :])
@@ -334,7 +334,7 @@ def _eval_block(row, i, cl, cb, blocks, row_factor, xs_ptr, xperm_ptr, keys_ptr,
 def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, carry_ptr,
                knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr, out_ptr,
                nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps,
-               dot_ptr, sd_r, sd_n, sd_c, dot_col0, out_rs, out_off,
+               dot_ptr, sd_r, sd_n, sd_c, dot_col0, out_rs, out_off, out_qs,
                n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m,
                K: tl.constexpr, STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_FACTOR: tl.constexpr,
                SUB: tl.constexpr, ADD: tl.constexpr,
@@ -366,9 +366,10 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     row) in the forward, the key mask's and the NaN policy's on ``dv`` in the backward, whose SUB
     is the centring mean's term.
 
-    The rows are written at ``out[out_off + row * out_rs + dest * width + column]`` (``out_rs = n
-    width``, ``out_off = 0`` for an (R, n, width) array); ADD adds them to what ``out`` (float64)
-    holds there: a causal level's sums into the running sums of its right blocks, in place.
+    The rows are written at ``out[out_off + row * out_rs + dest * out_qs + column]`` (``out_rs = n
+    width``, ``out_off = 0``, ``out_qs = width`` for an (R, n, width) array); ADD adds them to what
+    ``out`` (float64) holds there: a causal level's sums into the running sums of its right blocks,
+    and its pull-back's value gradients into the leaves' of its left blocks, in place.
 
     DOT (the backward's score gradients): instead of the rows, their dot product with the rows of
     ``dot`` (strides ``sd_*``, columns from ``dot_col0``) at the same queries, read in their own
@@ -381,7 +382,8 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     _eval_block(row, i, cl, tl.program_id(2), tl.num_programs(2), 1.0, xs_ptr, xperm_ptr, keys_ptr, shift_ptr,
                 perm_ptr, w_ptr, take_ptr, scale_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr,
                 out_ptr, nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, dot_ptr, sd_r, sd_n, sd_c,
-                dot_col0, out_rs, out_off, n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m, K, STRICT, DERIV,
+                dot_col0, out_rs, out_off, out_qs, n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m, K, STRICT,
+                DERIV,
                 HAS_FACTOR, SUB, ADD, HAS_TAKE, ONES, SCALE, ACC, ATTN, CENTER, NORM, KN, DOT, BLOCK_M, BLOCK_N,
                 BLOCK_C)
 

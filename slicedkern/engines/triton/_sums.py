@@ -259,8 +259,9 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
     ``dot`` = ``(rows, col0)``: write the rows' dot products with ``rows[..., col0:col0 + len(cols)]``
     ((R, n, ...) in any strides and dtype) into ``out`` (R, n, column blocks) instead; ``sub``
     (R, len(cols)) float64 subtracted from every query's sums, then ``factor`` (R, n) multiplying them;
-    ``add`` = ``(row_stride, offset)``: add the rows to ``out`` (float64, any size) at
-    ``offset + row * row_stride`` instead of writing an (R, n, len(cols)) array."""
+    ``add`` = ``(row_stride, offset, query_stride)``: add query ``i``'s row to ``out`` (float64, any
+    size) at ``offset + row * row_stride + i * query_stride`` instead of writing an (R, n,
+    len(cols)) array."""
     x = queries.sorted
     rows, n = x.shape
     m = table.keys.shape[-1]
@@ -286,7 +287,7 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
         factor if factor is not None else x, sub if sub is not None else x, out,
         nknots, ncoeffs, nlin, count, raw, eps,
         against, against.stride(0), against.stride(1), against.stride(2), dot_col0,
-        *(add if add is not None else (n * width, 0)),
+        *(add if add is not None else (n * width, 0, width)),
         n, m, c, table.C, nb, cols.start, width, w.stride(0), w.stride(1), w.stride(2),
         max(1, math.ceil(math.log2(m + 1))),
         K=K, STRICT=strict, DERIV=bool(profile.derivative),
@@ -316,12 +317,14 @@ def profile_sum(xp, table: Table, queries: Queries, profile: Profile, batch, col
 
 
 def profile_sum_into(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, into, row_stride: int,
-                     offset: int, *, strict: bool):
+                     offset: int, *, strict: bool, query_stride: int | None = None):
     """:func:`profile_sum` added in place to ``into`` (float64, contiguous): query ``i`` of row ``r``
-    to ``into.flat[offset + r row_stride + i len(cols) + column]`` (one launch, nothing allocated)."""
+    to ``into.flat[offset + r row_stride + i query_stride + column]`` (``query_stride`` default
+    ``len(cols)``; one launch, nothing allocated)."""
     rows, n = queries.sorted.shape
     if len(cols) and rows and n:
-        _evaluate(xp, table, queries, profile, batch, cols, into, strict=strict, add=(row_stride, offset))
+        add = (row_stride, offset, len(cols) if query_stride is None else query_stride)
+        _evaluate(xp, table, queries, profile, batch, cols, into, strict=strict, add=add)
     return into
 
 

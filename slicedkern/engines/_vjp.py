@@ -87,6 +87,12 @@ class AllKeys:
         take no part (an engine's view may zero them as it joins them)."""
         return join_value_columns(xp, self.v, self.take, silent=silent)
 
+    def joined_cotangents(self, xp, gout, scale, others):
+        """The cotangents of :func:`sums_vjp`'s value sums, ``gout * scale`` (..., lq, Dv), and of
+        its indicator sums, ``others`` (..., lq, 1) each, as a list in that order (an engine's view
+        may make them column slices of one array)."""
+        return [gout * scale, *others]
+
     def cotangent(self, xp, g):
         """The output's cotangent ``g`` (any float dtype) as this view's pull-back reads it: in the
         work dtype (an engine's view may read it in its own, :meth:`row_dot` and :meth:`to_keys`
@@ -224,7 +230,6 @@ def sums_vjp(keys, profile: Profile, normalizer: Normalizer, gout, cot, silent, 
     knots, serve both. ``silent`` (:func:`_silent_rows`): the rows whose cotangent reaches ``dq``
     and ``dk`` but not ``dv``.
     """
-    gnum = gout * cot.scale                                             # (..., lq, Dv), work dtype
     indicator_profiles, indicator_cots = [], []
     if center:
         indicator_profiles.append(profile)
@@ -233,26 +238,28 @@ def sums_vjp(keys, profile: Profile, normalizer: Normalizer, gout, cot, silent, 
         indicator_profiles.append(normalizer.profile)
         indicator_cots.append(cot.den)
     if not indicator_profiles:
+        gnum = gout * cot.scale                                         # (..., lq, Dv), work dtype
         dq, dk, dv, params = keys.profiles_vjp(keys.q, keys.k, keys.v, [profile], [gnum], xp=xp)
         return dq, dk, keys.finish_dv(xp, dv, dv_sub, dv_factor), params[0]
     dv_cols = keys.raw_v.shape[-1]
-    zero = xp.zeros((), dtype=gnum.dtype, device=array_device(gnum))
-    value_cots = [gnum]
-    if silent is not None:
+    if silent is None:
+        cotangents = keys.joined_cotangents(xp, gout, cot.scale, indicator_cots)
+    else:
         # Rows whose normaliser sum is exactly 0 while the profile vanishes wherever it does (ReLU
         # attention; ties, a first key): their output is 0 and their value gradient exactly 0,
         # but g / eps times the rounding of the sums over the queries (|q| 2^-52 a pair) would
         # reach dv: 1.7e10 for -0.9 at |q| = 1e20 (issue 23, item 10). Their cotangent goes
         # through a copy of the value columns whose gradient is dropped: dq and dk keep its
         # tie-rule terms (H(0) = 1), dv gets none of it.
-        value_cots = [xp.where(silent, zero, gnum), xp.where(silent, gnum, zero)]
+        gnum = gout * cot.scale
+        zero = xp.zeros((), dtype=gnum.dtype, device=array_device(gnum))
+        cotangents = [xp.where(silent, zero, gnum), *indicator_cots, xp.where(silent, gnum, zero)]
     w = keys.value_columns(xp, silent=silent is not None)
     profiles = [profile.with_(columns=slice(0, dv_cols))] + [
         p.with_(columns=slice(dv_cols, dv_cols + 1)) for p in indicator_profiles]
     if silent is not None:
         profiles.append(profile.with_(columns=slice(dv_cols + 1, 2 * dv_cols + 1)))
-    dq, dk, dw, params = keys.profiles_vjp(keys.q, keys.k, w, profiles,
-                                           value_cots[:1] + indicator_cots + value_cots[1:], xp=xp)
+    dq, dk, dw, params = keys.profiles_vjp(keys.q, keys.k, w, profiles, cotangents, xp=xp)
     if silent is not None:
         params = add_params(params[:1], params[-1:]) + params[1:-1]
     params = add_params(params[:1], params[1:2]) if center else params[:1]

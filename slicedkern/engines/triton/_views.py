@@ -1,0 +1,249 @@
+"""The triton engine's views of the keys for attention's backward
+(:class:`~slicedkern.engines._vjp.AllKeys`, :class:`~slicedkern.engines._vjp.SeenKeys`): the
+quotient rule's reads of the cotangent on the kernels (:class:`KernelRows`), the non-causal
+pull-back over the forward's residuals (:class:`SortedKeys`, :func:`sorted_sums_vjp`) and the causal
+one over the levels (:class:`CausalKeys`); docs/architecture.rst, "Engines".
+"""
+
+from __future__ import annotations
+
+from ..._lib.namespace import as_work
+from ...kernels import Profile, is_fixed
+from .._vjp import AllKeys, SeenKeys, join_value_columns
+from ..scan._causal import causal_profiles_vjp
+from ._causal import causal_row_dots
+from ._sums import (
+    Queries,
+    build_table,
+    causal_dv,
+    column_sums,
+    flat_rows,
+    profile_dot,
+    profile_sum,
+    row_dots,
+    row_view,
+)
+
+__all__ = ["KernelRows", "CausalKeys", "SortedKeys", "SEEN_VALUE_SUMS", "adjacent_columns", "sorted_sums_vjp",
+           "kernel_knot_grads"]
+
+
+def adjacent_columns(arrays):
+    """``arrays`` as one view when they are adjacent column ranges of one array (the same shape but
+    the last axis, dtype and strides, each starting where the one before ends), else None."""
+    first = arrays[0]
+    at = first.data_ptr()
+    for a in arrays:
+        if (a.data_ptr() != at or a.dtype != first.dtype or a.stride() != first.stride()
+                or a.shape[:-1] != first.shape[:-1]):
+            return None
+        at += a.shape[-1] * a.stride(-1) * a.element_size()
+    return first.as_strided(first.shape[:-1] + (sum(a.shape[-1] for a in arrays),), first.stride())
+
+
+class KernelRows:
+    """The quotient rule's reads of the output's cotangent on the kernels, for the engine's views
+    of the keys: the cotangent kept in its own dtype and strides (no float64 copy of it), its row
+    dots one launch (:func:`._sums.row_dots`)."""
+
+    def cotangent(self, xp, g):
+        return g
+
+    def row_dot(self, xp, g, b):
+        batch, lq = tuple(g.shape[:-2]), g.shape[-2]
+        b = xp.broadcast_to(b, batch + tuple(b.shape[-2:]))
+        dots = row_dots(xp, row_view(xp, g, 2), row_view(xp, b, 2))
+        return xp.reshape(dots, batch + (lq, 1))
+
+
+#: the value sums each query of causal attention sees, as :meth:`CausalKeys.totals` hands them to
+#: :meth:`CausalKeys.row_dot` (unevaluated: :func:`._causal.causal_row_dots` sums them as it reads)
+SEEN_VALUE_SUMS = object()
+
+
+class CausalKeys(KernelRows, SeenKeys):
+    """The keys each query sees in causal attention (:class:`~slicedkern.engines._vjp.SeenKeys`),
+    with the cotangent read by the kernels (:class:`KernelRows`) and ``dv`` finished in one launch
+    (:func:`._sums.causal_dv`): the centring mean's cotangent is handed from :meth:`to_keys` to
+    :meth:`finish_dv` unevaluated, so that neither its reverse running sum nor ``dv - sub`` is an
+    (lk, dv) array (issue 26, item 5). ``runs``: the forward's sorted runs of the levels (its
+    residuals, :func:`._causal.level_orders`), or None: the levels' pull-backs merge from them and
+    sort nothing."""
+
+    def __init__(self, engine, q, k, v, key_mask, xp, runs=None):
+        super().__init__(engine, q, k, v, key_mask, xp)
+        self.runs = runs
+
+    def totals(self, xp, *, values: bool):
+        # the value sums each query sees are read only by the quotient rule's row dots (row_dot),
+        # which sum them as they read the values: handed over unevaluated
+        count = self.seen(xp, xp.astype(self.take, self.q.dtype)[..., None])
+        return count, SEEN_VALUE_SUMS if values else None
+
+    def row_dot(self, xp, g, b):
+        if b is not SEEN_VALUE_SUMS:
+            return super().row_dot(xp, g, b)
+        batch, lq = tuple(g.shape[:-2]), g.shape[-2]
+        v, take = row_view(xp, self.raw_v, 2), flat_rows(xp, self.take, 1)
+        dots = causal_row_dots(xp, row_view(xp, g, 2), v, take, take.shape[-1] - lq)
+        return xp.reshape(dots, batch + (lq, 1))
+
+    def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
+        return causal_profiles_vjp(x, y, w, profiles, cotangents, xp=xp, param_grads=param_grads,
+                                   levels=self.engine._levels(self.runs))
+
+    def to_keys(self, xp, weights, g):
+        return weights, g
+
+    def finish_dv(self, xp, dv, dv_sub, dv_factor):
+        batch, lk, d = tuple(dv.shape[:-2]), dv.shape[-2], dv.shape[-1]
+        weights = g = None
+        if dv_sub is not None:
+            weights, g = dv_sub
+            lq = g.shape[-2]
+            weights = flat_rows(xp, xp.broadcast_to(weights, batch + (lq, 1))[..., 0], 1)
+            g = row_view(xp, xp.broadcast_to(g, batch + (lq, d)), 2)
+        factor = flat_rows(xp, xp.broadcast_to(dv_factor, batch + (lk, 1))[..., 0], 1)
+        return xp.reshape(causal_dv(xp, row_view(xp, dv, 2), g, weights, factor, self.raw_v.dtype), batch + (lk, d))
+
+    def joined_cotangents(self, xp, gout, scale, others):
+        # column slices of one float64 array, the scaled rows written into it (no array of their
+        # own): the levels' pull-backs read their halves as one table's rows (adjacent_columns)
+        shape = tuple(xp.broadcast_arrays(gout[..., :1], scale, *others)[0].shape[:-1])
+        d = gout.shape[-1]
+        joined = xp.empty(shape + (d + len(others),), dtype=xp.float64, device=gout.device)
+        xp.multiply(xp.broadcast_to(gout, shape + (d,)), xp.broadcast_to(scale, shape + (1,)), out=joined[..., :d])
+        for i, other in enumerate(others):
+            joined[..., d + i:d + i + 1] = other
+        return [joined[..., :d]] + [joined[..., d + i:d + i + 1] for i in range(len(others))]
+
+    def value_columns(self, xp, *, silent):
+        # the values as given (the row dots' kernel reads them so), zeroed in place in the joined
+        # columns, this view's own array: no zeroed copy of the values besides (issue 26, item 5)
+        return join_value_columns(xp, self.raw_v, self.take, silent=silent).masked_fill_(~self.take[..., None], 0.0)
+
+
+class SortedKeys(KernelRows, AllKeys):
+    """Every key of the row (:class:`~slicedkern.engines._vjp.AllKeys`), pulled back over the
+    forward's residuals: its sorted orders, table of keys and NaN policy's verdicts, so that the
+    backward of attention on the triton engine sorts and screens nothing (:func:`sorted_sums_vjp`).
+
+    ``q`` and ``k`` are the unscreened scores, read for their shapes only; ``raw_v`` the values,
+    read by kernels that skip the keys that take no part."""
+
+    silent_as_mask = True      # the silent rows scale the cotangent of dv's table: no host read of den
+
+    def __init__(self, engine, q, k, v, key_mask, xp, aux):
+        self.q, self.k, self.raw_v, self.key_mask = q, k, v, key_mask
+        self.take, self.good, self.row_bad = aux["take"], aux["good"], ~aux["row_ok"]
+        self.orders = (aux["key_order"], aux["key_perm"], aux["query_order"], aux["query_perm"])
+        self.key_carry = aux["key_carry"]
+        self.engine, self.xp, self._v = engine, xp, None
+
+    def to_keys(self, xp, weights, g):
+        batch, dv = tuple(g.shape[:-2]), g.shape[-1]
+        weights = flat_rows(xp, xp.broadcast_to(weights, g.shape[:-1] + (1,))[..., 0], 1)
+        return xp.reshape(column_sums(xp, weights, row_view(xp, g, 2)), batch + (1, dv))
+
+    def totals(self, xp, *, values: bool):
+        # the forward's table of [v | indicator] over the keys that take part: its last carry row
+        batch, dv = tuple(self.k.shape[:-1]), self.raw_v.shape[-1]
+        sums = xp.astype(xp.reshape(self.key_carry[:, -1, :dv + 1], batch + (1, dv + 1)), self.q.dtype)
+        return sums[..., dv:], sums[..., :dv] if values else None
+
+    def sums_vjp(self, profile, normalizer, gout, cot, silent, *, center: bool, dv_sub, dv_factor, xp):
+        if normalizer.summed and not normalizer.profile.is_fixed:
+            # a normaliser with array parameters (none of the named ones has them): the generic
+            # pull-back over the scan's knot sums, in the work dtype, over screened keys
+            keys = AllKeys(self.engine, self.q, self.k, self.raw_v, self.key_mask, xp)
+            return keys.sums_vjp(profile, normalizer, as_work(xp, gout, self.q.dtype), cot, silent, center=center,
+                                 dv_sub=dv_sub, dv_factor=dv_factor, xp=xp)
+        return sorted_sums_vjp(xp, self, profile, normalizer, gout, cot, silent, center=center, dv_sub=dv_sub,
+                         dv_factor=dv_factor)
+
+
+def sorted_sums_vjp(xp, keys: SortedKeys, profile, normalizer, gout, cot, silent, *, center: bool, dv_sub, dv_factor):
+    """:func:`slicedkern.engines._vjp.sums_vjp` on the kernels, for fixed profiles: the same
+    pull-back, with no ``(n, dv)`` array but the gradient ``dv`` itself (issue 26, item 2).
+
+    * ``dq``: the derivative sums of the values over the forward's table of keys (its carry is a
+      residual: no pass 1), dotted with ``gout`` in pass 2's epilogue and scaled by the quotient
+      rule's factor per query (``cot.scale``); the indicator column's derivative sums, one column,
+      times the indicator cotangents (centring, normaliser);
+    * ``dv`` and ``dk``: the reflected profile over a table of the sorted queries whose rows are
+      ``gout`` times ``cot.scale``, scaled as the kernels read them (never written scaled); ``dk``'s
+      dot with the values in pass 2's epilogue, the indicator cotangents (two columns at most) in a
+      table of their own; ``dv_sub`` and ``dv_factor`` applied in pass 2's epilogue, which writes
+      ``dv`` in the values' dtype.
+    """
+    x, y, v = keys.q, keys.k, keys.raw_v      # the kernels skip the keys that take no part (take)
+    batch, n, m, dv = tuple(x.shape[:-1]), x.shape[-1], y.shape[-1], v.shape[-1]
+    key_order, key_perm, query_order, query_perm = keys.orders
+    xq = Queries(query_order, query_perm)
+    yq = Queries(xp.astype(key_order, xp.float64), key_perm)
+    xr = flat_rows(xp, x, 1)
+    vr, gr = row_view(xp, v, 2), row_view(xp, gout, 2)
+    take = flat_rows(xp, keys.take, 1)
+
+    def per_row(a, shape):           # (..., n or m, 1) or (..., 1, dv) factors as (R, n or m or dv) float64
+        return flat_rows(xp, xp.astype(xp.reshape(xp.broadcast_to(a, batch + shape), batch + (-1,)), xp.float64), 1)
+
+    scale = per_row(cot.scale, (n, 1))
+    indicator = ([(profile, cot.relu_count)] if center else []) + (
+        [(normalizer.profile, cot.den)] if normalizer.summed else [])
+    indicator_cots = [per_row(c, (n, 1)) for _, c in indicator]
+
+    keyed = build_table(xp, flat_rows(xp, y, 1), vr, take=take, ones=True, presorted=yq, carry=keys.key_carry)
+    dq = profile_dot(xp, keyed, xq, profile.with_(derivative=True), batch, range(0, dv), gr, 0,
+                     strict=False) * scale
+    for (p, _), c in zip(indicator, indicator_cots):
+        sums = profile_sum(xp, keyed, xq, p.with_(derivative=True), batch, range(dv, dv + 1), strict=False)
+        dq = dq + sums[..., 0] * c
+
+    queried = build_table(xp, xr, gr, scale=scale, presorted=xq)
+    reflected = profile.reflect()
+    dk = profile_dot(xp, queried, yq, reflected.with_(derivative=True), batch, range(0, dv), vr, 0, strict=True)
+    if silent is not None:
+        # the silent rows' cotangent reaches dq and dk, not dv (_vjp.sums_vjp)
+        kept = scale * (1.0 - per_row(silent, (n, 1)))
+        queried = build_table(xp, xr, gr, scale=kept, presorted=xq)
+    sub = None if dv_sub is None else per_row(dv_sub, (1, dv))
+    dvs = profile_sum(xp, queried, yq, reflected, batch, range(0, dv), strict=True, sub=sub,
+                      factor=per_row(dv_factor, (m, 1)), dtype=v.dtype)
+    if indicator:
+        extra = build_table(xp, xr, xp.concat([c[..., None] for c in indicator_cots], axis=-1), presorted=xq)
+        for i, (p, _) in enumerate(indicator):
+            sums = profile_sum(xp, extra, yq, p.reflect().with_(derivative=True), batch, range(i, i + 1),
+                               strict=True)
+            dk = dk + sums[..., 0]
+    # the raw values of the keys that take no part were read (they may hold anything): zero there
+    dk = xp.where(take, dk, xp.zeros((), dtype=dk.dtype, device=dk.device))
+    params = kernel_knot_grads(xp, keyed, xq, profile, batch, gr, range(0, dv), scale=scale,
+                         cot_r=indicator_cots[0] if center else None)
+    return (xp.reshape(dq, batch + (n,)), xp.reshape(dk, batch + (m,)), xp.reshape(dvs, batch + (m, dv)), params)
+
+
+def kernel_knot_grads(xp, keyed, xq, profile, batch, gr, cols: range, *, scale=None, cot_r=None):
+    """``(dknots, dcoeffs)`` of a profile over the table columns ``cols`` (None for its fixed numbers)
+    on the kernels, over a table of keys: per array knot ``t`` its ReLU sums (for the coefficient)
+    and step sums (for the knot, the tie as ``profile.strict_knots`` says) dotted with the
+    cotangent rows ``gr`` (R, n, len(cols)) in pass 2's epilogue, times ``scale`` (R, n) when given
+    (attention's quotient-rule factor), plus the indicator column's (column ``cols.stop``) times
+    the centring cotangent ``cot_r`` ((R, n), or None), summed over the queries: what
+    :func:`~slicedkern.engines.sortscan.pullback.knot_grads` sums over materialised cotangents,
+    with no sort and no (n, c) array here."""
+    def summed(unit, strict):
+        rows = profile_dot(xp, keyed, xq, unit, batch, cols, gr, 0, strict=strict)
+        if scale is not None:
+            rows = rows * scale
+        if cot_r is not None:
+            ind = range(cols.stop, cols.stop + 1)
+            rows = rows + profile_sum(xp, keyed, xq, unit, batch, ind, strict=strict)[..., 0] * cot_r
+        return xp.reshape(xp.sum(rows, axis=-1), batch)
+
+    dknots, dcoeffs = [], []
+    for knot, coeff, strict in zip(profile.knots, profile.coeffs, profile.strict_knots):
+        unit = Profile([knot], [1.0])
+        dcoeffs.append(None if is_fixed(coeff) else summed(unit, True))
+        dknots.append(None if is_fixed(knot) else -coeff * summed(unit.with_(derivative=True), strict))
+    return tuple(dknots), tuple(dcoeffs)

@@ -107,11 +107,12 @@ class CausalKeys(KernelRows, SeenKeys):
         return xp.reshape(causal_dv(xp, row_view(xp, dv, 2), g, weights, factor, self.raw_v.dtype), batch + (lk, d))
 
     def joined_cotangents(self, xp, gout, scale, others):
-        # column slices of one float64 array, the scaled rows written into it (no array of their
+        # column slices of one array, the scaled rows written into it (no array of their
         # own): the levels' pull-backs read their halves as one table's rows (adjacent_columns)
         shape = tuple(xp.broadcast_arrays(gout[..., :1], scale, *others)[0].shape[:-1])
         d = gout.shape[-1]
-        joined = xp.empty(shape + (d + len(others),), dtype=xp.float64, device=gout.device)
+        dtype = xp.result_type(gout, scale, *others)         # the work dtype, as gout * scale has it
+        joined = xp.empty(shape + (d + len(others),), dtype=dtype, device=gout.device)
         xp.multiply(xp.broadcast_to(gout, shape + (d,)), xp.broadcast_to(scale, shape + (1,)), out=joined[..., :d])
         for i, other in enumerate(others):
             joined[..., d + i:d + i + 1] = other

@@ -858,8 +858,9 @@ def test_causal_row_dots_sum_the_running_totals_as_they_read(lq, n):
     read them (``_causal.causal_row_dots``: ``<g_i, V_{i + offset}>``, query ``i`` at position
     ``i + n - lq``, before position 0 for the first ``lq - n``): against the array form, position
     blocks of 64 crossed, 40 columns (two column blocks), strided float32 values that hold junk
-    where ``take`` is False, a strided bfloat16 cotangent. And the forward's combination on the same
-    totals, through causal attention, in the other tests."""
+    where ``take`` is False, a strided bfloat16 cotangent; from their own carry and from one over
+    more positions. And the forward's combination on the same totals, through causal attention, in
+    the other tests."""
     import array_api_compat.torch as xp
 
     from slicedkern.engines.triton import _causal
@@ -876,6 +877,14 @@ def test_causal_row_dots_sum_the_running_totals_as_they_read(lq, n):
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     carry = _causal.position_carry(xp, w, take.to(torch.int8))
     torch.testing.assert_close(carry[:, -1, :40], running[:, -1], rtol=1e-12, atol=1e-12)
+    # the forward's carry, over the positions padded past n (NaN values that take no part), serves
+    # the backward's row dots as well (the engine keeps it as a residual)
+    padded_w = torch.cat([w, torch.full((2, 70, 40), float("nan"), device=DEVICE)], dim=1)
+    padded_take = torch.cat([take, torch.zeros(2, 70, dtype=torch.bool, device=DEVICE)], dim=1)
+    forward = _causal.position_carry(xp, padded_w, padded_take.to(torch.int8))
+    assert forward.shape[1] > carry.shape[1]
+    torch.testing.assert_close(_causal.causal_row_dots(xp, cot, w, take, offset, forward), want, rtol=1e-12,
+                               atol=1e-12)
     assert torch.equal(carry[:, -1, 40], take.sum(-1).double())
 
 
@@ -948,7 +957,9 @@ def test_traffic_of_the_causal_backward(engine_tiles):
     both = _traffic().count(128, 8, 1, backward=True, causal=True)
     assert both["launches"]["leaf_pullback"] == 3
     assert both["launches"]["causal_dv"] == 1 and both["launches"]["row_dots"] == 1
-    assert both["launches"]["causal_row_dots"] == 1 and both["launches"]["position_sums"] == 2
+    # the row dots sum the running totals from the forward's block carry (a residual): one
+    # position_sums launch in all, the forward's (before: the backward's own too)
+    assert both["launches"]["causal_row_dots"] == 1 and both["launches"]["position_sums"] == 1
     assert "bmm" not in both["by op"] and "cumsum" not in both["by op"]
     assert both["by op"] == {"empty": 2, "zeros": 1, "cat": 1}, both
     assert both["large bytes / (n D itemsize)"] < 8.5, both

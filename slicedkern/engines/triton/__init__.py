@@ -205,12 +205,13 @@ class TritonEngine(Engine):
 
     def _levels(self, runs: dict | None = None, narrow: bool = False) -> Levels:
         """The causal levels on the kernels; ``runs``: :func:`._causal.level_orders`' sorted runs,
-        recorded by a forward (empty) or read by its backward (filled); ``narrow``: the scores are
+        recorded by a forward (empty; the combination adds its block carry) or read by its
+        backward (filled); ``narrow``: the scores are
         float32 numbers, sorted as such (:func:`._causal.level_orders`)."""
         return Levels(level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True,
                       orders=functools.partial(level_orders, runs=runs, narrow=narrow),
                       sums_into=level_sums_into, leaves=dense_leaves, leaves_vjp=dense_leaves_vjp,
-                      combine=combine_output, mutable=True, masked_values=True)
+                      combine=functools.partial(combine_output, kept=runs), mutable=True, masked_values=True)
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
         runs = {}
@@ -218,19 +219,19 @@ class TritonEngine(Engine):
         out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,
                                     xp=xp, levels=self._levels(runs, narrow=v.dtype != xp.float64))
         residuals = self.residuals_of(aux)
-        if runs:
-            # the levels' sorted runs (n elements each) go to the backward: it sorts nothing again
-            residuals = residuals[:2] + tuple(runs[name] for name in RUN_NAMES) + residuals[2:]
-        return out, residuals
+        # the combination's block carry of the running totals (n / 64 rows) goes to the backward's
+        # row dots, and the levels' sorted runs (n elements each), when the levels sorted, to its
+        # levels: it sums and sorts nothing again. (None of it when the call was empty.)
+        kept = tuple(runs[name] for name in ("position_carry",) + RUN_NAMES if name in runs)
+        return out, residuals[:2] + kept + residuals[2:]
 
     def causal_attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
-        runs = None
-        if len(residuals) >= 2 + len(RUN_NAMES):
-            runs = dict(zip(RUN_NAMES, residuals[2:2 + len(RUN_NAMES)]))
-            residuals = residuals[:2] + residuals[2 + len(RUN_NAMES):]
-        aux = self.aux_of(residuals)
-        if runs is not None:
-            aux["runs"] = runs
+        kept = len(residuals) - 2 - int(normalizer.summed)     # 0, 1 (the carry) or 1 + 4 (and the runs)
+        aux = self.aux_of(residuals[:2] + residuals[2 + kept:])
+        if kept:
+            aux["position_carry"] = residuals[2]
+        if kept > 1:
+            aux["runs"] = dict(zip(RUN_NAMES, residuals[3:2 + kept]))
         return attention_vjp(self, q, k, v, profile, g, out, aux, key_mask=key_mask, center=center,
                              normalizer=normalizer, causal=True, xp=xp)
 
@@ -248,7 +249,8 @@ class TritonEngine(Engine):
 
     def key_view(self, q, k, v, key_mask, aux, *, causal: bool, xp):
         if causal:
-            return CausalKeys(self, q, k, v, key_mask, xp, None if aux is None else aux.get("runs"))
+            aux = aux or {}
+            return CausalKeys(self, q, k, v, key_mask, xp, aux.get("runs"), aux.get("position_carry"))
         if aux is None or "query_perm" not in aux:
             return super().key_view(q, k, v, key_mask, aux, causal=causal, xp=xp)
         return SortedKeys(self, q, k, v, key_mask, xp, aux)

@@ -96,14 +96,20 @@ def dense_leaves_vjp(xp, x, y, w, profiles, cotangents, leaf: int, *, param_grad
     return xp.reshape(dx, batch + (n,)), xp.reshape(dy, batch + (n,)), xp.reshape(dw, batch + (n, c)), params
 
 
-def combine_output(xp, grid, num, den, w, take, good, *, center: bool, normalizer, dtype):
+def combine_output(xp, grid, num, den, w, take, good, *, center: bool, normalizer, dtype, kept: dict | None = None):
     """Causal attention's combination on the kernels (:attr:`~slicedkern.engines.scan._causal.Levels.combine`):
     one :func:`causal_epilogue` launch reads the running sums on the positions, sums the running
-    totals of the values ``w`` and indicator ``take`` there, and writes the output in ``dtype``."""
+    totals of the values ``w`` and indicator ``take`` there, and writes the output in ``dtype``.
+    ``kept``: a dict that gets the totals' block carry (:func:`position_carry`) as
+    ``"position_carry"``, for the backward's row dots (the engine keeps it as a residual)."""
     batch, width = tuple(num.shape[:-2]), num.shape[-1]
-    out = causal_epilogue(xp, flat_rows(xp, num, 2), None if den is None else flat_rows(xp, den[..., 0], 1),
-                          row_view(xp, w, 2), flat_rows(xp, take, 1), flat_rows(xp, good, 1), grid.before - grid.blind,
-                          center=center, normalizer=normalizer, dtype=dtype)
+    wr, take = row_view(xp, w, 2), xp.astype(flat_rows(xp, take, 1), xp.int8)
+    carry = position_carry(xp, wr, take)
+    if kept is not None:
+        kept["position_carry"] = carry
+    out = causal_epilogue(xp, flat_rows(xp, num, 2), None if den is None else flat_rows(xp, den[..., 0], 1), wr, take,
+                          flat_rows(xp, good, 1), grid.before - grid.blind, center=center, normalizer=normalizer,
+                          dtype=dtype, carry=carry)
     return xp.reshape(out, batch + (grid.lq, width - 1))
 
 
@@ -169,22 +175,22 @@ def level_orders(xp, x, y, leaf: int, runs: dict | None = None, narrow: bool = F
         size *= 2
 
 
-def causal_epilogue(xp, num, den, w, take, good, offset: int, *, center: bool, normalizer, dtype):
+def causal_epilogue(xp, num, den, w, take, good, offset: int, *, center: bool, normalizer, dtype, carry=None):
     """Causal attention's output from its running sums (:func:`._dense.causal_epilogue`, one
     launch after :func:`position_carry`'s): ``num`` (R, n, dv + 1) float64 the values' profile sums
     and the ReLU count, ``den`` (R, n) float64 the normaliser's sums or None, ``w`` (R, n, dv) the
     values (own dtype and strides) and ``take`` (R, n) bool, on the positions; ``good`` (R, lq)
-    bool the NaN rule's verdicts; query ``i`` at position ``i + offset``. Returns (R, lq, dv) in
-    ``dtype``."""
+    bool the NaN rule's verdicts; query ``i`` at position ``i + offset``; ``carry``: their
+    :func:`position_carry`, or None to make it here. Returns (R, lq, dv) in ``dtype``."""
     rows, n, width = num.shape
     dv, lq = width - 1, good.shape[-1]
     out = xp.empty((rows, lq, dv), dtype=dtype, device=num.device)
     if rows and lq and dv:
         take = xp.astype(take, xp.int8)
-        carry = position_carry(xp, w, take)
+        carry = position_carry(xp, w, take) if carry is None else carry
         loaded().causal_epilogue[(rows, triton_cdiv(lq, BLOCK_ROWS), triton_cdiv(dv, BLOCK_COLS))](
-            num, den if den is not None else num, w, take, carry, xp.astype(good, xp.int8), out, n, lq, dv, offset,
-            float(normalizer.eps), w.stride(0), w.stride(1), w.stride(2), CENTER=bool(center),
+            num, den if den is not None else num, w, take, carry, carry.shape[1], xp.astype(good, xp.int8), out, n, lq,
+            dv, offset, float(normalizer.eps), w.stride(0), w.stride(1), w.stride(2), CENTER=bool(center),
             NORM=norm_code(normalizer), BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=8)
     return out
 
@@ -204,21 +210,22 @@ def position_carry(xp, w, take):
     return carry
 
 
-def causal_row_dots(xp, g, w, take, offset: int):
+def causal_row_dots(xp, g, w, take, offset: int, carry=None):
     """``<g[r, i], V[r, i + offset]>`` (R, lq) float64, ``V`` the running sums of the values ``w``
     (R, n, c) (own dtype and strides) over the positions where ``take`` (R, n) (0 before position
     0): the quotient rule's row dots with the value sums each query of causal attention sees
-    (:func:`._dense.causal_row_dots`, one launch after :func:`position_carry`'s); ``g`` (R, lq, c)
-    in its own dtype and strides."""
+    (:func:`._dense.causal_row_dots`, one launch after :func:`position_carry`'s, or none with
+    ``carry`` given: the forward's, over at least the ``n`` positions); ``g`` (R, lq, c) in its own
+    dtype and strides."""
     rows, lq, c = g.shape
     n = w.shape[1]
     out = xp.empty((rows, lq), dtype=xp.float64, device=g.device)
     if rows and lq:
         take = xp.astype(take, xp.int8)
-        carry = position_carry(xp, w, take)
+        carry = position_carry(xp, w, take) if carry is None else carry
         loaded().causal_row_dots[(rows, triton_cdiv(lq, BLOCK_ROWS))](
-            g, w, take, carry, out, n, lq, c, offset, g.stride(0), g.stride(1), g.stride(2), w.stride(0), w.stride(1),
-            w.stride(2), BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=8)
+            g, w, take, carry, carry.shape[1], out, n, lq, c, offset, g.stride(0), g.stride(1), g.stride(2),
+            w.stride(0), w.stride(1), w.stride(2), BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=8)
     return out
 
 

@@ -130,10 +130,12 @@ def _position_rows(w_ptr, take_ptr, row, j, jm, cols, n, c, sw_r, sw_n, sw_c):
     return tl.where(ok[:, None] & (cols == c)[None, :], 1.0, wv)
 
 
-def _running_totals(w_ptr, take_ptr, carry_ptr, row, p0, cols, n, c, sw_r, sw_n, sw_c, BLOCK_N: tl.constexpr):
+def _running_totals(w_ptr, take_ptr, carry_ptr, carry_rows, row, p0, cols, n, c, sw_r, sw_n, sw_c,
+                    BLOCK_N: tl.constexpr):
     """The running totals ``sum over j <= p of [w_j take_j | take_j]`` at the positions ``p = p0 ..
     p0 + BLOCK_N - 1`` of one row, over the columns ``cols``, (BLOCK_N, len(cols)) float64 (0 before
-    position 0), from ``carry`` (R, nb + 1, c + 1) float64, the exclusive prefix of the sums of
+    position 0), from ``carry`` (R, carry_rows, c + 1) float64 (``carry_rows`` at least ``nb + 1``: a
+    forward's carry over more positions serves its backward), the exclusive prefix of the sums of
     blocks of ``BLOCK_N`` positions (:func:`position_sums`), the rows of the block that holds ``p0``
     before it, and a running sum in registers of the rows from ``p0``: no (n, c) array of the totals
     (issue 26, item 5)."""
@@ -141,8 +143,7 @@ def _running_totals(w_ptr, take_ptr, carry_ptr, row, p0, cols, n, c, sw_r, sw_n,
     first = start // BLOCK_N
     a = first * BLOCK_N + tl.arange(0, BLOCK_N)
     before = tl.sum(_position_rows(w_ptr, take_ptr, row, a, a < start, cols, n, c, sw_r, sw_n, sw_c), 0)
-    carry = tl.load(carry_ptr + (row * (tl.cdiv(n, BLOCK_N) + 1) + first) * (c + 1) + cols, mask=cols <= c,
-                    other=0.0)
+    carry = tl.load(carry_ptr + (row * carry_rows + first) * (c + 1) + cols, mask=cols <= c, other=0.0)
     p = p0 + tl.arange(0, BLOCK_N)
     rows = _position_rows(w_ptr, take_ptr, row, p, (p >= 0) & (p < n), cols, n, c, sw_r, sw_n, sw_c)
     return (carry + before)[None, :] + tl.cumsum(rows, axis=0)
@@ -162,7 +163,7 @@ def position_sums(w_ptr, take_ptr, carry_ptr, n, c, sw_r, sw_n, sw_c, BLOCK_N: t
              mask=cols <= c)
 
 
-def causal_row_dots(g_ptr, w_ptr, take_ptr, carry_ptr, out_ptr, n, lq, c, offset, sg_r, sg_n, sg_c,
+def causal_row_dots(g_ptr, w_ptr, take_ptr, carry_ptr, carry_rows, out_ptr, n, lq, c, offset, sg_r, sg_n, sg_c,
                     sw_r, sw_n, sw_c, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     """``out[r, i] = <g[r, i], V[r, i + offset]>`` (R, lq) float64, ``V`` the running sums of the
     values ``w`` (R, n, c) over the positions (:func:`_running_totals`): the quotient rule's row
@@ -176,16 +177,16 @@ def causal_row_dots(g_ptr, w_ptr, take_ptr, carry_ptr, out_ptr, n, lq, c, offset
     for c0 in range(0, c, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         cm = cols < c
-        totals = _running_totals(w_ptr, take_ptr, carry_ptr, row, i0 + offset, cols, n, c, sw_r, sw_n, sw_c,
-                                 BLOCK_N)
+        totals = _running_totals(w_ptr, take_ptr, carry_ptr, carry_rows, row, i0 + offset, cols, n, c, sw_r, sw_n,
+                                 sw_c, BLOCK_N)
         gv = tl.load(g_ptr + row * sg_r + i[:, None] * sg_n + cols[None, :] * sg_c, mask=im[:, None] & cm[None, :],
                      other=0.0)
         acc += tl.sum(tl.where(cm[None, :], totals, 0.0) * gv.to(tl.float64), 1)
     tl.store(out_ptr + row * lq + i, acc, mask=im)
 
 
-def causal_epilogue(num_ptr, den_ptr, w_ptr, take_ptr, carry_ptr, good_ptr, out_ptr, n, lq, dv, offset, eps,
-                    sw_r, sw_n, sw_c, CENTER: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+def causal_epilogue(num_ptr, den_ptr, w_ptr, take_ptr, carry_ptr, carry_rows, good_ptr, out_ptr, n, lq, dv, offset,
+                    eps, sw_r, sw_n, sw_c, CENTER: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_C: tl.constexpr):
     """Causal attention's output from its running sums, in one pass (the arithmetic of
     :func:`._kernels._attention_epilogue`): query ``i`` of a row sits at position ``i + offset``
@@ -209,11 +210,11 @@ def causal_epilogue(num_ptr, den_ptr, w_ptr, take_ptr, carry_ptr, good_ptr, out_
     relu_count = tl.load(num_ptr + base + dv, mask=seen, other=0.0)
     totals = acc                              # read by the epilogue only with CENTER
     if CENTER:
-        totals = _running_totals(w_ptr, take_ptr, carry_ptr, row, i0 + offset, cols, n, dv, sw_r, sw_n, sw_c,
-                                 BLOCK_N)
+        totals = _running_totals(w_ptr, take_ptr, carry_ptr, carry_rows, row, i0 + offset, cols, n, dv, sw_r, sw_n,
+                                 sw_c, BLOCK_N)
     # the count is the indicator's column dv (the pair's second column is past the carry: zero)
-    count = tl.sum(_running_totals(w_ptr, take_ptr, carry_ptr, row, i0 + offset, dv + tl.arange(0, 2), n, dv,
-                                   sw_r, sw_n, sw_c, BLOCK_N), 1)
+    count = tl.sum(_running_totals(w_ptr, take_ptr, carry_ptr, carry_rows, row, i0 + offset, dv + tl.arange(0, 2), n,
+                                   dv, sw_r, sw_n, sw_c, BLOCK_N), 1)
     den = relu_count                          # read by the epilogue only when NORM == 2
     if NORM == 2:
         den = tl.load(den_ptr + row * n + p, mask=seen, other=0.0)

@@ -68,11 +68,13 @@ class CausalKeys(KernelRows, SeenKeys):
     :meth:`finish_dv` unevaluated, so that neither its reverse running sum nor ``dv - sub`` is an
     (lk, dv) array (issue 26, item 5). ``runs``: the forward's sorted runs of the levels (its
     residuals, :func:`._causal.level_orders`), or None: the levels' pull-backs merge from them and
-    sort nothing."""
+    sort nothing; ``carry``: the forward's block carry of the running totals
+    (:func:`._causal.position_carry`), or None: the row dots sum from it, not summing the values
+    again."""
 
-    def __init__(self, engine, q, k, v, key_mask, xp, runs=None):
+    def __init__(self, engine, q, k, v, key_mask, xp, runs=None, carry=None):
         super().__init__(engine, q, k, v, key_mask, xp)
-        self.runs = runs
+        self.runs, self.carry = runs, carry
 
     def totals(self, xp, *, values: bool):
         # the value sums each query sees are read only by the quotient rule's row dots (row_dot),
@@ -85,7 +87,7 @@ class CausalKeys(KernelRows, SeenKeys):
             return super().row_dot(xp, g, b)
         batch, lq = tuple(g.shape[:-2]), g.shape[-2]
         v, take = row_view(xp, self.raw_v, 2), flat_rows(xp, self.take, 1)
-        dots = causal_row_dots(xp, row_view(xp, g, 2), v, take, take.shape[-1] - lq)
+        dots = causal_row_dots(xp, row_view(xp, g, 2), v, take, take.shape[-1] - lq, self.carry)
         return xp.reshape(dots, batch + (lq, 1))
 
     def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):

@@ -186,7 +186,7 @@ def causal_epilogue(xp, num, den, w, take, good, offset: int, *, center: bool, n
     dv, lq = width - 1, good.shape[-1]
     out = xp.empty((rows, lq, dv), dtype=dtype, device=num.device)
     if rows and lq and dv:
-        take = xp.astype(take, xp.int8)
+        take = xp.astype(take, xp.int8, copy=False)
         carry = position_carry(xp, w, take) if carry is None else carry
         loaded().causal_epilogue[(rows, triton_cdiv(lq, BLOCK_ROWS), triton_cdiv(dv, BLOCK_COLS))](
             num, den if den is not None else num, w, take, carry, carry.shape[1], xp.astype(good, xp.int8), out, n, lq,
@@ -221,7 +221,7 @@ def causal_row_dots(xp, g, w, take, offset: int, carry=None):
     n = w.shape[1]
     out = xp.empty((rows, lq), dtype=xp.float64, device=g.device)
     if rows and lq:
-        take = xp.astype(take, xp.int8)
+        take = xp.astype(take, xp.int8, copy=False)
         carry = position_carry(xp, w, take) if carry is None else carry
         loaded().causal_row_dots[(rows, triton_cdiv(lq, BLOCK_ROWS))](
             g, w, take, carry, carry.shape[1], out, n, lq, c, offset, g.stride(0), g.stride(1), g.stride(2),

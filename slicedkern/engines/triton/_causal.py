@@ -108,8 +108,8 @@ def combine_output(xp, grid, num, den, w, take, good, *, center: bool, normalize
     if kept is not None:
         kept["position_carry"] = carry
     out = causal_epilogue(xp, flat_rows(xp, num, 2), None if den is None else flat_rows(xp, den[..., 0], 1), wr, take,
-                          flat_rows(xp, good, 1), grid.before - grid.blind, center=center, normalizer=normalizer,
-                          dtype=dtype, carry=carry)
+                          flat_rows(xp, good, 1), grid.before - grid.blind, carry, center=center,
+                          normalizer=normalizer, dtype=dtype)
     return xp.reshape(out, batch + (grid.lq, width - 1))
 
 
@@ -175,19 +175,18 @@ def level_orders(xp, x, y, leaf: int, runs: dict | None = None, narrow: bool = F
         size *= 2
 
 
-def causal_epilogue(xp, num, den, w, take, good, offset: int, *, center: bool, normalizer, dtype, carry=None):
+def causal_epilogue(xp, num, den, w, take, good, offset: int, carry, *, center: bool, normalizer, dtype):
     """Causal attention's output from its running sums (:func:`._dense.causal_epilogue`, one
-    launch after :func:`position_carry`'s): ``num`` (R, n, dv + 1) float64 the values' profile sums
+    launch over the caller's :func:`position_carry`): ``num`` (R, n, dv + 1) float64 the values' profile sums
     and the ReLU count, ``den`` (R, n) float64 the normaliser's sums or None, ``w`` (R, n, dv) the
     values (own dtype and strides) and ``take`` (R, n) bool, on the positions; ``good`` (R, lq)
     bool the NaN rule's verdicts; query ``i`` at position ``i + offset``; ``carry``: their
-    :func:`position_carry`, or None to make it here. Returns (R, lq, dv) in ``dtype``."""
+    :func:`position_carry`. Returns (R, lq, dv) in ``dtype``."""
     rows, n, width = num.shape
     dv, lq = width - 1, good.shape[-1]
     out = xp.empty((rows, lq, dv), dtype=dtype, device=num.device)
     if rows and lq and dv:
         take = xp.astype(take, xp.int8, copy=False)
-        carry = position_carry(xp, w, take) if carry is None else carry
         loaded().causal_epilogue[(rows, triton_cdiv(lq, BLOCK_ROWS), triton_cdiv(dv, BLOCK_COLS))](
             num, den if den is not None else num, w, take, carry, carry.shape[1], xp.astype(good, xp.int8), out, n, lq,
             dv, offset, float(normalizer.eps), w.stride(0), w.stride(1), w.stride(2), CENTER=bool(center),

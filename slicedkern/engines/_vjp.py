@@ -15,6 +15,7 @@ from .._spec import Normalizer
 from ..backends import holds_everywhere
 from ..kernels import Profile
 from ._causal_grid import CausalGrid, running_sum, screen_causal
+from ._columns import MaskedValues, ScaledRows
 from ._combine import pullback, row_dot
 from ._nanpolicy import sanitize_keys, screen
 
@@ -39,11 +40,6 @@ def _nan_rows(xp, dx, dy, dw, q_ok, row_ok):
             xp.where(row_ok[..., None, None], dw, nan))
 
 
-def join_value_columns(xp, v, take, *, silent: bool):
-    """``[v | take]`` (..., lk, Dv + 1), with ``silent`` ``[v | take | v]`` (:meth:`AllKeys.value_columns`)."""
-    return xp.concat([v, xp.astype(take, v.dtype)[..., None]] + ([v] if silent else []), axis=-1)
-
-
 class AllKeys:
     """Every query sees every valid key of its batch row (the non-causal ops).
 
@@ -58,6 +54,10 @@ class AllKeys:
     #: whether the view's ``sums_vjp`` takes the silent rows (:func:`_silent_rows`) as a mask at the
     #: cost of one more pass 1, so that the backward reads nothing back to the host to skip them
     silent_as_mask = False
+    #: whether the view's ``profiles_vjp`` takes attention's value columns and cotangent rows
+    #: unevaluated (:class:`._columns.MaskedValues`, :class:`._columns.ScaledRows`), read by its
+    #: engine's kernels in their own dtype, rather than as arrays formed by :func:`sums_vjp`
+    lazy_columns = False
 
     def __init__(self, engine, q, k, v, key_mask, xp):
         sc = screen(xp, q, k, v, key_mask, defer=False)
@@ -84,14 +84,9 @@ class AllKeys:
     def value_columns(self, xp, *, silent: bool):
         """``[v | take]`` (..., lk, Dv + 1), with ``silent`` ``[v | take | v]``: the columns whose
         profile sums attention's pull-back takes together (:func:`sums_vjp`), zero on the keys that
-        take no part (an engine's view may zero them as it joins them)."""
-        return join_value_columns(xp, self.v, self.take, silent=silent)
-
-    def joined_cotangents(self, xp, gout, scale, others):
-        """The cotangents of :func:`sums_vjp`'s value sums, ``gout * scale`` (..., lq, Dv), and of
-        its indicator sums, ``others`` (..., lq, 1) each, as a list in that order (an engine's view
-        may make them column slices of one array)."""
-        return [gout * scale, *others]
+        take no part."""
+        v = self.v
+        return xp.concat([v, xp.astype(self.take, v.dtype)[..., None]] + ([v] if silent else []), axis=-1)
 
     def cotangent(self, xp, g):
         """The output's cotangent ``g`` (any float dtype) as this view's pull-back reads it: in the
@@ -237,13 +232,28 @@ def sums_vjp(keys, profile: Profile, normalizer: Normalizer, gout, cot, silent, 
     if normalizer.summed:
         indicator_profiles.append(normalizer.profile)
         indicator_cots.append(cot.den)
-    if not indicator_profiles:
+    if not indicator_profiles and not keys.lazy_columns:
         gnum = gout * cot.scale                                         # (..., lq, Dv), work dtype
         dq, dk, dv, params = keys.profiles_vjp(keys.q, keys.k, keys.v, [profile], [gnum], xp=xp)
         return dq, dk, keys.finish_dv(xp, dv, dv_sub, dv_factor), params[0]
     dv_cols = keys.raw_v.shape[-1]
-    if silent is None:
-        cotangents = keys.joined_cotangents(xp, gout, cot.scale, indicator_cots)
+    profiles = [profile.with_(columns=slice(0, dv_cols))] + [
+        p.with_(columns=slice(dv_cols, dv_cols + 1)) for p in indicator_profiles]
+    if keys.lazy_columns:
+        # the view's engine reads the values where the keys take part and scales the cotangent rows
+        # as it reads them (._columns): no (lq, Dv) or (lk, Dv + 1) array is formed here, and the
+        # silent rows' share of the values' gradient (below) is scaled to 0, not split off
+        rows = tuple(gout.shape[:-1]) + (1,)
+        scale = xp.broadcast_to(cot.scale, rows)
+        zero = xp.zeros((), dtype=scale.dtype, device=array_device(scale))
+        cotangents = [ScaledRows(gout, scale, None if silent is None else xp.where(silent, zero, scale))]
+        if indicator_cots:           # one (lq, 2) array at most: the pull-back reads them as one table
+            joined = xp.concat([xp.broadcast_to(c, rows) for c in indicator_cots], axis=-1)
+            cotangents += [joined[..., i:i + 1] for i in range(len(indicator_cots))]
+        w, silent = MaskedValues(keys.raw_v, keys.take), None
+    elif silent is None:
+        cotangents = [gout * cot.scale, *indicator_cots]
+        w = keys.value_columns(xp, silent=False)
     else:
         # Rows whose normaliser sum is exactly 0 while the profile vanishes wherever it does (ReLU
         # attention; ties, a first key): their output is 0 and their value gradient exactly 0,
@@ -254,10 +264,7 @@ def sums_vjp(keys, profile: Profile, normalizer: Normalizer, gout, cot, silent, 
         gnum = gout * cot.scale
         zero = xp.zeros((), dtype=gnum.dtype, device=array_device(gnum))
         cotangents = [xp.where(silent, zero, gnum), *indicator_cots, xp.where(silent, gnum, zero)]
-    w = keys.value_columns(xp, silent=silent is not None)
-    profiles = [profile.with_(columns=slice(0, dv_cols))] + [
-        p.with_(columns=slice(dv_cols, dv_cols + 1)) for p in indicator_profiles]
-    if silent is not None:
+        w = keys.value_columns(xp, silent=True)
         profiles.append(profile.with_(columns=slice(dv_cols + 1, 2 * dv_cols + 1)))
     dq, dk, dw, params = keys.profiles_vjp(keys.q, keys.k, w, profiles, cotangents, xp=xp)
     if silent is not None:

@@ -34,6 +34,7 @@ from ..._lib.namespace import array_device, as_work
 from ..._spec import Normalizer
 from ...kernels import Profile, is_fixed
 from .._causal_grid import CausalGrid, running_sum, screen_causal
+from .._columns import map_parts
 from .._combine import combine
 from ..sortscan.pullback import profiles_vjp
 from ..sortscan.sums import profile_sums, queries, sort_keys
@@ -367,9 +368,12 @@ def causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True, 
     ----------
     x : array, shape (..., lq); y : array, shape (..., lk); w : array, shape (..., lk, c)
         Finite, in the work dtype, ``w`` zero on the keys that take no part; query ``i`` sits at
-        position ``i + lk - lq``.
+        position ``i + lk - lq``. Levels that read the values in their own dtype
+        (:attr:`Levels.native_values`) may take ``w`` as a
+        :class:`~slicedkern.engines._columns.MaskedValues` (then ``dw`` has its values' columns).
     profiles : sequence of Profile
     cotangents : sequence of arrays, shapes (..., lq, c_p)
+        Or, on such levels, :class:`~slicedkern.engines._columns.ScaledRows`.
 
     Returns
     -------
@@ -383,10 +387,12 @@ def causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True, 
     n = grid.n
     fill = y[..., -1:]
     xq, yk = grid.queries(xp, x, fill), grid.keys(xp, y, fill)
-    # the levels that read the values in their own dtype read the weights so (no work-dtype copy)
+    # the levels that read the values in their own dtype read the weights so (no work-dtype copy);
+    # weights and cotangents left unevaluated (._columns) are padded and halved part by part
     native = levels.native_values and not ar.wide
-    wk = grid.keys(xp, w if native else as_work(xp, w, x.dtype), 0.0, axis=-2)
-    gq = [grid.queries(xp, g, 0.0, axis=-2) for g in cotangents]
+    wk = map_parts(lambda a, core: grid.keys(xp, a, 0.0 if core else False, axis=-1 - core),
+                   w if native else as_work(xp, w, x.dtype), 1)
+    gq = [map_parts(lambda a, core: grid.queries(xp, a, 0.0, axis=-2), g, 1) for g in cotangents]
     leaf = _leaf_size(ar, n, levels)
     pullback = levels.leaves_vjp if levels.leaves_vjp is not None and not ar.wide else leaf_vjp
     dx, dy, dw, params = pullback(xp, xq, yk, wk, profiles, gq, leaf, param_grads=param_grads)
@@ -401,8 +407,8 @@ def causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True, 
     for size in _block_sizes(n, leaf):
         keys, _ = _halves(xp, yk, size, 0)
         _, qs = _halves(xp, xq, size, 0)
-        vals, _ = _halves(xp, wk, size, 1)
-        gs = [_halves(xp, g, size, 1)[1] for g in gq]
+        vals = map_parts(lambda a, core: _halves(xp, a, size, core)[0], wk, 1)
+        gs = [map_parts(lambda a, core: _halves(xp, a, size, core)[1], g, 1) for g in gq]
         if mutable:
             # the left blocks' value gradients added into the leaves' by the pull-back itself: block
             # pair r's left block starts at position 2 r size of the flattened positions

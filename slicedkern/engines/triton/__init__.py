@@ -54,6 +54,7 @@ import importlib.util
 
 from ...backends import quiet_nonfinite
 from .._base import Engine
+from .._columns import MaskedValues
 from .._nanpolicy import screen
 from .._vjp import attention_vjp
 from ..scan._causal import Levels, causal_attention, causal_profile_sums, causal_profiles_vjp
@@ -74,6 +75,7 @@ from ._sums import (
     attend,
     attend_small,
     build_table,
+    cotangent_rows,
     flat_rows,
     interpreted,
     profile_dot,
@@ -82,7 +84,7 @@ from ._sums import (
     row_view,
     sort_queries,
 )
-from ._views import CausalKeys, SortedKeys, adjacent_columns, kernel_knot_grads
+from ._views import CausalKeys, SortedKeys, cotangent_tables, kernel_knot_grads
 
 __all__ = ["TritonEngine"]
 
@@ -260,56 +262,66 @@ class TritonEngine(Engine):
         permutation, the sorted queries and theirs, from the forward (attention's residuals), so
         that no array is sorted twice in a forward and its backward. ``dw_into = (acc, row_stride,
         offset)``: ``dw`` added in place to ``acc`` (float64, contiguous), key ``j`` of row ``r`` at
-        ``acc.flat[offset + r row_stride + j c + column]`` (a causal level's), and None returned."""
-        batch, n, m, c = tuple(x.shape[:-1]), x.shape[-1], y.shape[-1], w.shape[-1]
+        ``acc.flat[offset + r row_stride + j c + column]`` (a causal level's), and None returned.
+
+        ``w`` may be a :class:`.._columns.MaskedValues` and a cotangent a
+        :class:`.._columns.ScaledRows` (attention's causal backward, :attr:`.._vjp.AllKeys.lazy_columns`):
+        the kernels read the values where the keys take part and scale the cotangent rows as they
+        read them, and ``dw`` has the values' columns (a profile sums either those or the indicator)."""
+        masked = isinstance(w, MaskedValues)
+        values = w.values if masked else w
+        batch, n, m, c, dw_cols = tuple(x.shape[:-1]), x.shape[-1], y.shape[-1], w.shape[-1], values.shape[-1]
         if n == 0 or m == 0:
             dx = xp.zeros(x.shape, dtype=x.dtype, device=x.device)
             dy = xp.zeros(y.shape, dtype=x.dtype, device=x.device)
-            dw = xp.zeros(w.shape, dtype=x.dtype, device=x.device) if dw_into is None else None
+            dw = xp.zeros(y.shape + (dw_cols,), dtype=x.dtype, device=x.device) if dw_into is None else None
             return dx, dy, dw, [(tuple(None for _ in p.knots), tuple(None for _ in p.coeffs))
                                 for p in profiles]
         # dx: derivative sums over the sorted keys, H(0) = 1 (the scan's convention)
-        xr, yr = flat_rows(xp, x, 1), flat_rows(xp, y, 1)
+        xr, yr, vr = flat_rows(xp, x, 1), flat_rows(xp, y, 1), row_view(xp, values, 2)
         if orders is None:
             xq, yq = sort_queries(xp, xr), sort_queries(xp, yr)      # each array sorted once
         else:
             key_order, key_perm, query_order, query_perm = orders
             xq, yq = Queries(query_order, query_perm), Queries(xp.astype(key_order, xp.float64), key_perm)
-        keyed = build_table(xp, yr, row_view(xp, w, 2), presorted=yq)
+        take = flat_rows(xp, w.take, 1) if masked else None
+        keyed = build_table(xp, yr, vr, take=take, ones=masked, presorted=yq)
+        cots = [cotangent_rows(xp, g) for g in cotangents]
         dx = None
-        for p, g in zip(profiles, cotangents):
+        for p, (rows, scale, _) in zip(profiles, cots):
             # the derivative sums dotted with the cotangent inside the kernel: no (n, c) array of them
-            term = profile_dot(xp, keyed, xq, p.with_(derivative=True), batch, column_range(p, c),
-                               row_view(xp, g, 2), 0, strict=False)
+            term = profile_dot(xp, keyed, xq, p.with_(derivative=True), batch, column_range(p, c), rows, 0,
+                               strict=False)
+            term = term if scale is None else term * scale
             dx = term if dx is None else dx + term
-        # dw and dy: the reflected profiles over one sort of the queries carrying every cotangent
-        stacked = adjacent_columns(cotangents)
-        stacked = flat_rows(xp, xp.concat(list(cotangents), axis=-1), 2) if stacked is None else row_view(
-            xp, stacked, 2)
-        queried = build_table(xp, xr, stacked, presorted=xq)
-        dw, dy = ColumnSums(c), None
-        start = 0
-        for p, g in zip(profiles, cotangents):
-            span = range(start, start + g.shape[-1])
-            start += g.shape[-1]
+        # dw and dy: the reflected profiles over tables of the sorted queries carrying the cotangents
+        dw, dy = ColumnSums(dw_cols), None
+        for p, (table, span, valued) in zip(profiles, cotangent_tables(xp, xr, xq, cotangents, cots)):
             r = p.reflect()
             cols = column_range(p, c)
-            if dw_into is None:
-                dw.add(profile_sum(xp, queried, yq, r, batch, span, strict=True), cols)
+            if masked and cols.start >= dw_cols:
+                # the indicator's column: its keys' weight is 1 where they take part (zeroed below)
+                term = profile_sum(xp, table, yq, r.with_(derivative=True), batch, span, strict=True)[..., 0]
             else:
-                acc, row_stride, at = dw_into
-                profile_sum_into(xp, queried, yq, r, batch, span, acc, row_stride, at + cols.start, strict=True,
-                                 query_stride=c)
-            term = profile_dot(xp, queried, yq, r.with_(derivative=True), batch, span, row_view(xp, w, 2),
-                               cols.start, strict=True)
+                if dw_into is None:
+                    dw.add(profile_sum(xp, valued, yq, r, batch, span, strict=True), cols)
+                else:
+                    acc, row_stride, at = dw_into
+                    profile_sum_into(xp, valued, yq, r, batch, span, acc, row_stride, at + cols.start, strict=True,
+                                     query_stride=dw_cols)
+                term = profile_dot(xp, table, yq, r.with_(derivative=True), batch, span, vr, cols.start,
+                                   strict=True, take=take)
             dy = term if dy is None else dy + term
+        if masked:
+            # the raw values of the keys that take no part were read (they may hold anything): zero there
+            dy = xp.where(take, dy, xp.zeros((), dtype=dy.dtype, device=dy.device))
         dx = xp.reshape(dx, batch + (n,))
         dy = xp.reshape(dy, batch + (m,))
-        dw = xp.reshape(dw.assemble(xp), batch + (m, c)) if dw_into is None else None
+        dw = xp.reshape(dw.assemble(xp), batch + (m, dw_cols)) if dw_into is None else None
         if param_grads:
             # knot and coefficient gradients over the same table and sorted queries as dx
-            params = [kernel_knot_grads(xp, keyed, xq, p, batch, row_view(xp, g, 2), column_range(p, c))
-                      for p, g in zip(profiles, cotangents)]
+            params = [kernel_knot_grads(xp, keyed, xq, p, batch, rows, column_range(p, c), scale=scale)
+                      for p, (rows, scale, _) in zip(profiles, cots)]
         else:
             params = [(tuple(None for _ in p.knots), tuple(None for _ in p.coeffs)) for p in profiles]
         return dx, dy, dw, params

@@ -18,6 +18,7 @@ import functools
 
 from ..._lib.namespace import as_work
 from ...kernels import Profile, is_fixed
+from .._columns import MaskedValues
 from ..sortscan.pullback import column_range
 from ._sums import (
     BLOCK_COLS,
@@ -28,6 +29,7 @@ from ._sums import (
     _profile_args,
     _tl_dtype,
     build_table,
+    cotangent_rows,
     flat_rows,
     loaded,
     norm_code,
@@ -88,12 +90,18 @@ def dense_leaves(xp, x, y, w, take, profiles, leaf: int):
 
 def dense_leaves_vjp(xp, x, y, w, profiles, cotangents, leaf: int, *, param_grads: bool):
     """The pull-back of :func:`dense_leaves` (:attr:`~slicedkern.engines.scan._causal.Levels.leaves_vjp`):
-    one :func:`leaf_vjp` launch per profile, nothing of (positions, leaf) in memory."""
-    batch, n, c = tuple(x.shape[:-1]), x.shape[-1], w.shape[-1]
-    dx, dy, dw, params = leaf_vjp(xp, flat_rows(xp, x, 1), flat_rows(xp, y, 1), row_view(xp, w, 2),
-                                  profiles, [row_view(xp, g, 2) for g in cotangents], batch, leaf,
-                                  param_grads=param_grads)
-    return xp.reshape(dx, batch + (n,)), xp.reshape(dy, batch + (n,)), xp.reshape(dw, batch + (n, c)), params
+    one :func:`leaf_vjp` launch per profile, nothing of (positions, leaf) in memory. ``w`` an array
+    or a :class:`~slicedkern.engines._columns.MaskedValues`, the cotangents arrays or
+    :class:`~slicedkern.engines._columns.ScaledRows` (read as such: nothing formed)."""
+    batch, n = tuple(x.shape[:-1]), x.shape[-1]
+    masked = isinstance(w, MaskedValues)
+    values = w.values if masked else w
+    take = flat_rows(xp, w.take, 1) if masked else None
+    dx, dy, dw, params = leaf_vjp(xp, flat_rows(xp, x, 1), flat_rows(xp, y, 1), row_view(xp, values, 2),
+                                  profiles, [cotangent_rows(xp, g) for g in cotangents], batch, leaf,
+                                  param_grads=param_grads, take=take)
+    dw = xp.reshape(dw, batch + (n, values.shape[-1]))
+    return xp.reshape(dx, batch + (n,)), xp.reshape(dy, batch + (n,)), dw, params
 
 
 def combine_output(xp, grid, num, den, w, take, good, *, center: bool, normalizer, dtype, kept: dict | None = None):
@@ -264,23 +272,29 @@ LEAF_SUB = 8
 LEAF_COLS = 8
 
 
-def leaf_vjp(xp, x, y, w, profiles, cotangents, batch, leaf: int, *, param_grads: bool):
+def leaf_vjp(xp, x, y, w, profiles, cotangents, batch, leaf: int, *, param_grads: bool, take=None):
     """The pull-back of causal attention's dense leaves (:func:`._dense.leaf_pullback`, one launch
     per profile): ``(dx, dy (R, n), dw (R, n, c), [(dknots, dcoeffs)] per profile)``, float64, as
     :func:`slicedkern.engines.scan._leaf.leaf_vjp` returns them (knot and coefficient gradients of
     the array parameters, shaped ``batch``; None for the fixed ones). ``x``, ``y`` (R, n) float64
-    on the positions (``n`` a multiple of ``leaf``), ``w`` (R, n, c) and ``cotangents`` (R, n, c_p)
-    in any dtype and strides."""
+    on the positions (``n`` a multiple of ``leaf``), ``w`` (R, n, c) in any dtype and strides;
+    ``cotangents``: per profile ``(rows, scale, value_scale)`` as :func:`._sums.cotangent_rows` gives
+    them, the rows (R, n, c_p) in any dtype and strides, the factors (R, n) float64 or None.
+    ``take`` (R, n) bool, or None: the weights are ``[w take | take]`` (column ``c`` the indicator,
+    a value read only where its key takes part), and a profile sums either the values' columns or
+    the indicator's, whose gradient is not formed."""
     rows, n = x.shape
     c = w.shape[-1]
     dev = x.device
     dx = xp.zeros((rows, n), dtype=xp.float64, device=dev)
     dy = xp.zeros((rows, n), dtype=xp.float64, device=dev)
     dw = xp.zeros((rows, n, c), dtype=xp.float64, device=dev)
+    take8 = xp.astype(take, xp.int8) if take is not None else None
     params = []
     k = loaded()
-    for p, g in zip(profiles, cotangents):
-        cols = range(c)[p.columns]
+    for p, (g, scale, value_scale) in zip(profiles, cotangents):
+        cols = range(c + int(take is not None))[p.columns]
+        indicator = take is not None and cols.start >= c
         knots, coeffs, lin, K = _profile_args(xp, p, batch, rows, dev)
         # the kernel's knots are the profile's less those of fixed zero coefficient (_profile_args)
         kept = [i for i, cf in enumerate(p.coeffs) if not (is_fixed(cf) and cf == 0)]
@@ -289,9 +303,12 @@ def leaf_vjp(xp, x, y, w, profiles, cotangents, batch, leaf: int, *, param_grads
         strict = _strict_knots(xp, tuple(bool(p.strict_knots[i]) for i in kept), dev)
         if rows and n and len(cols):
             k.leaf_pullback[(rows, n // leaf)](
-                x, y, w, g, knots, coeffs, lin, strict, dx, dy, dw, dpar, n, c, cols.start, len(cols),
-                w.stride(0), w.stride(1), w.stride(2), g.stride(0), g.stride(1), g.stride(2), K=K, PARAMS=learned,
-                LEAF=leaf, SUB=min(LEAF_SUB, leaf), BLOCK_C=LEAF_COLS, num_warps=8)
+                x, y, w, take8 if take8 is not None else x, g, scale if scale is not None else x,
+                value_scale if value_scale is not None else x, knots, coeffs, lin, strict, dx, dy, dw, dpar, n, c,
+                cols.start, len(cols), w.stride(0), w.stride(1), w.stride(2), g.stride(0), g.stride(1), g.stride(2),
+                K=K, PARAMS=learned, HAS_TAKE=take8 is not None, INDICATOR=indicator, SCALE=scale is not None,
+                VALUE_SCALE=value_scale is not None, LEAF=leaf, SUB=min(LEAF_SUB, leaf), BLOCK_C=LEAF_COLS,
+                num_warps=8)
         params.append(_leaf_params(xp, p, kept, dpar if learned else None, batch, param_grads))
     return dx, dy, dw, params
 

@@ -58,17 +58,24 @@ def leaf_eval(x_ptr, y_ptr, w_ptr, take_ptr, knots_ptr, coeffs_ptr, lin_ptr, out
              mask=cm[None, :])
 
 
-def leaf_pullback(x_ptr, y_ptr, w_ptr, g_ptr, knots_ptr, coeffs_ptr, lin_ptr, strict_ptr, dx_ptr, dy_ptr, dw_ptr,
-                  dpar_ptr, n, c, col0, width, sw_r, sw_m, sw_c, sg_r, sg_n, sg_c,
-                  K: tl.constexpr, PARAMS: tl.constexpr, LEAF: tl.constexpr, SUB: tl.constexpr,
+def leaf_pullback(x_ptr, y_ptr, w_ptr, take_ptr, g_ptr, scale_ptr, vscale_ptr, knots_ptr, coeffs_ptr, lin_ptr,
+                  strict_ptr, dx_ptr, dy_ptr, dw_ptr, dpar_ptr, n, c, col0, width, sw_r, sw_m, sw_c, sg_r, sg_n, sg_c,
+                  K: tl.constexpr, PARAMS: tl.constexpr, HAS_TAKE: tl.constexpr, INDICATOR: tl.constexpr,
+                  SCALE: tl.constexpr, VALUE_SCALE: tl.constexpr, LEAF: tl.constexpr, SUB: tl.constexpr,
                   BLOCK_C: tl.constexpr):
-    """The pull-back of :func:`leaf_eval` for one profile (without the indicator), one block of
-    ``LEAF`` positions of one row, added to ``dx``, ``dy`` (R, n) and ``dw`` (R, n, c), float64:
-    with ``A_ij = g_i . w_j[col0 .. col0 + width]`` on the pairs ``j <= i`` of the block,
-    ``dx_i += sum_j f'(x_i - y_j) A_ij`` (``H(0) = 1``), ``dy_j -= sum_i f'(x_i - y_j) A_ij`` and
-    ``dw_j += sum_i f(x_i - y_j) g_i`` on those columns; with PARAMS, per knot ``k`` the sums
-    ``-c_k sum H(r - t_k) A`` (the tie on the side ``strict`` (K,) int8 says) and ``sum ReLU(r - t_k)
-    A`` added to ``dpar`` (R, n / LEAF, 2 K) (docs/mathematics.rst, "The backward pass").
+    """The pull-back of :func:`leaf_eval` for one profile, one block of ``LEAF`` positions of one
+    row, added to ``dx``, ``dy`` (R, n) and ``dw`` (R, n, c), float64: with ``A_ij = s_i g_i .
+    w_j[col0 .. col0 + width]`` on the pairs ``j <= i`` of the block, ``dx_i += sum_j f'(x_i - y_j)
+    A_ij`` (``H(0) = 1``), ``dy_j -= sum_i f'(x_i - y_j) A_ij`` and ``dw_j += sum_i f(x_i - y_j) u_i
+    g_i`` on those columns; with PARAMS, per knot ``k`` the sums ``-c_k sum H(r - t_k) A`` (the tie
+    on the side ``strict`` (K,) int8 says) and ``sum ReLU(r - t_k) A`` added to ``dpar`` (R, n /
+    LEAF, 2 K) (docs/mathematics.rst, "The backward pass").
+
+    ``s_i``: ``scale`` (R, n) float64 with SCALE, else 1; ``u_i``: ``vscale`` with VALUE_SCALE,
+    else ``s_i`` (the quotient rule's factors, read here rather than multiplied into a copy of
+    ``g``). HAS_TAKE: the weights are ``w_j take_j`` (``take`` (R, n) int8; a value is read only
+    where its key takes part) and, with INDICATOR, the one column ``take_j`` itself, whose ``dw``
+    is not formed.
 
     Every pair of a block is inside the block, so a program owns the rows it adds to: no atomics.
     The pairs' terms are formed in float64 in registers, ``SUB`` keys at a time, and no (positions,
@@ -79,19 +86,34 @@ def leaf_pullback(x_ptr, y_ptr, w_ptr, g_ptr, knots_ptr, coeffs_ptr, lin_ptr, st
     x = tl.load(x_ptr + row * n + i).to(tl.float64)
     slope = tl.load(lin_ptr + row * 2)
     intercept = tl.load(lin_ptr + row * 2 + 1)
+    if SCALE:
+        s = tl.load(scale_ptr + row * n + i)
+        if VALUE_SCALE:
+            u = tl.load(vscale_ptr + row * n + i)
+        else:
+            u = s
     dx = tl.zeros((LEAF,), dtype=tl.float64)
     for start in range(0, LEAF, SUB):
         j = blk * LEAF + start + tl.arange(0, SUB)
         r = x[:, None] - tl.load(y_ptr + row * n + j).to(tl.float64)[None, :]
         seen = j[None, :] <= i[:, None]
+        if HAS_TAKE:
+            taken = tl.load(take_ptr + row * n + j) != 0
+        else:
+            taken = j >= 0
         a = tl.zeros((LEAF, SUB), dtype=tl.float64)
         for c0 in range(0, width, BLOCK_C):
             cl = c0 + tl.arange(0, BLOCK_C)
             cm = cl < width
             gv = tl.load(g_ptr + row * sg_r + i[:, None] * sg_n + cl[None, :] * sg_c, mask=cm[None, :], other=0.0)
-            wv = tl.load(w_ptr + row * sw_r + j[:, None] * sw_m + (col0 + cl)[None, :] * sw_c, mask=cm[None, :],
-                         other=0.0)
+            if INDICATOR:
+                wv = tl.where(taken[:, None] & cm[None, :], 1.0, 0.0)
+            else:
+                wv = tl.load(w_ptr + row * sw_r + j[:, None] * sw_m + (col0 + cl)[None, :] * sw_c,
+                             mask=taken[:, None] & cm[None, :], other=0.0)
             a += tl.sum(gv.to(tl.float64)[:, None, :] * wv.to(tl.float64)[None, :, :], 2)
+        if SCALE:
+            a = a * s[:, None]
         a = tl.where(seen, a, 0.0)
         f = intercept + slope * r
         slope_r = slope + tl.zeros((LEAF, SUB), dtype=tl.float64)
@@ -109,14 +131,18 @@ def leaf_pullback(x_ptr, y_ptr, w_ptr, g_ptr, knots_ptr, coeffs_ptr, lin_ptr, st
         da = slope_r * a
         dx += tl.sum(da, 1)
         tl.store(dy_ptr + row * n + j, tl.load(dy_ptr + row * n + j) - tl.sum(da, 0))
-        f = tl.where(seen, f, 0.0)
-        for c0 in range(0, width, BLOCK_C):
-            cl = c0 + tl.arange(0, BLOCK_C)
-            cm = cl < width
-            gv = tl.load(g_ptr + row * sg_r + i[:, None] * sg_n + cl[None, :] * sg_c, mask=cm[None, :], other=0.0)
-            part = tl.sum(f[:, :, None] * gv.to(tl.float64)[:, None, :], 0)
-            where = dw_ptr + row * n * c + j[:, None] * c + (col0 + cl)[None, :]
-            tl.store(where, tl.load(where, mask=cm[None, :], other=0.0) + part, mask=cm[None, :])
+        if not INDICATOR:
+            f = tl.where(seen, f, 0.0)
+            if SCALE:
+                f = f * u[:, None]
+            for c0 in range(0, width, BLOCK_C):
+                cl = c0 + tl.arange(0, BLOCK_C)
+                cm = cl < width
+                gv = tl.load(g_ptr + row * sg_r + i[:, None] * sg_n + cl[None, :] * sg_c, mask=cm[None, :],
+                             other=0.0)
+                part = tl.sum(f[:, :, None] * gv.to(tl.float64)[:, None, :], 0)
+                where = dw_ptr + row * n * c + j[:, None] * c + (col0 + cl)[None, :]
+                tl.store(where, tl.load(where, mask=cm[None, :], other=0.0) + part, mask=cm[None, :])
     tl.store(dx_ptr + row * n + i, tl.load(dx_ptr + row * n + i) + dx)
 
 

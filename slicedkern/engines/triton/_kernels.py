@@ -232,12 +232,12 @@ def _attention_epilogue(acc, relu_count, count, totals, den, eps, CENTER: tl.con
 
 def _eval_block(row, i, cl, cb, blocks, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr,
                 scale_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr, out_ptr, nknots_ptr,
-                ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, dot_ptr, sd_r, sd_n, sd_c, dot_col0, out_rs, out_off,
-                out_qs, n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m, K: tl.constexpr, STRICT: tl.constexpr,
-                DERIV: tl.constexpr, HAS_FACTOR: tl.constexpr, SUB: tl.constexpr, ADD: tl.constexpr,
-                HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr, ATTN: tl.constexpr,
-                CENTER: tl.constexpr, NORM: tl.constexpr, KN: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+                ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, dot_ptr, sd_r, sd_n, sd_c, dot_col0, dot_take_ptr,
+                out_rs, out_off, out_qs, n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m, K: tl.constexpr,
+                STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_FACTOR: tl.constexpr, SUB: tl.constexpr,
+                ADD: tl.constexpr, HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
+                ATTN: tl.constexpr, CENTER: tl.constexpr, NORM: tl.constexpr, KN: tl.constexpr, DOT: tl.constexpr,
+                DOT_TAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     """Pass 2 on the sorted queries ``i`` of row ``row`` and the columns ``cl`` of column block ``cb``
     of ``blocks``: :func:`merge_eval`'s body (which see), shared with :func:`small_attend`; the
     NaN policy's ``factor`` times ``row_factor`` (1, or NaN: the values' verdict of a fused call)."""
@@ -314,8 +314,11 @@ def _eval_block(row, i, cl, cb, blocks, row_factor, xs_ptr, xperm_ptr, keys_ptr,
     if HAS_FACTOR:
         acc = acc * (tl.load(factor_ptr + row * n + dest, mask=nm, other=1.0) * row_factor)[:, None]
     if DOT:
+        dm = nm
+        if DOT_TAKE:
+            dm = dm & (tl.load(dot_take_ptr + row * n + dest, mask=nm, other=0) != 0)
         gv = tl.load(dot_ptr + row * sd_r + dest[:, None] * sd_n + (dot_col0 + cl)[None, :] * sd_c,
-                     mask=nm[:, None] & cm[None, :], other=0.0).to(tl.float64)
+                     mask=dm[:, None] & cm[None, :], other=0.0).to(tl.float64)
         prod = tl.where(cm[None, :], acc * gv, 0.0)        # columns past the range hold other sums
         tl.store(out_ptr + row * n * blocks + dest * blocks + cb, tl.sum(prod, 1), mask=nm)
     else:
@@ -334,13 +337,13 @@ def _eval_block(row, i, cl, cb, blocks, row_factor, xs_ptr, xperm_ptr, keys_ptr,
 def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, carry_ptr,
                knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr, out_ptr,
                nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps,
-               dot_ptr, sd_r, sd_n, sd_c, dot_col0, out_rs, out_off, out_qs,
+               dot_ptr, sd_r, sd_n, sd_c, dot_col0, dot_take_ptr, out_rs, out_off, out_qs,
                n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m,
                K: tl.constexpr, STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_FACTOR: tl.constexpr,
                SUB: tl.constexpr, ADD: tl.constexpr,
                HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
                ATTN: tl.constexpr, CENTER: tl.constexpr, NORM: tl.constexpr, KN: tl.constexpr, DOT: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+               DOT_TAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     """Pass 2: ``out[perm_i, :] = (profile sum over columns col0 .. col0 + width) / div_i``
     for one block of *sorted* queries.
 
@@ -374,7 +377,9 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     DOT (the backward's score gradients): instead of the rows, their dot product with the rows of
     ``dot`` (strides ``sd_*``, columns from ``dot_col0``) at the same queries, read in their own
     dtype; each column block writes its partial dot to ``out`` (R, n, column blocks), float64, so
-    that no (n, width) array is written and the sum over the blocks keeps a fixed order.
+    that no (n, width) array is written and the sum over the blocks keeps a fixed order. DOT_TAKE:
+    those rows are read only where ``dot_take`` (R, n) int8 is nonzero, 0 elsewhere (the values of
+    keys that take no part, which may hold anything).
     """
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -382,10 +387,9 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     _eval_block(row, i, cl, tl.program_id(2), tl.num_programs(2), 1.0, xs_ptr, xperm_ptr, keys_ptr, shift_ptr,
                 perm_ptr, w_ptr, take_ptr, scale_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr,
                 out_ptr, nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, dot_ptr, sd_r, sd_n, sd_c,
-                dot_col0, out_rs, out_off, out_qs, n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m, K, STRICT,
-                DERIV,
-                HAS_FACTOR, SUB, ADD, HAS_TAKE, ONES, SCALE, ACC, ATTN, CENTER, NORM, KN, DOT, BLOCK_M, BLOCK_N,
-                BLOCK_C)
+                dot_col0, dot_take_ptr, out_rs, out_off, out_qs, n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m,
+                K, STRICT, DERIV, HAS_FACTOR, SUB, ADD, HAS_TAKE, ONES, SCALE, ACC, ATTN, CENTER, NORM, KN, DOT,
+                DOT_TAKE, BLOCK_M, BLOCK_N, BLOCK_C)
 
 
 def _run_profile(x, xs, qm, keys_ptr, prefix_ptr, run_base, size, knots_ptr, coeffs_ptr, lin_ptr, b, w, wm,

@@ -110,9 +110,10 @@ def small_attend(y_ptr, x_ptr, keys_ptr, perm_ptr, xs_ptr, xperm_ptr, shift_ptr,
         i = qb * BLOCK_N + tl.arange(0, BLOCK_N)
         _eval_block(row, i, cl, cb, tl.num_programs(2), row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr,
                     w_ptr, take_ptr, shift_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, xs_ptr, out_ptr,
-                    nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, w_ptr, 0, 0, 0, 0, n * width, 0,
-                    width, n, m, c, C, nb, 0, width, sw_r, sw_m, sw_c, log_m, K, True, False, True, False, False,
-                    HAS_TAKE, True, False, ACC, True, CENTER, NORM, KN, False, BLOCK_M, BLOCK_N, BLOCK_C)
+                    nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, w_ptr, 0, 0, 0, 0, take_ptr,
+                    n * width, 0, width, n, m, c, C, nb, 0, width, sw_r, sw_m, sw_c, log_m, K, True, False, True,
+                    False, False, HAS_TAKE, True, False, ACC, True, CENTER, NORM, KN, False, False, BLOCK_M, BLOCK_N,
+                    BLOCK_C)
 
 
 def merge_runs(values_ptr, perm_ptr, merged_ptr, merged_perm_ptr, n, run, log_run, BLOCK: tl.constexpr):

@@ -17,9 +17,11 @@ import sys
 from typing import Any, NamedTuple
 
 from ...kernels import Profile, is_fixed
+from .._columns import ScaledRows
 
 __all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_sum_into", "profile_dot",
-           "attend", "attend_small", "row_dots", "column_sums", "loaded", "interpreted", "flat_rows", "row_view"]
+           "attend", "attend_small", "row_dots", "column_sums", "loaded", "interpreted", "flat_rows", "row_view",
+           "cotangent_rows"]
 
 #: Keys per tile, queries per block and columns per block. With 16 keys a tile and pass 2 on 8 warps,
 #: its float32 and bfloat16 forms hold every value in registers on an H100 (sm_90); 64 keys a tile on
@@ -73,6 +75,17 @@ def row_view(xp, a, core: int):
     for s in batch:
         rows *= s
     return xp.reshape(a, (rows,) + shape[len(shape) - core:])
+
+
+def cotangent_rows(xp, g):
+    """A cotangent as the kernels read it: ``(rows, scale, value_scale)``, ``rows`` (R, n, c) in
+    its own dtype and strides, and for a :class:`~slicedkern.engines._columns.ScaledRows` its factors
+    as (R, n) float64 (``value_scale`` None where it is ``scale``); a plain array has none."""
+    if isinstance(g, ScaledRows):
+        def per_row(a):
+            return None if a is None else flat_rows(xp, xp.astype(a[..., 0], xp.float64, copy=False), 1)
+        return row_view(xp, g.rows, 2), per_row(g.scale), per_row(g.value_scale)
+    return row_view(xp, g, 2), None, None
 
 
 class Table(NamedTuple):
@@ -256,8 +269,9 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
               factor=None, sub=None, attention=None, dot=None, add=None):
     """Launch pass 2 into ``out`` (R, n, len(cols)); ``attention`` = ``(center, normalizer, count, raw)``
     for attention's fused epilogue (``count`` and ``raw`` the (R, n) float64 residuals it writes);
-    ``dot`` = ``(rows, col0)``: write the rows' dot products with ``rows[..., col0:col0 + len(cols)]``
-    ((R, n, ...) in any strides and dtype) into ``out`` (R, n, column blocks) instead; ``sub``
+    ``dot`` = ``(rows, col0, take)``: write the rows' dot products with ``rows[..., col0:col0 + len(cols)]``
+    ((R, n, ...) in any strides and dtype; read where ``take`` (R, n) int8 is nonzero, or
+    everywhere for None) into ``out`` (R, n, column blocks) instead; ``sub``
     (R, len(cols)) float64 subtracted from every query's sums, then ``factor`` (R, n) multiplying them;
     ``add`` = ``(row_stride, offset, query_stride)``: add query ``i``'s row to ``out`` (float64, any
     size) at ``offset + row * row_stride + i * query_stride`` instead of writing an (R, n,
@@ -278,7 +292,7 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
     c = w.shape[-1]
     block_m, block_n, block_c = _blocks(xp, w, table.scale)
     grid = (rows, triton_cdiv(n, block_n), triton_cdiv(width, block_c))
-    against, dot_col0 = dot if dot is not None else (w, 0)
+    against, dot_col0, dot_take = dot if dot is not None else (w, 0, None)
     k = loaded()
     k.merge_eval[grid](
         x, queries.perm, table.keys, table.shift, table.perm, w,
@@ -287,6 +301,7 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
         factor if factor is not None else x, sub if sub is not None else x, out,
         nknots, ncoeffs, nlin, count, raw, eps,
         against, against.stride(0), against.stride(1), against.stride(2), dot_col0,
+        dot_take if dot_take is not None else queries.perm,
         *(add if add is not None else (n * width, 0, width)),
         n, m, c, table.C, nb, cols.start, width, w.stride(0), w.stride(1), w.stride(2),
         max(1, math.ceil(math.log2(m + 1))),
@@ -295,7 +310,7 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
         ONES=table.ones,
         SCALE=table.scale is not None, ACC=_tl_dtype(k, _acc_dtype(xp, w, table.scale), xp),
         ATTN=attention is not None, CENTER=bool(center), NORM=norm,
-        KN=kn, DOT=dot is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c, num_warps=MERGE_WARPS)
+        KN=kn, DOT=dot is not None, DOT_TAKE=dot_take is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c, num_warps=MERGE_WARPS)
     return out
 
 
@@ -329,12 +344,13 @@ def profile_sum_into(xp, table: Table, queries: Queries, profile: Profile, batch
 
 
 def profile_dot(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, rows_, col0: int, *,
-                strict: bool):
+                strict: bool, take=None):
     """``sum over c of (profile sum of table columns cols)[..., c] * rows_[..., col0 + c]``: (R, n) float64.
 
     ``rows_`` (R, n, ...) in the queries' original order, any strides and dtype (read by the kernel,
     not copied): the backward's score gradients without an (n, len(cols)) array of sums. One launch;
-    its column blocks' partial dots are summed here, in a fixed order.
+    its column blocks' partial dots are summed here, in a fixed order. ``take`` (R, n) bool or
+    None: ``rows_`` is read only where it is True, as 0 elsewhere.
     """
     rows, n = queries.sorted.shape
     dev = queries.sorted.device
@@ -342,7 +358,8 @@ def profile_dot(xp, table: Table, queries: Queries, profile: Profile, batch, col
         return xp.zeros((rows, n), dtype=xp.float64, device=dev)
     blocks = triton_cdiv(len(cols), _blocks(xp, table.w, table.scale)[2])
     partial = xp.empty((rows, n, blocks), dtype=xp.float64, device=dev)
-    _evaluate(xp, table, queries, profile, batch, cols, partial, strict=strict, dot=(rows_, col0))
+    take = None if take is None else xp.astype(take, xp.int8).contiguous()
+    _evaluate(xp, table, queries, profile, batch, cols, partial, strict=strict, dot=(rows_, col0, take))
     return xp.sum(partial, axis=-1)
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from ..._lib.namespace import as_work
 from ...kernels import Profile, is_fixed
-from .._vjp import AllKeys, SeenKeys, join_value_columns
+from .._columns import ScaledRows
+from .._vjp import AllKeys, SeenKeys
 from ..scan._causal import causal_profiles_vjp
 from ._causal import causal_row_dots
 from ._sums import (
@@ -24,8 +25,8 @@ from ._sums import (
     row_view,
 )
 
-__all__ = ["KernelRows", "CausalKeys", "SortedKeys", "SEEN_VALUE_SUMS", "adjacent_columns", "sorted_sums_vjp",
-           "kernel_knot_grads"]
+__all__ = ["KernelRows", "CausalKeys", "SortedKeys", "SEEN_VALUE_SUMS", "adjacent_columns", "cotangent_tables",
+           "sorted_sums_vjp", "kernel_knot_grads"]
 
 
 def adjacent_columns(arrays):
@@ -39,6 +40,31 @@ def adjacent_columns(arrays):
             return None
         at += a.shape[-1] * a.stride(-1) * a.element_size()
     return first.as_strided(first.shape[:-1] + (sum(a.shape[-1] for a in arrays),), first.stride())
+
+
+def cotangent_tables(xp, xr, xq, cotangents, cots):
+    """Per cotangent of a pull-back, ``(table, span, valued)``: the table of the sorted queries
+    ``xq`` (R, n) that carries it (pass 1), its columns there, and the table whose rows reach the
+    values' gradient (itself, unless a :class:`~slicedkern.engines._columns.ScaledRows` has a
+    ``value_scale``). ``cots``: their :func:`._sums.cotangent_rows`. The plain cotangents share one
+    table (adjacent column ranges of one array read as one, others joined); a ScaledRows has its
+    own, its rows scaled as pass 1 reads them (no scaled copy)."""
+    plain = [g for g in cotangents if not isinstance(g, ScaledRows)]
+    shared = None
+    if plain:
+        stacked = adjacent_columns(plain)
+        stacked = flat_rows(xp, xp.concat(plain, axis=-1), 2) if stacked is None else row_view(xp, stacked, 2)
+        shared = build_table(xp, xr, stacked, presorted=xq)
+    out, start = [], 0
+    for g, (rows, scale, value_scale) in zip(cotangents, cots):
+        if isinstance(g, ScaledRows):
+            table = build_table(xp, xr, rows, scale=scale, presorted=xq)
+            valued = table if value_scale is None else build_table(xp, xr, rows, scale=value_scale, presorted=xq)
+            out.append((table, range(0, rows.shape[-1]), valued))
+        else:
+            out.append((shared, range(start, start + g.shape[-1]), shared))
+            start += g.shape[-1]
+    return out
 
 
 class KernelRows:
@@ -71,6 +97,12 @@ class CausalKeys(KernelRows, SeenKeys):
     sort nothing; ``carry``: the forward's block carry of the running totals
     (:func:`._causal.position_carry`), or None: the row dots sum from it, not summing the values
     again."""
+
+    # the levels' and leaves' kernels read the values where the keys take part and the cotangent in
+    # its own dtype, scaled per row as they read it (._columns), and the silent rows' share of dv is
+    # scaled to 0 there: no (n, D) array of either, and no host read to find silent rows
+    lazy_columns = True
+    silent_as_mask = True
 
     def __init__(self, engine, q, k, v, key_mask, xp, runs=None, carry=None):
         super().__init__(engine, q, k, v, key_mask, xp)
@@ -107,23 +139,6 @@ class CausalKeys(KernelRows, SeenKeys):
             g = row_view(xp, xp.broadcast_to(g, batch + (lq, d)), 2)
         factor = flat_rows(xp, xp.broadcast_to(dv_factor, batch + (lk, 1))[..., 0], 1)
         return xp.reshape(causal_dv(xp, row_view(xp, dv, 2), g, weights, factor, self.raw_v.dtype), batch + (lk, d))
-
-    def joined_cotangents(self, xp, gout, scale, others):
-        # column slices of one array, the scaled rows written into it (no array of their
-        # own): the levels' pull-backs read their halves as one table's rows (adjacent_columns)
-        shape = tuple(xp.broadcast_arrays(gout[..., :1], scale, *others)[0].shape[:-1])
-        d = gout.shape[-1]
-        dtype = xp.result_type(gout, scale, *others)         # the work dtype, as gout * scale has it
-        joined = xp.empty(shape + (d + len(others),), dtype=dtype, device=gout.device)
-        xp.multiply(xp.broadcast_to(gout, shape + (d,)), xp.broadcast_to(scale, shape + (1,)), out=joined[..., :d])
-        for i, other in enumerate(others):
-            joined[..., d + i:d + i + 1] = other
-        return [joined[..., :d]] + [joined[..., d + i:d + i + 1] for i in range(len(others))]
-
-    def value_columns(self, xp, *, silent):
-        # the values as given (the row dots' kernel reads them so), zeroed in place in the joined
-        # columns, this view's own array: no zeroed copy of the values besides (issue 26, item 5)
-        return join_value_columns(xp, self.raw_v, self.take, silent=silent).masked_fill_(~self.take[..., None], 0.0)
 
 
 class SortedKeys(KernelRows, AllKeys):
@@ -205,7 +220,8 @@ def sorted_sums_vjp(xp, keys: SortedKeys, profile, normalizer, gout, cot, silent
 
     queried = build_table(xp, xr, gr, scale=scale, presorted=xq)
     reflected = profile.reflect()
-    dk = profile_dot(xp, queried, yq, reflected.with_(derivative=True), batch, range(0, dv), vr, 0, strict=True)
+    dk = profile_dot(xp, queried, yq, reflected.with_(derivative=True), batch, range(0, dv), vr, 0, strict=True,
+                     take=take)
     if silent is not None:
         # the silent rows' cotangent reaches dq and dk, not dv (_vjp.sums_vjp)
         kept = scale * (1.0 - per_row(silent, (n, 1)))

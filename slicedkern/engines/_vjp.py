@@ -125,6 +125,13 @@ class AllKeys:
         """The engine's pull-back of the profile sums over the keys each query sees."""
         return self.engine.profiles_vjp(x, y, w, profiles, cotangents, xp=xp, param_grads=param_grads)
 
+    def finished_vjp(self, xp, w, profiles, cotangents, dv_sub, dv_factor):
+        """:meth:`profiles_vjp` of this view's scores and the value columns ``w``, with the values'
+        gradient (its first Dv columns) finished by :meth:`finish_dv`: ``(dq, dk, dv, params)``
+        (an engine's view may fuse the finish into its pull-back)."""
+        dq, dk, dw, params = self.profiles_vjp(self.q, self.k, w, profiles, cotangents, xp=xp)
+        return dq, dk, self.finish_dv(xp, dw[..., :self.raw_v.shape[-1]], dv_sub, dv_factor), params
+
     def sums_vjp(self, profile, normalizer, gout, cot, silent, *, center: bool, dv_sub, dv_factor, xp):
         """The pull-back of attention's sums (:func:`sums_vjp`; an engine's view may fuse it)."""
         return sums_vjp(self, profile, normalizer, gout, cot, silent, center=center, dv_sub=dv_sub,
@@ -266,11 +273,11 @@ def sums_vjp(keys, profile: Profile, normalizer: Normalizer, gout, cot, silent, 
         cotangents = [xp.where(silent, zero, gnum), *indicator_cots, xp.where(silent, gnum, zero)]
         w = keys.value_columns(xp, silent=True)
         profiles.append(profile.with_(columns=slice(dv_cols + 1, 2 * dv_cols + 1)))
-    dq, dk, dw, params = keys.profiles_vjp(keys.q, keys.k, w, profiles, cotangents, xp=xp)
+    dq, dk, dv, params = keys.finished_vjp(xp, w, profiles, cotangents, dv_sub, dv_factor)
     if silent is not None:
         params = add_params(params[:1], params[-1:]) + params[1:-1]
     params = add_params(params[:1], params[1:2]) if center else params[:1]
-    return dq, dk, keys.finish_dv(xp, dw[..., :dv_cols], dv_sub, dv_factor), params[0]
+    return dq, dk, dv, params[0]
 
 
 def _silent_rows(xp, profile: Profile, normalizer: Normalizer, den, good, *, uniform: bool = False,

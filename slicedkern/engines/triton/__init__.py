@@ -15,7 +15,8 @@ dtype (the result's: the op casts the values to it), so no cast or float64 copy 
 (docs/architecture.rst, "Engines").
 
 The backward is the generic one (:mod:`.._vjp`: the NaN rule, the quotient rule) with attention's
-sums pulled back on these kernels (:func:`sorted_sums_vjp`): it reads the forward's sorted
+sums pulled back on these kernels (:meth:`TritonEngine.profiles_vjp` over the value columns and
+cotangent rows left unevaluated, :mod:`.._columns`; :class:`._views.SortedKeys`): it reads the forward's sorted
 keys and queries and its table's carry (residuals), so a forward and its backward sort each array
 once and sum the values' tiles once; the score gradients' dot products with the cotangent and with
 the values are taken in pass 2's epilogue, the cotangent rows are scaled by the quotient rule's
@@ -38,9 +39,9 @@ Causal attention is the scan's divide and conquer over positions (:mod:`..scan._
 kernels at every level, its dense leaves (sums and pull-back) and its combination (:mod:`._causal`):
 two launches per profile and level whatever the number of blocks, each score array sorted once in
 runs of :data:`CAUSAL_LEAF` positions and merged bottom-up for the levels above. Its backward is the
-generic one over the causal prefix (:class:`._views.CausalKeys`): the cotangent read in its own dtype, the
-levels' pull-backs added in place into the leaves' gradients, and ``dv`` finished in one launch
-(:func:`._sums.causal_dv`).
+generic one over the causal prefix (:class:`._views.CausalKeys`), on the same pull-back per level: the
+values and the cotangent read in their own dtype, the levels' pull-backs added in place into the
+leaves' gradients, and ``dv`` finished in one launch (:func:`._sums.causal_dv`).
 
 It serves torch tensors: chosen automatically for CUDA tensors when Triton is installed, and on
 request (``engine="triton"`` / :func:`~slicedkern.use_engine`) for CPU tensors too, which Triton runs
@@ -257,12 +258,17 @@ class TritonEngine(Engine):
             return super().key_view(q, k, v, key_mask, aux, causal=causal, xp=xp)
         return SortedKeys(self, q, k, v, key_mask, xp, aux)
 
-    def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True, orders=None, dw_into=None):
+    def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True, orders=None, dw_into=None,
+                     key_carry=None, dv_finish=None):
         """The pull-back of profile sums; ``orders``: the (R, m) / (R, n) sorted keys, their int32
         permutation, the sorted queries and theirs, from the forward (attention's residuals), so
-        that no array is sorted twice in a forward and its backward. ``dw_into = (acc, row_stride,
-        offset)``: ``dw`` added in place to ``acc`` (float64, contiguous), key ``j`` of row ``r`` at
-        ``acc.flat[offset + r row_stride + j c + column]`` (a causal level's), and None returned.
+        that no array is sorted twice in a forward and its backward; ``key_carry``: the carry of the
+        forward's table of the keys and ``w`` (a residual too: no pass 1 here). ``dw_into = (acc,
+        row_stride, offset)``: ``dw`` added in place to ``acc`` (float64, contiguous), key ``j`` of
+        row ``r`` at ``acc.flat[offset + r row_stride + j c + column]`` (a causal level's), and
+        None returned. ``dv_finish = (sub, factor, dtype)``: ``dw`` of a profile over all the
+        values' columns is ``(sums - sub) * factor`` in ``dtype``, in pass 2's epilogue (``sub`` (R,
+        c) float64 or None, ``factor`` (R, m) float64; attention's ``finish_dv``).
 
         ``w`` may be a :class:`.._columns.MaskedValues` and a cotangent a
         :class:`.._columns.ScaledRows` (attention's causal backward, :attr:`.._vjp.AllKeys.lazy_columns`):
@@ -285,7 +291,7 @@ class TritonEngine(Engine):
             key_order, key_perm, query_order, query_perm = orders
             xq, yq = Queries(query_order, query_perm), Queries(xp.astype(key_order, xp.float64), key_perm)
         take = flat_rows(xp, w.take, 1) if masked else None
-        keyed = build_table(xp, yr, vr, take=take, ones=masked, presorted=yq)
+        keyed = build_table(xp, yr, vr, take=take, ones=masked, presorted=yq, carry=key_carry)
         cots = [cotangent_rows(xp, g) for g in cotangents]
         dx = None
         for p, (rows, scale, _) in zip(profiles, cots):
@@ -303,7 +309,13 @@ class TritonEngine(Engine):
                 # the indicator's column: its keys' weight is 1 where they take part (zeroed below)
                 term = profile_sum(xp, table, yq, r.with_(derivative=True), batch, span, strict=True)[..., 0]
             else:
-                if dw_into is None:
+                if dv_finish is not None:
+                    if cols != range(0, dw_cols):
+                        raise ValueError("dv_finish: one profile over all the values' columns gives dw")
+                    sub, factor, dtype = dv_finish
+                    dw.add(profile_sum(xp, valued, yq, r, batch, span, strict=True, sub=sub, factor=factor,
+                                       dtype=dtype), cols)
+                elif dw_into is None:
                     dw.add(profile_sum(xp, valued, yq, r, batch, span, strict=True), cols)
                 else:
                     acc, row_stride, at = dw_into

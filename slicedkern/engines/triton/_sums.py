@@ -310,7 +310,8 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
         ONES=table.ones,
         SCALE=table.scale is not None, ACC=_tl_dtype(k, _acc_dtype(xp, w, table.scale), xp),
         ATTN=attention is not None, CENTER=bool(center), NORM=norm,
-        KN=kn, DOT=dot is not None, DOT_TAKE=dot_take is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c, num_warps=MERGE_WARPS)
+        KN=kn, DOT=dot is not None, DOT_TAKE=dot_take is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_C=block_c, num_warps=MERGE_WARPS)
     return out
 
 

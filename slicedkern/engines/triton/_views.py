@@ -1,8 +1,9 @@
 """The triton engine's views of the keys for attention's backward
 (:class:`~slicedkern.engines._vjp.AllKeys`, :class:`~slicedkern.engines._vjp.SeenKeys`): the
 quotient rule's reads of the cotangent on the kernels (:class:`KernelRows`), the non-causal
-pull-back over the forward's residuals (:class:`SortedKeys`, :func:`sorted_sums_vjp`) and the causal
-one over the levels (:class:`CausalKeys`); docs/architecture.rst, "Engines".
+pull-back over the forward's residuals (:class:`SortedKeys`) and the causal one over the levels
+(:class:`CausalKeys`), both on the engine's pull-back over the columns left unevaluated
+(:mod:`.._columns`, :func:`cotangent_tables`); docs/architecture.rst, "Engines".
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from .._vjp import AllKeys, SeenKeys
 from ..scan._causal import causal_profiles_vjp
 from ._causal import causal_row_dots
 from ._sums import (
-    Queries,
     build_table,
     causal_dv,
     column_sums,
@@ -26,7 +26,7 @@ from ._sums import (
 )
 
 __all__ = ["KernelRows", "CausalKeys", "SortedKeys", "SEEN_VALUE_SUMS", "adjacent_columns", "cotangent_tables",
-           "sorted_sums_vjp", "kernel_knot_grads"]
+           "kernel_knot_grads"]
 
 
 def adjacent_columns(arrays):
@@ -144,12 +144,21 @@ class CausalKeys(KernelRows, SeenKeys):
 class SortedKeys(KernelRows, AllKeys):
     """Every key of the row (:class:`~slicedkern.engines._vjp.AllKeys`), pulled back over the
     forward's residuals: its sorted orders, table of keys and NaN policy's verdicts, so that the
-    backward of attention on the triton engine sorts and screens nothing (:func:`sorted_sums_vjp`).
+    backward of attention on the triton engine sorts and screens nothing, and allocates nothing of
+    ``(n, dv)`` but ``dv`` itself (issue 26, item 2).
 
     ``q`` and ``k`` are the unscreened scores, read for their shapes only; ``raw_v`` the values,
-    read by kernels that skip the keys that take no part."""
+    read by kernels that skip the keys that take no part. The pull-back is the engine's
+    (:meth:`~slicedkern.engines.triton.TritonEngine.profiles_vjp`) over the columns left
+    unevaluated (:attr:`lazy_columns`): ``dq`` the derivative sums of the values over the forward's
+    table of keys (its carry a residual: no pass 1), dotted with the cotangent in pass 2's epilogue
+    and scaled by the quotient rule's factor per query; ``dv`` and ``dk`` the reflected profile over
+    a table of the sorted queries whose rows are the cotangent times that factor, scaled as read,
+    ``dk``'s dot with the values in pass 2's epilogue, and ``dv`` finished there (:meth:`finished_vjp`:
+    the centring mean's term subtracted, the keys' factor, the values' dtype)."""
 
     silent_as_mask = True      # the silent rows scale the cotangent of dv's table: no host read of den
+    lazy_columns = True
 
     def __init__(self, engine, q, k, v, key_mask, xp, aux):
         self.q, self.k, self.raw_v, self.key_mask = q, k, v, key_mask
@@ -176,70 +185,20 @@ class SortedKeys(KernelRows, AllKeys):
             keys = AllKeys(self.engine, self.q, self.k, self.raw_v, self.key_mask, xp)
             return keys.sums_vjp(profile, normalizer, as_work(xp, gout, self.q.dtype), cot, silent, center=center,
                                  dv_sub=dv_sub, dv_factor=dv_factor, xp=xp)
-        return sorted_sums_vjp(xp, self, profile, normalizer, gout, cot, silent, center=center, dv_sub=dv_sub,
-                         dv_factor=dv_factor)
+        return super().sums_vjp(profile, normalizer, gout, cot, silent, center=center, dv_sub=dv_sub,
+                                dv_factor=dv_factor, xp=xp)
 
+    def finished_vjp(self, xp, w, profiles, cotangents, dv_sub, dv_factor):
+        batch, m, dv = tuple(self.q.shape[:-1]), self.k.shape[-1], self.raw_v.shape[-1]
 
-def sorted_sums_vjp(xp, keys: SortedKeys, profile, normalizer, gout, cot, silent, *, center: bool, dv_sub, dv_factor):
-    """:func:`slicedkern.engines._vjp.sums_vjp` on the kernels, for fixed profiles: the same
-    pull-back, with no ``(n, dv)`` array but the gradient ``dv`` itself (issue 26, item 2).
+        def per_row(a, shape):       # (..., 1, dv) or (..., m, 1) factors as (R, dv or m) float64
+            return flat_rows(xp, xp.astype(xp.reshape(xp.broadcast_to(a, batch + shape), batch + (-1,)),
+                                           xp.float64), 1)
 
-    * ``dq``: the derivative sums of the values over the forward's table of keys (its carry is a
-      residual: no pass 1), dotted with ``gout`` in pass 2's epilogue and scaled by the quotient
-      rule's factor per query (``cot.scale``); the indicator column's derivative sums, one column,
-      times the indicator cotangents (centring, normaliser);
-    * ``dv`` and ``dk``: the reflected profile over a table of the sorted queries whose rows are
-      ``gout`` times ``cot.scale``, scaled as the kernels read them (never written scaled); ``dk``'s
-      dot with the values in pass 2's epilogue, the indicator cotangents (two columns at most) in a
-      table of their own; ``dv_sub`` and ``dv_factor`` applied in pass 2's epilogue, which writes
-      ``dv`` in the values' dtype.
-    """
-    x, y, v = keys.q, keys.k, keys.raw_v      # the kernels skip the keys that take no part (take)
-    batch, n, m, dv = tuple(x.shape[:-1]), x.shape[-1], y.shape[-1], v.shape[-1]
-    key_order, key_perm, query_order, query_perm = keys.orders
-    xq = Queries(query_order, query_perm)
-    yq = Queries(xp.astype(key_order, xp.float64), key_perm)
-    xr = flat_rows(xp, x, 1)
-    vr, gr = row_view(xp, v, 2), row_view(xp, gout, 2)
-    take = flat_rows(xp, keys.take, 1)
-
-    def per_row(a, shape):           # (..., n or m, 1) or (..., 1, dv) factors as (R, n or m or dv) float64
-        return flat_rows(xp, xp.astype(xp.reshape(xp.broadcast_to(a, batch + shape), batch + (-1,)), xp.float64), 1)
-
-    scale = per_row(cot.scale, (n, 1))
-    indicator = ([(profile, cot.relu_count)] if center else []) + (
-        [(normalizer.profile, cot.den)] if normalizer.summed else [])
-    indicator_cots = [per_row(c, (n, 1)) for _, c in indicator]
-
-    keyed = build_table(xp, flat_rows(xp, y, 1), vr, take=take, ones=True, presorted=yq, carry=keys.key_carry)
-    dq = profile_dot(xp, keyed, xq, profile.with_(derivative=True), batch, range(0, dv), gr, 0,
-                     strict=False) * scale
-    for (p, _), c in zip(indicator, indicator_cots):
-        sums = profile_sum(xp, keyed, xq, p.with_(derivative=True), batch, range(dv, dv + 1), strict=False)
-        dq = dq + sums[..., 0] * c
-
-    queried = build_table(xp, xr, gr, scale=scale, presorted=xq)
-    reflected = profile.reflect()
-    dk = profile_dot(xp, queried, yq, reflected.with_(derivative=True), batch, range(0, dv), vr, 0, strict=True,
-                     take=take)
-    if silent is not None:
-        # the silent rows' cotangent reaches dq and dk, not dv (_vjp.sums_vjp)
-        kept = scale * (1.0 - per_row(silent, (n, 1)))
-        queried = build_table(xp, xr, gr, scale=kept, presorted=xq)
-    sub = None if dv_sub is None else per_row(dv_sub, (1, dv))
-    dvs = profile_sum(xp, queried, yq, reflected, batch, range(0, dv), strict=True, sub=sub,
-                      factor=per_row(dv_factor, (m, 1)), dtype=v.dtype)
-    if indicator:
-        extra = build_table(xp, xr, xp.concat([c[..., None] for c in indicator_cots], axis=-1), presorted=xq)
-        for i, (p, _) in enumerate(indicator):
-            sums = profile_sum(xp, extra, yq, p.reflect().with_(derivative=True), batch, range(i, i + 1),
-                               strict=True)
-            dk = dk + sums[..., 0]
-    # the raw values of the keys that take no part were read (they may hold anything): zero there
-    dk = xp.where(take, dk, xp.zeros((), dtype=dk.dtype, device=dk.device))
-    params = kernel_knot_grads(xp, keyed, xq, profile, batch, gr, range(0, dv), scale=scale,
-                         cot_r=indicator_cots[0] if center else None)
-    return (xp.reshape(dq, batch + (n,)), xp.reshape(dk, batch + (m,)), xp.reshape(dvs, batch + (m, dv)), params)
+        sub = None if dv_sub is None else per_row(dv_sub, (1, dv))
+        return self.engine.profiles_vjp(self.q, self.k, w, profiles, cotangents, xp=xp, orders=self.orders,
+                                        key_carry=self.key_carry,
+                                        dv_finish=(sub, per_row(dv_factor, (m, 1)), self.raw_v.dtype))
 
 
 def kernel_knot_grads(xp, keyed, xq, profile, batch, gr, cols: range, *, scale=None, cot_r=None):

@@ -209,7 +209,7 @@ def _add_level_into(acc, part, core: int, right: bool):
     lead, tail = shape[:ndim - 1 - core], shape[ndim - core:]
     pairs, size = part.shape[part.ndim - 2 - core], part.shape[part.ndim - 1 - core]
     paired = acc.reshape(lead + (pairs, 2, size) + tail)        # a view: acc is contiguous
-    paired[(..., 1 if right else 0) + (slice(None),) * (1 + core)] += part
+    paired[(..., 1 if right else 0) + (slice(None),) * (1 + core)].add_(part)     # in place: no copy back
     return acc
 
 

@@ -284,13 +284,14 @@ class TritonEngine(Engine):
             return dx, dy, dw, [(tuple(None for _ in p.knots), tuple(None for _ in p.coeffs))
                                 for p in profiles]
         # dx: derivative sums over the sorted keys, H(0) = 1 (the scan's convention)
-        xr, yr, vr = flat_rows(xp, x, 1), flat_rows(xp, y, 1), row_view(xp, values, 2)
+        # with the forward's orders the scores are read for their shapes only (no copy of a level's halves)
+        xr, yr, vr = row_view(xp, x, 1), row_view(xp, y, 1), row_view(xp, values, 2)
         if orders is None:
-            xq, yq = sort_queries(xp, xr), sort_queries(xp, yr)      # each array sorted once
+            xq, yq = sort_queries(xp, xr.contiguous()), sort_queries(xp, yr.contiguous())   # each sorted once
         else:
             key_order, key_perm, query_order, query_perm = orders
             xq, yq = Queries(query_order, query_perm), Queries(xp.astype(key_order, xp.float64), key_perm)
-        take = flat_rows(xp, w.take, 1) if masked else None
+        take = flat_rows(xp, xp.astype(w.take, xp.int8), 1) if masked else None     # one copy, read by all
         keyed = build_table(xp, yr, vr, take=take, ones=masked, presorted=yq, carry=key_carry)
         cots = [cotangent_rows(xp, g) for g in cotangents]
         dx = None
@@ -326,7 +327,7 @@ class TritonEngine(Engine):
             dy = term if dy is None else dy + term
         if masked:
             # the raw values of the keys that take no part were read (they may hold anything): zero there
-            dy = xp.where(take, dy, xp.zeros((), dtype=dy.dtype, device=dy.device))
+            dy = xp.where(take != 0, dy, xp.zeros((), dtype=dy.dtype, device=dy.device))
         dx = xp.reshape(dx, batch + (n,))
         dy = xp.reshape(dy, batch + (m,))
         dw = xp.reshape(dw.assemble(xp), batch + (m, dw_cols)) if dw_into is None else None

@@ -54,8 +54,9 @@ def level_table(xp, qs, keys, vals, kept, orders):
     block pairs as rows; ``orders`` from :func:`level_orders`, or None to sort them here."""
     key_order, key_perm, query_order, query_perm = orders if orders is not None else (None,) * 4
     presorted = None if orders is None else Queries(key_order, key_perm)
-    table = build_table(xp, flat_rows(xp, keys, 1), row_view(xp, vals, 2), take=flat_rows(xp, kept, 1), ones=True,
-                        presorted=presorted)
+    # the indicator of a level's left blocks is a strided view: one copy, as the int8 the kernels read
+    table = build_table(xp, (row_view if orders is not None else flat_rows)(xp, keys, 1), row_view(xp, vals, 2),
+                        take=flat_rows(xp, xp.astype(kept, xp.int8), 1), ones=True, presorted=presorted)
     return table, sort_queries(xp, flat_rows(xp, qs, 1)) if orders is None else Queries(query_order, query_perm)
 
 

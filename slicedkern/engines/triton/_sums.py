@@ -185,8 +185,8 @@ def build_table(xp, y, w, *, take=None, ones=False, scale=None, presorted: Queri
     keys, perm = _sort(xp, y, narrow) if presorted is None else presorted
     shift = xp.astype(keys[:, m // 2], xp.float64).contiguous()
     C = c + (1 if ones else 0)
-    take_arg = xp.astype(take, xp.int8).contiguous() if take is not None else None
-    scale_arg = xp.astype(scale, xp.float64).contiguous() if scale is not None else None
+    take_arg = xp.astype(take, xp.int8, copy=False).contiguous() if take is not None else None
+    scale_arg = xp.astype(scale, xp.float64, copy=False).contiguous() if scale is not None else None
     if carry is None:
         block_m, _, block_c = _blocks(xp, w, scale)
         nb = triton_cdiv(m, block_m)
@@ -359,7 +359,7 @@ def profile_dot(xp, table: Table, queries: Queries, profile: Profile, batch, col
         return xp.zeros((rows, n), dtype=xp.float64, device=dev)
     blocks = triton_cdiv(len(cols), _blocks(xp, table.w, table.scale)[2])
     partial = xp.empty((rows, n, blocks), dtype=xp.float64, device=dev)
-    take = None if take is None else xp.astype(take, xp.int8).contiguous()
+    take = None if take is None else xp.astype(take, xp.int8, copy=False).contiguous()
     _evaluate(xp, table, queries, profile, batch, cols, partial, strict=strict, dot=(rows_, col0, take))
     return xp.sum(partial, axis=-1)
 

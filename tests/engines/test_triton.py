@@ -803,12 +803,13 @@ def test_sort_rows_is_a_stable_sort(n):
     assert torch.equal(values, want) and torch.equal(perm.long(), want_perm)
 
 
-@pytest.mark.parametrize("n, run", [(2, 1), (16, 1), (48, 8), (64, 32), (200, 100)])
+@pytest.mark.parametrize("n, run", [(2, 1), (16, 1), (48, 8), (64, 32), (200, 100), (256, 16)])
 def test_merge_runs_is_a_stable_sort(n, run):
     """One step of the causal levels' bottom-up merge sort (``_order.merge_runs``): runs of ``run``
     sorted (with ties: scores from 5 values) merged in pairs give exactly the stable sort of the runs
     of ``2 run``, values and indices within the run, with a run of 100 entries (not a power of two)
-    and one row longer than a program's block."""
+    and one row longer than a program's block; in the natural layout and in the split one (each
+    level's left and right blocks contiguous) that the levels merge into."""
     import array_api_compat.torch as xp
 
     from slicedkern.engines.triton import _causal
@@ -820,6 +821,18 @@ def test_merge_runs_is_a_stable_sort(n, run):
     want, want_perm = a.reshape(3, n // (2 * run), 2 * run).sort(dim=-1, stable=True)
     assert torch.equal(merged, want.reshape(3, n))
     assert torch.equal(merged_perm.long(), want_perm.reshape(3, n))
+    if n % (4 * run) == 0:
+        # the split layout, (2, rows, n / 2) with every row's even runs first, in and out: the same
+        # runs where the natural layout has them
+        def split(x, size):
+            return x.reshape(3, n // (2 * size), 2, size).permute(2, 0, 1, 3).reshape(2, 3, n // 2).contiguous()
+        for split_in in (False, True):
+            given = (split(values.reshape(3, n), run), split(perm.reshape(3, n), run)) if split_in else (
+                values.reshape(3, n).contiguous(), perm.reshape(3, n).contiguous())
+            got, got_perm = _causal.merge_runs(xp, given[0], given[1].to(torch.int32), run, split_in=split_in,
+                                               split_out=True)
+            assert torch.equal(got, split(want.reshape(3, n), 2 * run))
+            assert torch.equal(got_perm.long(), split(want_perm.reshape(3, n), 2 * run))
 
 
 @pytest.mark.parametrize("lq, lk", [(150, 150), (90, 150), (150, 90), (1, 70)])

@@ -166,6 +166,8 @@ def level_orders(xp, x, y, leaf: int, runs: dict | None = None, narrow: bool = F
         return xp.reshape(values, (rows, n)), xp.reshape(perm, (rows, n))
 
     def half(a, size, side):
+        if a.ndim == 3:          # merged in the split layout: each side one contiguous array
+            return xp.reshape(a[side], (rows * (n // (2 * size)), size))
         return xp.reshape(xp.reshape(a, (rows, n // (2 * size), 2, size))[:, :, side, :],
                           (rows * (n // (2 * size)), size)).contiguous()
 
@@ -179,8 +181,10 @@ def level_orders(xp, x, y, leaf: int, runs: dict | None = None, narrow: bool = F
     while size < n:
         yield (half(keys, size, 0), half(key_perm, size, 0), half(queries, size, 1), half(query_perm, size, 1))
         if 2 * size < n:
-            keys, key_perm = merge_runs(xp, keys, key_perm, size)
-            queries, query_perm = merge_runs(xp, queries, query_perm, size)
+            # merged into the split layout, so that the next level's halves are not copied out
+            split = keys.ndim == 3
+            keys, key_perm = merge_runs(xp, keys, key_perm, size, split_in=split, split_out=True)
+            queries, query_perm = merge_runs(xp, queries, query_perm, size, split_in=split, split_out=True)
         size *= 2
 
 
@@ -237,14 +241,20 @@ def causal_row_dots(xp, g, w, take, offset: int, carry=None):
     return out
 
 
-def merge_runs(xp, values, perm, run: int):
+def merge_runs(xp, values, perm, run: int, *, split_in: bool = False, split_out: bool = False):
     """``values`` (R, n), sorted in runs of ``run`` with ``perm`` (R, n) int32 each entry's index in
-    its run, merged in adjacent pairs: sorted runs of ``2 run`` and their indices (one launch)."""
-    rows, n = values.shape
-    merged, merged_perm = xp.empty_like(values), xp.empty_like(perm)
+    its run, merged in adjacent pairs: sorted runs of ``2 run`` and their indices (one launch).
+    ``split_in`` / ``split_out``: the input / the output in the split layout, (2, R, n / 2), the
+    even runs of every row in the first half and the odd runs in the second
+    (:func:`._order.merge_runs`)."""
+    rows, n = (values.shape[1], 2 * values.shape[2]) if split_in else values.shape
+    shape = (2, rows, n // 2) if split_out else (rows, n)
+    merged = xp.empty(shape, dtype=values.dtype, device=values.device)
+    merged_perm = xp.empty(shape, dtype=perm.dtype, device=perm.device)
     if rows and n:
         loaded().merge_runs[(rows, triton_cdiv(n, BLOCK_ROWS))](
-            values, perm, merged, merged_perm, n, run, run.bit_length(), BLOCK=BLOCK_ROWS)
+            values, perm, merged, merged_perm, n, run, run.bit_length(), SPLIT_IN=split_in, SPLIT_OUT=split_out,
+            BLOCK=BLOCK_ROWS)
     return merged, merged_perm
 
 

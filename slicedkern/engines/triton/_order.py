@@ -116,30 +116,50 @@ def small_attend(y_ptr, x_ptr, keys_ptr, perm_ptr, xs_ptr, xperm_ptr, shift_ptr,
                     BLOCK_C)
 
 
-def merge_runs(values_ptr, perm_ptr, merged_ptr, merged_perm_ptr, n, run, log_run, BLOCK: tl.constexpr):
+def merge_runs(values_ptr, perm_ptr, merged_ptr, merged_perm_ptr, n, run, log_run, SPLIT_IN: tl.constexpr,
+               SPLIT_OUT: tl.constexpr, BLOCK: tl.constexpr):
     """One step of a bottom-up merge sort: each row's sorted runs of ``run`` entries (``n`` a
     multiple of ``2 run``), merged in adjacent pairs into sorted runs of ``2 run``, stably (a left
     entry before an equal right one). Each entry finds its rank in its partner run by a binary
     search of ``log_run`` = log2(run) + 1 steps and is written at its own index plus that rank;
     ``perm`` (int32, the entry's index within its run) moves with it, plus ``run`` for the right
     run's entries. The causal levels' sorted blocks, each level's from the one below
-    (docs/architecture.rst, "Engines")."""
+    (docs/architecture.rst, "Engines").
+
+    Layouts: natural, (R, n) with run ``p`` of a row at ``p run``; or, SPLIT_IN / SPLIT_OUT for
+    the input / the output, split: (2, R, n / 2), the even runs of every row in the first half
+    and the odd runs in the second, each half's row ``r`` holding its runs in order, so that a
+    level's left (even) or right (odd) blocks are one contiguous (R n / 2) array, not a strided
+    view copied per level."""
     row = tl.program_id(0).to(tl.int64)
+    rows = tl.num_programs(0).to(tl.int64)
+    half = n // 2
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     im = i < n
-    v = tl.load(values_ptr + row * n + i, mask=im, other=0.0)
-    p = tl.load(perm_ptr + row * n + i, mask=im, other=0)
-    pair = i // (2 * run)
-    right = (i // run) % 2 == 1
-    base = pair * 2 * run
-    partner = base + tl.where(right, 0, run)
+    if SPLIT_IN:
+        side = i // half
+        local = i - side * half
+        run_of = 2 * (local // run) + side
+        at = side * rows * half + row * half + local
+        partner = (1 - side) * rows * half + row * half + (local // run) * run
+    else:
+        run_of = i // run
+        at = row * n + i
+        partner = row * n + (run_of + 1 - 2 * (run_of % 2)) * run
+    v = tl.load(values_ptr + at, mask=im, other=0.0)
+    p = tl.load(perm_ptr + at, mask=im, other=0)
+    right = run_of % 2 == 1
     pos = tl.zeros((BLOCK,), dtype=tl.int64)
     for step in range(log_run):
         cand = pos + (1 << (log_run - 1 - step))
         inside = cand <= run
-        other = tl.load(values_ptr + row * n + partner + cand - 1, mask=im & inside, other=0.0)
+        other = tl.load(values_ptr + partner + cand - 1, mask=im & inside, other=0.0)
         below = (other < v) | (right & (other == v))
         pos = tl.where(inside & below, cand, pos)
-    dest = base + i % run + pos
-    tl.store(merged_ptr + row * n + dest, v, mask=im)
-    tl.store(merged_perm_ptr + row * n + dest, p + tl.where(right, run, 0).to(p.dtype), mask=im)
+    merged = run_of // 2
+    if SPLIT_OUT:
+        dest = (merged % 2) * rows * half + row * half + (merged // 2) * 2 * run + i % run + pos
+    else:
+        dest = row * n + merged * 2 * run + i % run + pos
+    tl.store(merged_ptr + dest, v, mask=im)
+    tl.store(merged_perm_ptr + dest, p + tl.where(right, run, 0).to(p.dtype), mask=im)

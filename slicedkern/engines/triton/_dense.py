@@ -324,4 +324,6 @@ def causal_dv(dw_ptr, g_ptr, weights_ptr, factor_ptr, out_ptr, lq, lk, d, shift,
             carry += tl.sum(rows, 0)
         factor = tl.load(factor_ptr + row * lk + j, mask=jm, other=0.0)
         acc = acc * factor[:, None]
+        if out_ptr.dtype.element_ty != tl.float64:
+            acc = acc.to(tl.float32)           # through float32, as merge_eval's epilogue says why
         tl.store(out_ptr + row * lk * d + j[:, None] * d + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)

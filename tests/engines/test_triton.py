@@ -846,7 +846,7 @@ def test_merge_runs_is_a_stable_sort(n, run):
 
 @pytest.mark.parametrize("lq, lk", [(150, 150), (90, 150), (150, 90), (1, 70)])
 def test_causal_dv_finishes_dv_with_the_reverse_running_sum(lq, lk):
-    """``dv``'s one-launch finish (``_sums.causal_dv``): ``(dw - sub) * factor`` with ``sub`` the
+    """``dv``'s one-launch finish (``_causal.causal_dv``): ``(dw - sub) * factor`` with ``sub`` the
     reverse running sum of ``weights * g`` over the queries that see each key (query ``i`` at
     position ``i + lk - lq``), against the array form: more queries than keys (the first see none),
     fewer, one; key blocks of 64 crossed, 40 columns (two column blocks), a strided float32
@@ -854,7 +854,7 @@ def test_causal_dv_finishes_dv_with_the_reverse_running_sum(lq, lk):
     without the subtraction."""
     import array_api_compat.torch as xp
 
-    from slicedkern.engines.triton import _sums
+    from slicedkern.engines.triton import _causal
     g = torch.Generator().manual_seed(lq + lk)
     dw = torch.randn(2, lk, 41, generator=g, dtype=torch.float64, device=DEVICE)[..., :40]
     cot = torch.randn(2, 40, lq, generator=g, device=DEVICE).transpose(1, 2)
@@ -865,11 +865,11 @@ def test_causal_dv_finishes_dv_with_the_reverse_running_sum(lq, lk):
     positions = torch.arange(lq, device=DEVICE) + lk - lq
     sees = positions[None, :] >= torch.arange(lk, device=DEVICE)[:, None]        # (lk, lq): query sees key
     sub = torch.einsum("kq,rqd->rkd", sees.double(), rows)
-    got = _sums.causal_dv(xp, dw, cot, weights, factor, torch.float32)
+    got = _causal.causal_dv(xp, dw, cot, weights, factor, torch.float32)
     want = ((dw - sub) * factor[..., None]).float()
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
-    plain = _sums.causal_dv(xp, dw, None, None, factor, torch.float64)
+    plain = _causal.causal_dv(xp, dw, None, None, factor, torch.float64)
     torch.testing.assert_close(plain, dw * factor[..., None], rtol=0, atol=0, equal_nan=True)
 
 

@@ -41,7 +41,7 @@ two launches per profile and level whatever the number of blocks, each score arr
 runs of :data:`CAUSAL_LEAF` positions and merged bottom-up for the levels above. Its backward is the
 generic one over the causal prefix (:class:`._views.CausalKeys`), on the same pull-back per level: the
 values and the cotangent read in their own dtype, the levels' pull-backs added in place into the
-leaves' gradients, and ``dv`` finished in one launch (:func:`._sums.causal_dv`).
+leaves' gradients, and ``dv`` finished in one launch (:func:`._causal.causal_dv`).
 
 It serves torch tensors: chosen automatically for CUDA tensors when Triton is installed, and on
 request (``engine="triton"`` / :func:`~slicedkern.use_engine`) for CPU tensors too, which Triton runs
@@ -72,6 +72,7 @@ from ._causal import (
 )
 from ._decode import DeviceRuns
 from ._sums import (
+    DotTerm,
     Queries,
     attend,
     attend_small,
@@ -79,11 +80,12 @@ from ._sums import (
     cotangent_rows,
     flat_rows,
     interpreted,
-    profile_dot,
+    profile_dots,
     profile_sum,
     profile_sum_into,
     row_view,
     sort_queries,
+    unit_rows,
 )
 from ._views import CausalKeys, SortedKeys, cotangent_tables, kernel_knot_grads
 
@@ -291,43 +293,38 @@ class TritonEngine(Engine):
         else:
             key_order, key_perm, query_order, query_perm = orders
             xq, yq = Queries(query_order, query_perm), Queries(xp.astype(key_order, xp.float64), key_perm)
+        dev = x.device
         take = flat_rows(xp, xp.astype(w.take, xp.int8), 1) if masked else None     # one copy, read by all
         keyed = build_table(xp, yr, vr, take=take, ones=masked, presorted=yq, carry=key_carry)
         cots = [cotangent_rows(xp, g) for g in cotangents]
-        dx = None
-        for p, (rows, scale, _) in zip(profiles, cots):
-            # the derivative sums dotted with the cotangent inside the kernel: no (n, c) array of them
-            term = profile_dot(xp, keyed, xq, p.with_(derivative=True), batch, column_range(p, c), rows, 0,
-                               strict=False)
-            term = term if scale is None else term * scale
-            dx = term if dx is None else dx + term
-        # dw and dy: the reflected profiles over tables of the sorted queries carrying the cotangents
-        dw, dy = ColumnSums(dw_cols), None
+        # dx: the derivative sums dotted with the cotangent inside the kernel, times the rows' factor
+        # (no (n, c) array of them), every profile's partial dots summed once
+        dx = profile_dots(xp, [DotTerm(keyed, xq, p.with_(derivative=True), column_range(p, c), rows, 0, False,
+                                       factor=scale) for p, (rows, scale, _) in zip(profiles, cots)], batch)
+        # dw and dy: the reflected profiles over tables of the sorted queries carrying the cotangents;
+        # the values read where their keys take part (the indicator's column: 1 there)
+        dw, dy_terms = ColumnSums(dw_cols), []
         for p, (table, span, valued) in zip(profiles, cotangent_tables(xp, xr, xq, cotangents, cots)):
             r = p.reflect()
             cols = column_range(p, c)
             if masked and cols.start >= dw_cols:
-                # the indicator's column: its keys' weight is 1 where they take part (zeroed below)
-                term = profile_sum(xp, table, yq, r.with_(derivative=True), batch, span, strict=True)[..., 0]
+                dy_terms.append(DotTerm(table, yq, r.with_(derivative=True), span, unit_rows(xp, take.shape, dev), 0,
+                                        True, take))
+                continue
+            if dv_finish is not None:
+                if cols != range(0, dw_cols):
+                    raise ValueError("dv_finish: one profile over all the values' columns gives dw")
+                sub, factor, dtype = dv_finish
+                dw.add(profile_sum(xp, valued, yq, r, batch, span, strict=True, sub=sub, factor=factor, dtype=dtype),
+                       cols)
+            elif dw_into is None:
+                dw.add(profile_sum(xp, valued, yq, r, batch, span, strict=True), cols)
             else:
-                if dv_finish is not None:
-                    if cols != range(0, dw_cols):
-                        raise ValueError("dv_finish: one profile over all the values' columns gives dw")
-                    sub, factor, dtype = dv_finish
-                    dw.add(profile_sum(xp, valued, yq, r, batch, span, strict=True, sub=sub, factor=factor,
-                                       dtype=dtype), cols)
-                elif dw_into is None:
-                    dw.add(profile_sum(xp, valued, yq, r, batch, span, strict=True), cols)
-                else:
-                    acc, row_stride, at = dw_into
-                    profile_sum_into(xp, valued, yq, r, batch, span, acc, row_stride, at + cols.start, strict=True,
-                                     query_stride=dw_cols)
-                term = profile_dot(xp, table, yq, r.with_(derivative=True), batch, span, vr, cols.start,
-                                   strict=True, take=take)
-            dy = term if dy is None else dy + term
-        if masked:
-            # the raw values of the keys that take no part were read (they may hold anything): zero there
-            dy = xp.where(take != 0, dy, xp.zeros((), dtype=dy.dtype, device=dy.device))
+                acc, row_stride, at = dw_into
+                profile_sum_into(xp, valued, yq, r, batch, span, acc, row_stride, at + cols.start, strict=True,
+                                 query_stride=dw_cols)
+            dy_terms.append(DotTerm(table, yq, r.with_(derivative=True), span, vr, cols.start, True, take))
+        dy = profile_dots(xp, dy_terms, batch)
         dx = xp.reshape(dx, batch + (n,))
         dy = xp.reshape(dy, batch + (m,))
         dw = xp.reshape(dw.assemble(xp), batch + (m, dw_cols)) if dw_into is None else None

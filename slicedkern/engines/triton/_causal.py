@@ -40,9 +40,9 @@ from ._sums import (
     triton_cdiv,
 )
 
-__all__ = ["level_sums", "level_sums_into", "level_orders", "level_table", "dense_leaves", "dense_leaves_vjp",
-           "combine_output", "causal_epilogue", "merge_runs", "leaf_sums", "leaf_vjp", "position_carry",
-           "causal_row_dots"]
+__all__ = ["causal_dv", "level_sums", "level_sums_into", "level_orders", "level_table", "dense_leaves",
+           "dense_leaves_vjp", "combine_output", "causal_epilogue", "merge_runs", "leaf_sums", "leaf_vjp",
+           "position_carry", "causal_row_dots"]
 
 
 #: the names of :func:`level_orders`' sorted runs, in the order the engine keeps them as residuals
@@ -352,3 +352,22 @@ def _leaf_params(xp, p: Profile, kept, dpar, batch, param_grads: bool):
         dknots.append(None if is_fixed(t) else xp.reshape(totals[:, slot], batch))
         dcoeffs.append(None if is_fixed(cf) else xp.reshape(totals[:, K + slot], batch))
     return tuple(dknots), tuple(dcoeffs)
+
+
+def causal_dv(xp, dw, g, weights, factor, dtype):
+    """Causal attention's ``dv`` (R, lk, d) in ``dtype`` (:func:`._dense.causal_dv`, one launch):
+    ``(dw - sub) * factor``, ``sub`` the reverse running sum over the positions of ``weights * g``
+    (over the queries that see each key), or zero when ``g`` is None. ``dw`` (R, lk, d) float64
+    and ``g`` (R, lq, d) read in their own strides, ``weights`` (R, lq) and ``factor`` (R, lk)."""
+    rows, lk, d = dw.shape
+    out = xp.empty((rows, lk, d), dtype=dtype, device=dw.device)
+    if rows and lk and d:
+        factor = xp.astype(factor, xp.float64).contiguous()
+        sub = g is not None
+        lq = g.shape[1] if sub else lk
+        weights = xp.astype(weights, xp.float64).contiguous() if sub else factor
+        g = g if sub else dw                              # not read without SUB
+        loaded().causal_dv[(rows, triton_cdiv(d, BLOCK_COLS))](
+            dw, g, weights, factor, out, lq, lk, d, lq - lk, dw.stride(0), dw.stride(1), dw.stride(2), g.stride(0),
+            g.stride(1), g.stride(2), SUB=sub, BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS, num_warps=8)
+    return out

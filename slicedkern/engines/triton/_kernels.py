@@ -230,7 +230,7 @@ def _attention_epilogue(acc, relu_count, count, totals, den, eps, CENTER: tl.con
     return acc
 
 
-def _eval_block(row, i, cl, cb, blocks, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr,
+def _eval_block(row, i, cl, cb, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr,
                 scale_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr, out_ptr, nknots_ptr,
                 ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, dot_ptr, sd_r, sd_n, sd_c, dot_col0, dot_take_ptr,
                 out_rs, out_off, out_qs, n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m, K: tl.constexpr,
@@ -238,8 +238,8 @@ def _eval_block(row, i, cl, cb, blocks, row_factor, xs_ptr, xperm_ptr, keys_ptr,
                 ADD: tl.constexpr, HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
                 ATTN: tl.constexpr, CENTER: tl.constexpr, NORM: tl.constexpr, KN: tl.constexpr, DOT: tl.constexpr,
                 DOT_TAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Pass 2 on the sorted queries ``i`` of row ``row`` and the columns ``cl`` of column block ``cb``
-    of ``blocks``: :func:`merge_eval`'s body (which see), shared with :func:`small_attend`; the
+    """Pass 2 on the sorted queries ``i`` of row ``row`` and the columns ``cl`` of column block
+    ``cb``: :func:`merge_eval`'s body (which see), shared with :func:`small_attend`; the
     NaN policy's ``factor`` times ``row_factor`` (1, or NaN: the values' verdict of a fused call)."""
     nm = i < n
     cm = cl < width
@@ -320,7 +320,7 @@ def _eval_block(row, i, cl, cb, blocks, row_factor, xs_ptr, xperm_ptr, keys_ptr,
         gv = tl.load(dot_ptr + row * sd_r + dest[:, None] * sd_n + (dot_col0 + cl)[None, :] * sd_c,
                      mask=dm[:, None] & cm[None, :], other=0.0).to(tl.float64)
         prod = tl.where(cm[None, :], acc * gv, 0.0)        # columns past the range hold other sums
-        tl.store(out_ptr + row * n * blocks + dest * blocks + cb, tl.sum(prod, 1), mask=nm)
+        tl.store(out_ptr + out_off + row * out_rs + dest * out_qs + cb, tl.sum(prod, 1), mask=nm)
     else:
         result = acc
         if out_ptr.dtype.element_ty != tl.float64:
@@ -376,7 +376,8 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
 
     DOT (the backward's score gradients): instead of the rows, their dot product with the rows of
     ``dot`` (strides ``sd_*``, columns from ``dot_col0``) at the same queries, read in their own
-    dtype; each column block writes its partial dot to ``out`` (R, n, column blocks), float64, so
+    dtype; each column block ``cb`` writes its partial dot to ``out[out_off + row * out_rs + dest *
+    out_qs + cb]``, float64 ((R, n, column blocks), or a slice of the blocks of several dots), so
     that no (n, width) array is written and the sum over the blocks keeps a fixed order. DOT_TAKE:
     those rows are read only where ``dot_take`` (R, n) int8 is nonzero, 0 elsewhere (the values of
     keys that take no part, which may hold anything).
@@ -384,7 +385,7 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cl = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    _eval_block(row, i, cl, tl.program_id(2), tl.num_programs(2), 1.0, xs_ptr, xperm_ptr, keys_ptr, shift_ptr,
+    _eval_block(row, i, cl, tl.program_id(2), 1.0, xs_ptr, xperm_ptr, keys_ptr, shift_ptr,
                 perm_ptr, w_ptr, take_ptr, scale_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr,
                 out_ptr, nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, dot_ptr, sd_r, sd_n, sd_c,
                 dot_col0, dot_take_ptr, out_rs, out_off, out_qs, n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m,

@@ -108,7 +108,7 @@ def small_attend(y_ptr, x_ptr, keys_ptr, perm_ptr, xs_ptr, xperm_ptr, shift_ptr,
     last = tl.minimum(first + per_program, query_blocks)
     for qb in range(first, last):
         i = qb * BLOCK_N + tl.arange(0, BLOCK_N)
-        _eval_block(row, i, cl, cb, tl.num_programs(2), row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr,
+        _eval_block(row, i, cl, cb, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr,
                     w_ptr, take_ptr, shift_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, xs_ptr, out_ptr,
                     nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, w_ptr, 0, 0, 0, 0, take_ptr,
                     n * width, 0, width, n, m, c, C, nb, 0, width, sw_r, sw_m, sw_c, log_m, K, True, False, True,

@@ -20,6 +20,7 @@ from ...kernels import Profile, is_fixed
 from .._columns import ScaledRows
 
 __all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_sum_into", "profile_dot",
+           "profile_dots", "DotTerm", "unit_rows",
            "attend", "attend_small", "row_dots", "column_sums", "loaded", "interpreted", "flat_rows", "row_view",
            "cotangent_rows"]
 
@@ -266,7 +267,7 @@ def _normaliser_args(xp, normalizer, batch, rows: int, dev, fill: tuple):
 
 
 def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, out, *, strict: bool,
-              factor=None, sub=None, attention=None, dot=None, add=None):
+              factor=None, sub=None, attention=None, dot=None, add=None, layout=None):
     """Launch pass 2 into ``out`` (R, n, len(cols)); ``attention`` = ``(center, normalizer, count, raw)``
     for attention's fused epilogue (``count`` and ``raw`` the (R, n) float64 residuals it writes);
     ``dot`` = ``(rows, col0, take)``: write the rows' dot products with ``rows[..., col0:col0 + len(cols)]``
@@ -275,7 +276,9 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
     (R, len(cols)) float64 subtracted from every query's sums, then ``factor`` (R, n) multiplying them;
     ``add`` = ``(row_stride, offset, query_stride)``: add query ``i``'s row to ``out`` (float64, any
     size) at ``offset + row * row_stride + i * query_stride`` instead of writing an (R, n,
-    len(cols)) array."""
+    len(cols)) array; ``layout`` = ``(row_stride, offset, query_stride)``: where ``dot``'s partial
+    dots go, column block ``b`` of query ``i`` at ``offset + row * row_stride + i * query_stride +
+    b`` (default: an (R, n, column blocks) array)."""
     x = queries.sorted
     rows, n = x.shape
     m = table.keys.shape[-1]
@@ -302,7 +305,7 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
         nknots, ncoeffs, nlin, count, raw, eps,
         against, against.stride(0), against.stride(1), against.stride(2), dot_col0,
         dot_take if dot_take is not None else queries.perm,
-        *(add if add is not None else (n * width, 0, width)),
+        *(add if add is not None else layout if layout is not None else (n * width, 0, width)),
         n, m, c, table.C, nb, cols.start, width, w.stride(0), w.stride(1), w.stride(2),
         max(1, math.ceil(math.log2(m + 1))),
         K=K, STRICT=strict, DERIV=bool(profile.derivative),
@@ -345,23 +348,61 @@ def profile_sum_into(xp, table: Table, queries: Queries, profile: Profile, batch
 
 
 def profile_dot(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, rows_, col0: int, *,
-                strict: bool, take=None):
+                strict: bool, take=None, factor=None):
     """``sum over c of (profile sum of table columns cols)[..., c] * rows_[..., col0 + c]``: (R, n) float64.
 
     ``rows_`` (R, n, ...) in the queries' original order, any strides and dtype (read by the kernel,
     not copied): the backward's score gradients without an (n, len(cols)) array of sums. One launch;
-    its column blocks' partial dots are summed here, in a fixed order. ``take`` (R, n) bool or
-    None: ``rows_`` is read only where it is True, as 0 elsewhere.
+    its column blocks' partial dots are summed here, in a fixed order. ``take`` (R, n) bool or int8,
+    or None: ``rows_`` is read only where it is nonzero, as 0 elsewhere; ``factor`` (R, n) float64
+    or None multiplies each query's sums first.
     """
-    rows, n = queries.sorted.shape
-    dev = queries.sorted.device
-    if len(cols) == 0 or rows == 0 or n == 0:
+    return profile_dots(xp, [DotTerm(table, queries, profile, cols, rows_, col0, strict, take, factor)], batch)
+
+
+@functools.lru_cache(maxsize=16)
+def _one(xp, dev):
+    return xp.ones((1, 1, 1), dtype=xp.float32, device=dev)
+
+
+def unit_rows(xp, shape, dev):
+    """(R, n, 1) ones of stride 0 (one number per device), which a :class:`DotTerm` dots a column with."""
+    return xp.broadcast_to(_one(xp, dev), tuple(shape) + (1,))
+
+
+class DotTerm(NamedTuple):
+    """One term of :func:`profile_dots`: :func:`profile_dot`'s arguments."""
+    table: Any
+    queries: Any
+    profile: Profile
+    cols: range
+    rows: Any
+    col0: int
+    strict: bool
+    take: Any = None
+    factor: Any = None
+
+
+def profile_dots(xp, terms, batch):
+    """The sum of several :func:`profile_dot` terms over the same (R, n) queries, (R, n) float64:
+    one launch each, their column blocks' partial dots written side by side into one (R, n, blocks)
+    array and summed once, in a fixed order (no array per term, no additions of them)."""
+    rows, n = terms[0].queries.sorted.shape
+    dev = terms[0].queries.sorted.device
+    widths = [triton_cdiv(len(t.cols), _blocks(xp, t.table.w, t.table.scale)[2]) if len(t.cols) else 0
+              for t in terms]
+    total = sum(widths)
+    if total == 0 or rows == 0 or n == 0:
         return xp.zeros((rows, n), dtype=xp.float64, device=dev)
-    blocks = triton_cdiv(len(cols), _blocks(xp, table.w, table.scale)[2])
-    partial = xp.empty((rows, n, blocks), dtype=xp.float64, device=dev)
-    take = None if take is None else xp.astype(take, xp.int8, copy=False).contiguous()
-    _evaluate(xp, table, queries, profile, batch, cols, partial, strict=strict, dot=(rows_, col0, take))
-    return xp.sum(partial, axis=-1)
+    partial = xp.empty((rows, n, total), dtype=xp.float64, device=dev)
+    at = 0
+    for t, width in zip(terms, widths):
+        if width:
+            take = None if t.take is None else xp.astype(t.take, xp.int8, copy=False).contiguous()
+            _evaluate(xp, t.table, t.queries, t.profile, batch, t.cols, partial, strict=t.strict, factor=t.factor,
+                      dot=(t.rows, t.col0, take), layout=(n * total, at, total))
+        at += width
+    return partial[..., 0] if total == 1 else xp.sum(partial, axis=-1)
 
 
 def attend(xp, table: Table, queries: Queries, profile: Profile, normalizer, batch, *, center: bool, factor,
@@ -458,23 +499,4 @@ def column_sums(xp, weights, g):
     if rows and d and n:
         loaded().column_sums[(rows, triton_cdiv(d, BLOCK_COLS))](
             weights, g, out, n, d, g.stride(0), g.stride(1), g.stride(2), BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS)
-    return out
-
-
-def causal_dv(xp, dw, g, weights, factor, dtype):
-    """Causal attention's ``dv`` (R, lk, d) in ``dtype`` (:func:`._dense.causal_dv`, one launch):
-    ``(dw - sub) * factor``, ``sub`` the reverse running sum over the positions of ``weights * g``
-    (over the queries that see each key), or zero when ``g`` is None. ``dw`` (R, lk, d) float64
-    and ``g`` (R, lq, d) read in their own strides, ``weights`` (R, lq) and ``factor`` (R, lk)."""
-    rows, lk, d = dw.shape
-    out = xp.empty((rows, lk, d), dtype=dtype, device=dw.device)
-    if rows and lk and d:
-        factor = xp.astype(factor, xp.float64).contiguous()
-        sub = g is not None
-        lq = g.shape[1] if sub else lk
-        weights = xp.astype(weights, xp.float64).contiguous() if sub else factor
-        g = g if sub else dw                              # not read without SUB
-        loaded().causal_dv[(rows, triton_cdiv(d, BLOCK_COLS))](
-            dw, g, weights, factor, out, lq, lk, d, lq - lk, dw.stride(0), dw.stride(1), dw.stride(2), g.stride(0),
-            g.stride(1), g.stride(2), SUB=sub, BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS, num_warps=8)
     return out

@@ -13,14 +13,12 @@ from ...kernels import Profile, is_fixed
 from .._columns import ScaledRows
 from .._vjp import AllKeys, SeenKeys
 from ..scan._causal import causal_profiles_vjp
-from ._causal import causal_row_dots
+from ._causal import causal_dv, causal_row_dots
 from ._sums import (
     build_table,
-    causal_dv,
     column_sums,
     flat_rows,
     profile_dot,
-    profile_sum,
     row_dots,
     row_view,
 )
@@ -90,7 +88,7 @@ SEEN_VALUE_SUMS = object()
 class CausalKeys(KernelRows, SeenKeys):
     """The keys each query sees in causal attention (:class:`~slicedkern.engines._vjp.SeenKeys`),
     with the cotangent read by the kernels (:class:`KernelRows`) and ``dv`` finished in one launch
-    (:func:`._sums.causal_dv`): the centring mean's cotangent is handed from :meth:`to_keys` to
+    (:func:`._causal.causal_dv`): the centring mean's cotangent is handed from :meth:`to_keys` to
     :meth:`finish_dv` unevaluated, so that neither its reverse running sum nor ``dv - sub`` is an
     (lk, dv) array (issue 26, item 5). ``runs``: the forward's sorted runs of the levels (its
     residuals, :func:`._causal.level_orders`), or None: the levels' pull-backs merge from them and
@@ -201,22 +199,16 @@ class SortedKeys(KernelRows, AllKeys):
                                         dv_finish=(sub, per_row(dv_factor, (m, 1)), self.raw_v.dtype))
 
 
-def kernel_knot_grads(xp, keyed, xq, profile, batch, gr, cols: range, *, scale=None, cot_r=None):
+def kernel_knot_grads(xp, keyed, xq, profile, batch, gr, cols: range, *, scale=None):
     """``(dknots, dcoeffs)`` of a profile over the table columns ``cols`` (None for its fixed numbers)
     on the kernels, over a table of keys: per array knot ``t`` its ReLU sums (for the coefficient)
     and step sums (for the knot, the tie as ``profile.strict_knots`` says) dotted with the
     cotangent rows ``gr`` (R, n, len(cols)) in pass 2's epilogue, times ``scale`` (R, n) when given
-    (attention's quotient-rule factor), plus the indicator column's (column ``cols.stop``) times
-    the centring cotangent ``cot_r`` ((R, n), or None), summed over the queries: what
+    (attention's quotient-rule factor, applied there too), summed over the queries: what
     :func:`~slicedkern.engines.sortscan.pullback.knot_grads` sums over materialised cotangents,
     with no sort and no (n, c) array here."""
     def summed(unit, strict):
-        rows = profile_dot(xp, keyed, xq, unit, batch, cols, gr, 0, strict=strict)
-        if scale is not None:
-            rows = rows * scale
-        if cot_r is not None:
-            ind = range(cols.stop, cols.stop + 1)
-            rows = rows + profile_sum(xp, keyed, xq, unit, batch, ind, strict=strict)[..., 0] * cot_r
+        rows = profile_dot(xp, keyed, xq, unit, batch, cols, gr, 0, strict=strict, factor=scale)
         return xp.reshape(xp.sum(rows, axis=-1), batch)
 
     dknots, dcoeffs = [], []

@@ -22,7 +22,7 @@ once and sum the values' tiles once; the score gradients' dot products with the 
 the values are taken in pass 2's epilogue, the cotangent rows are scaled by the quotient rule's
 factor as the kernels read them, and ``dv`` is written centred, masked and in the values' dtype, so
 no ``(n, D)`` array of sums is written; the cotangent and the output are read in their own dtype by
-the quotient rule's row dots (:func:`._sums.row_dots`, :func:`._sums.column_sums`, float64
+the quotient rule's row dots (:func:`._views.row_dots`, :func:`._views.column_sums`, float64
 accumulators), and the values as given (the kernels skip the keys that take no part), so a forward
 and its backward allocate nothing of ``n * D`` elements but the output and the gradients
 (``scripts/triton_traffic.py``). Learned bandwidths and mixture weights get their gradients from
@@ -74,6 +74,7 @@ from ._decode import DeviceRuns
 from ._sums import (
     DotTerm,
     Queries,
+    as_int8,
     attend,
     attend_small,
     build_table,
@@ -294,7 +295,7 @@ class TritonEngine(Engine):
             key_order, key_perm, query_order, query_perm = orders
             xq, yq = Queries(query_order, query_perm), Queries(xp.astype(key_order, xp.float64), key_perm)
         dev = x.device
-        take = flat_rows(xp, xp.astype(w.take, xp.int8), 1) if masked else None     # one copy, read by all
+        take = as_int8(xp, row_view(xp, w.take, 1)) if masked else None     # the dots read it as it is
         keyed = build_table(xp, yr, vr, take=take, ones=masked, presorted=yq, carry=key_carry)
         cots = [cotangent_rows(xp, g) for g in cotangents]
         # dx: the derivative sums dotted with the cotangent inside the kernel, times the rows' factor

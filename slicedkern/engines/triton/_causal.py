@@ -28,6 +28,7 @@ from ._sums import (
     _blocks,
     _profile_args,
     _tl_dtype,
+    as_int8,
     build_table,
     cotangent_rows,
     flat_rows,
@@ -54,9 +55,9 @@ def level_table(xp, qs, keys, vals, kept, orders):
     block pairs as rows; ``orders`` from :func:`level_orders`, or None to sort them here."""
     key_order, key_perm, query_order, query_perm = orders if orders is not None else (None,) * 4
     presorted = None if orders is None else Queries(key_order, key_perm)
-    # the indicator of a level's left blocks is a strided view: one copy, as the int8 the kernels read
+    # the indicator of a level's left blocks, as int8 (the table makes the strided view contiguous)
     table = build_table(xp, (row_view if orders is not None else flat_rows)(xp, keys, 1), row_view(xp, vals, 2),
-                        take=flat_rows(xp, xp.astype(kept, xp.int8), 1), ones=True, presorted=presorted)
+                        take=as_int8(xp, row_view(xp, kept, 1)), ones=True, presorted=presorted)
     return table, sort_queries(xp, flat_rows(xp, qs, 1)) if orders is None else Queries(query_order, query_perm)
 
 
@@ -97,10 +98,12 @@ def dense_leaves_vjp(xp, x, y, w, profiles, cotangents, leaf: int, *, param_grad
     batch, n = tuple(x.shape[:-1]), x.shape[-1]
     masked = isinstance(w, MaskedValues)
     values = w.values if masked else w
-    take = flat_rows(xp, w.take, 1) if masked else None
+    take = as_int8(xp, flat_rows(xp, w.take, 1)) if masked else None
+    # the leaves' kernel reads the factors of the positions as contiguous rows
+    cots = [(rows, *(None if f is None else f.contiguous() for f in factors))
+            for rows, *factors in (cotangent_rows(xp, g) for g in cotangents)]
     dx, dy, dw, params = leaf_vjp(xp, flat_rows(xp, x, 1), flat_rows(xp, y, 1), row_view(xp, values, 2),
-                                  profiles, [cotangent_rows(xp, g) for g in cotangents], batch, leaf,
-                                  param_grads=param_grads, take=take)
+                                  profiles, cots, batch, leaf, param_grads=param_grads, take=take)
     dw = xp.reshape(dw, batch + (n, values.shape[-1]))
     return xp.reshape(dx, batch + (n,)), xp.reshape(dy, batch + (n,)), dw, params
 
@@ -300,7 +303,7 @@ def leaf_vjp(xp, x, y, w, profiles, cotangents, batch, leaf: int, *, param_grads
     dx = xp.zeros((rows, n), dtype=xp.float64, device=dev)
     dy = xp.zeros((rows, n), dtype=xp.float64, device=dev)
     dw = xp.zeros((rows, n, c), dtype=xp.float64, device=dev)
-    take8 = xp.astype(take, xp.int8) if take is not None else None
+    take8 = as_int8(xp, take).contiguous() if take is not None else None
     params = []
     k = loaded()
     for p, (g, scale, value_scale) in zip(profiles, cotangents):

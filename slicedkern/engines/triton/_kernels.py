@@ -53,19 +53,21 @@ _mode: list = []     # [interpreted?] once built
 
 
 def tile_sums(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, agg_ptr,
-              m, c, C, nb, sw_r, sw_m, sw_c,
+              m, c, C, nb, sw_r, sw_m, sw_c, sk_r,
               HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """Pass 1: one tile of sorted keys x one block of columns: the tile's sums ``[w | (y - shift) w]``
     (float64), nothing per key, into row ``tile + 1`` of ``agg`` (R, nb + 1, 2 C); the first tile's
-    programs zero row 0 (the caller's cumulative sum in place makes the exclusive prefix)."""
+    programs zero row 0 (the caller's cumulative sum in place makes the exclusive prefix). ``scale``,
+    one number per key in its original order, has rows ``sk_r`` apart (a causal level's blocks are
+    strided views of the positions); ``take`` has them ``m`` apart."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     cb = tl.program_id(2)
     j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     wv, y, _ = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, row, j, cols, m, c, sw_r, sw_m,
-                     sw_c, HAS_TAKE, ONES, SCALE, ACC)
+                     sw_c, sk_r, HAS_TAKE, ONES, SCALE, ACC)
     base = row * (nb + 1) * 2 * C
     tot = base + (blk + 1) * 2 * C + cols
     cm = cols < C
@@ -87,7 +89,7 @@ def _tile_moments(wv, y):
     return tl.sum(wide, 0), tl.sum(wide * y[:, None], 0)
 
 
-def _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, HAS_TAKE: tl.constexpr):
+def _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, sk_r, HAS_TAKE: tl.constexpr):
     """The sorted keys ``j``: their original positions, their shifted keys in float64 (exact for
     float32 keys: the shift is one of them; zero for the keys that take no part) and whether they
     take part."""
@@ -101,12 +103,12 @@ def _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, HAS_TAKE: tl.c
     return p, tl.where(ok, y, 0.0), ok
 
 
-def _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c,
+def _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c, sk_r,
           HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr):
     """The weight rows of the sorted keys ``j`` (gathered through ``perm``, zero for the keys that
     take no part, times the key's ``scale`` (R, m) float64 when SCALE, the indicator in column ``c``
     when ONES), their shifted keys in float64 and whether they take part."""
-    p, y, ok = _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, HAS_TAKE)
+    p, y, ok = _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, sk_r, HAS_TAKE)
     wm = ok[:, None] & (cols[None, :] < c)
     wv = tl.load(w_ptr + row * sw_r + p[:, None] * sw_m + cols[None, :] * sw_c, mask=wm, other=0.0)
     # ``where``, not a product: a masked key's weight may be NaN and must not reach the sums
@@ -114,7 +116,7 @@ def _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, row, j, col
     if SCALE:
         # the backward's cotangent rows g_i times the quotient rule's factor of query i: the scaled
         # rows are never written (docs/architecture.rst, "Engines")
-        wv = wv * tl.load(scale_ptr + row * m + p, mask=ok, other=0.0).to(ACC)[:, None]
+        wv = wv * tl.load(scale_ptr + row * sk_r + p, mask=ok, other=0.0).to(ACC)[:, None]
     if ONES:
         wv = tl.where(ok[:, None] & (cols[None, :] == c), 1.0, wv).to(ACC)
     return wv, y, ok
@@ -191,7 +193,7 @@ def _indicator_linear(carry_ptr, ind, nb, C, xs, slope, intercept):
 
 
 def _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry_ptr, knots_ptr, coeffs_ptr,
-                       lin_ptr, row, m, C, c, nb, log_m, K: tl.constexpr, STRICT: tl.constexpr,
+                       lin_ptr, row, m, sk_r, C, c, nb, log_m, K: tl.constexpr, STRICT: tl.constexpr,
                        HAS_TAKE: tl.constexpr, ACC: tl.constexpr, BLOCK_M: tl.constexpr):
     """A profile summed over the keys that take part (the indicator, column ``c`` of the carry) at
     a block of sorted queries, float64: the normaliser's sum. Reads the keys only, never a weight."""
@@ -206,7 +208,7 @@ def _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry
         span = tl.zeros(x.shape, dtype=tl.float64)
         for blk in range(first, last):
             j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-            _, y, ok = _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, HAS_TAKE)
+            _, y, ok = _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, sk_r, HAS_TAKE)
             span += tl.sum(tl.where(ok[None, :], _pairs(s, y, j, rank), 0.0), 1)
         total += cf * (s * i0 - i1 + span)
     linear, _ = _indicator_linear(carry_ptr, ind, nb, C, xs, tl.load(lin_ptr + row * 2), tl.load(lin_ptr + row * 2 + 1))
@@ -233,7 +235,8 @@ def _attention_epilogue(acc, relu_count, count, totals, den, eps, CENTER: tl.con
 def _eval_block(row, i, cl, cb, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr,
                 scale_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr, out_ptr, nknots_ptr,
                 ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, dot_ptr, sd_r, sd_n, sd_c, dot_col0, dot_take_ptr,
-                out_rs, out_off, out_qs, n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m, K: tl.constexpr,
+                out_rs, out_off, out_qs, n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, sk_r, sq_r, log_m,
+                K: tl.constexpr,
                 STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_FACTOR: tl.constexpr, SUB: tl.constexpr,
                 ADD: tl.constexpr, HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
                 ATTN: tl.constexpr, CENTER: tl.constexpr, NORM: tl.constexpr, KN: tl.constexpr, DOT: tl.constexpr,
@@ -267,7 +270,7 @@ def _eval_block(row, i, cl, cb, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_p
         for blk in range(first, last):
             j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
             wv, y, ok = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, row, j, cols, m, c, sw_r,
-                              sw_m, sw_c, HAS_TAKE, ONES, SCALE, ACC)
+                              sw_m, sw_c, sk_r, HAS_TAKE, ONES, SCALE, ACC)
             if DERIV:
                 q = _below_sum((j[None, :] < rank[:, None]).to(ACC), wv, q, ACC)
             else:
@@ -304,7 +307,7 @@ def _eval_block(row, i, cl, cb, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_p
         raw = relu_count                  # read by _attention_epilogue only when NORM == 2
         if NORM == 2:
             raw = _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry_ptr, nknots_ptr,
-                                     ncoeffs_ptr, nlin_ptr, row, m, C, c, nb, log_m, KN, STRICT, HAS_TAKE, ACC,
+                                     ncoeffs_ptr, nlin_ptr, row, m, sk_r, C, c, nb, log_m, KN, STRICT, HAS_TAKE, ACC,
                                      BLOCK_M)
             if first_block:
                 tl.store(raw_ptr + row * n + dest, raw, mask=nm)
@@ -312,11 +315,11 @@ def _eval_block(row, i, cl, cb, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_p
     if SUB:
         acc = acc - tl.load(sub_ptr + row * width + cl, mask=cm, other=0.0)[None, :]
     if HAS_FACTOR:
-        acc = acc * (tl.load(factor_ptr + row * n + dest, mask=nm, other=1.0) * row_factor)[:, None]
+        acc = acc * (tl.load(factor_ptr + row * sq_r + dest, mask=nm, other=1.0) * row_factor)[:, None]
     if DOT:
         dm = nm
         if DOT_TAKE:
-            dm = dm & (tl.load(dot_take_ptr + row * n + dest, mask=nm, other=0) != 0)
+            dm = dm & (tl.load(dot_take_ptr + row * sq_r + dest, mask=nm, other=0) != 0)
         gv = tl.load(dot_ptr + row * sd_r + dest[:, None] * sd_n + (dot_col0 + cl)[None, :] * sd_c,
                      mask=dm[:, None] & cm[None, :], other=0.0).to(tl.float64)
         prod = tl.where(cm[None, :], acc * gv, 0.0)        # columns past the range hold other sums
@@ -338,7 +341,7 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
                knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr, out_ptr,
                nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps,
                dot_ptr, sd_r, sd_n, sd_c, dot_col0, dot_take_ptr, out_rs, out_off, out_qs,
-               n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m,
+               n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, sk_r, sq_r, log_m,
                K: tl.constexpr, STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_FACTOR: tl.constexpr,
                SUB: tl.constexpr, ADD: tl.constexpr,
                HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
@@ -381,6 +384,10 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     that no (n, width) array is written and the sum over the blocks keeps a fixed order. DOT_TAKE:
     those rows are read only where ``dot_take`` (R, n) int8 is nonzero, 0 elsewhere (the values of
     keys that take no part, which may hold anything).
+
+    The per-key ``scale`` has rows ``sk_r`` apart (``take`` ``m``: a stride for it too spills
+    registers on ``sm_90``) and the per-query ``factor`` and ``dot_take`` rows ``sq_r`` apart: a
+    causal level's blocks are strided views of the positions, read without a copy.
     """
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -388,7 +395,8 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     _eval_block(row, i, cl, tl.program_id(2), 1.0, xs_ptr, xperm_ptr, keys_ptr, shift_ptr,
                 perm_ptr, w_ptr, take_ptr, scale_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr,
                 out_ptr, nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, dot_ptr, sd_r, sd_n, sd_c,
-                dot_col0, dot_take_ptr, out_rs, out_off, out_qs, n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, log_m,
+                dot_col0, dot_take_ptr, out_rs, out_off, out_qs, n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, sk_r,
+                sq_r, log_m,
                 K, STRICT, DERIV, HAS_FACTOR, SUB, ADD, HAS_TAKE, ONES, SCALE, ACC, ATTN, CENTER, NORM, KN, DOT,
                 DOT_TAKE, BLOCK_M, BLOCK_N, BLOCK_C)
 

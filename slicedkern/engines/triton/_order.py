@@ -88,7 +88,7 @@ def small_attend(y_ptr, x_ptr, keys_ptr, perm_ptr, xs_ptr, xperm_ptr, shift_ptr,
         for blk in range(0, nb):
             j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
             wv, y, _ = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, shift_ptr, row, j, cols, m, c, sw_r,
-                             sw_m, sw_c, HAS_TAKE, True, False, ACC)
+                             sw_m, sw_c, m, HAS_TAKE, True, False, ACC)
             sum_w, sum_yw = _tile_moments(wv, y)
             s0 += sum_w
             s1 += sum_yw
@@ -111,7 +111,8 @@ def small_attend(y_ptr, x_ptr, keys_ptr, perm_ptr, xs_ptr, xperm_ptr, shift_ptr,
         _eval_block(row, i, cl, cb, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr,
                     w_ptr, take_ptr, shift_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, xs_ptr, out_ptr,
                     nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, w_ptr, 0, 0, 0, 0, take_ptr,
-                    n * width, 0, width, n, m, c, C, nb, 0, width, sw_r, sw_m, sw_c, log_m, K, True, False, True,
+                    n * width, 0, width, n, m, c, C, nb, 0, width, sw_r, sw_m, sw_c, m, n, log_m, K, True, False,
+                    True,
                     False, False, HAS_TAKE, True, False, ACC, True, CENTER, NORM, KN, False, False, BLOCK_M, BLOCK_N,
                     BLOCK_C)
 

@@ -21,8 +21,8 @@ from .._columns import ScaledRows
 
 __all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_sum_into", "profile_dot",
            "profile_dots", "DotTerm", "unit_rows",
-           "attend", "attend_small", "row_dots", "column_sums", "loaded", "interpreted", "flat_rows", "row_view",
-           "cotangent_rows"]
+           "attend", "attend_small", "loaded", "interpreted", "flat_rows", "row_view",
+           "cotangent_rows", "per_key_rows", "as_int8"]
 
 #: Keys per tile, queries per block and columns per block. With 16 keys a tile and pass 2 on 8 warps,
 #: its float32 and bfloat16 forms hold every value in registers on an H100 (sm_90); 64 keys a tile on
@@ -84,7 +84,7 @@ def cotangent_rows(xp, g):
     as (R, n) float64 (``value_scale`` None where it is ``scale``); a plain array has none."""
     if isinstance(g, ScaledRows):
         def per_row(a):
-            return None if a is None else flat_rows(xp, xp.astype(a[..., 0], xp.float64, copy=False), 1)
+            return None if a is None else row_view(xp, xp.astype(a[..., 0], xp.float64, copy=False), 1)
         return row_view(xp, g.rows, 2), per_row(g.scale), per_row(g.value_scale)
     return row_view(xp, g, 2), None, None
 
@@ -169,12 +169,36 @@ def sort_queries(xp, x, narrow: bool = False) -> Queries:
     return Queries(*_sorted(xp, x, work, xp.float64))
 
 
+def as_int8(xp, a):
+    """A bool or int8 array as int8: a bool array's bytes reinterpreted (a view, no copy)."""
+    return a.view(xp.int8) if a.dtype == xp.bool else xp.astype(a, xp.int8, copy=False)
+
+
+def per_key_rows(xp, *arrays):
+    """(R, m) arrays of one number per key or query (``take``, ``scale``, ``factor``) as the
+    kernels read them: unit steps along a row and, between those given together, the same row
+    stride, which the kernels take (:func:`_rows_apart`); a causal level's blocks are strided views
+    of the positions, passed as they are. Copies only an array that does not fit."""
+    given = [a for a in arrays if a is not None]
+    fits = all(a.stride(-1) == 1 for a in given) and len({a.stride(0) for a in given}) <= 1
+    return tuple(a if a is None or fits else a.contiguous() for a in arrays)
+
+
+def _rows_apart(default: int, *arrays) -> int:
+    """The row stride of the (R, m) arrays given (made equal by :func:`per_key_rows`), else ``default``."""
+    for a in arrays:
+        if a is not None:
+            return a.stride(0)
+    return default
+
+
 def build_table(xp, y, w, *, take=None, ones=False, scale=None, presorted: Queries | None = None,
                 carry=None, narrow: bool = False) -> Table:
     """Sort the keys ``y`` (R, m) and sum ``[w, (y - shift) w]`` (R, m, c) per tile of sorted keys
     (pass 1); the tile sums' float64 prefix is the carry.
 
-    ``take`` (R, m) bool zeroes the weights of the keys that take no part; ``ones`` adds the
+    ``take`` (R, m) bool or int8 zeroes the weights of the keys that take no part (``scale`` may be
+    a strided view: :func:`per_key_rows`); ``ones`` adds the
     indicator column (``take``, or ones) without a concatenated copy of ``w``; ``scale`` (R, m)
     float64 multiplies each key's weight row (not the indicator), without a scaled copy of ``w``;
     ``presorted``: ``y`` sorted already (:func:`sort_queries` of it), so that an array is sorted once
@@ -186,8 +210,10 @@ def build_table(xp, y, w, *, take=None, ones=False, scale=None, presorted: Queri
     keys, perm = _sort(xp, y, narrow) if presorted is None else presorted
     shift = xp.astype(keys[:, m // 2], xp.float64).contiguous()
     C = c + (1 if ones else 0)
-    take_arg = xp.astype(take, xp.int8, copy=False).contiguous() if take is not None else None
-    scale_arg = xp.astype(scale, xp.float64, copy=False).contiguous() if scale is not None else None
+    # the kernels read take's rows m apart (a row stride for it too spills registers in pass 2 on
+    # sm_90: tests/test_triton_compile.py) and scale's rows at any stride
+    take_arg = None if take is None else as_int8(xp, take).contiguous()
+    scale_arg = None if scale is None else per_key_rows(xp, xp.astype(scale, xp.float64, copy=False))[0]
     if carry is None:
         block_m, _, block_c = _blocks(xp, w, scale)
         nb = triton_cdiv(m, block_m)
@@ -199,7 +225,7 @@ def build_table(xp, y, w, *, take=None, ones=False, scale=None, presorted: Queri
         k = loaded()
         k.tile_sums[grid](keys, shift, perm, w, take_arg if take is not None else perm,
                           scale_arg if scale is not None else shift, carry,
-                          m, c, C, nb, w.stride(0), w.stride(1), w.stride(2),
+                          m, c, C, nb, w.stride(0), w.stride(1), w.stride(2), _rows_apart(m, scale_arg),
                           HAS_TAKE=take is not None, ONES=ones, SCALE=scale is not None,
                           ACC=_tl_dtype(k, _acc_dtype(xp, w, scale), xp), BLOCK_M=block_m, BLOCK_C=block_c)
         carry.cumsum_(dim=1)
@@ -296,6 +322,7 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
     block_m, block_n, block_c = _blocks(xp, w, table.scale)
     grid = (rows, triton_cdiv(n, block_n), triton_cdiv(width, block_c))
     against, dot_col0, dot_take = dot if dot is not None else (w, 0, None)
+    factor, dot_take = per_key_rows(xp, factor, dot_take)
     k = loaded()
     k.merge_eval[grid](
         x, queries.perm, table.keys, table.shift, table.perm, w,
@@ -307,6 +334,7 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
         dot_take if dot_take is not None else queries.perm,
         *(add if add is not None else layout if layout is not None else (n * width, 0, width)),
         n, m, c, table.C, nb, cols.start, width, w.stride(0), w.stride(1), w.stride(2),
+        _rows_apart(m, table.scale), _rows_apart(n, factor, dot_take),
         max(1, math.ceil(math.log2(m + 1))),
         K=K, STRICT=strict, DERIV=bool(profile.derivative),
         HAS_FACTOR=factor is not None, SUB=sub is not None, ADD=add is not None, HAS_TAKE=table.take is not None,
@@ -398,7 +426,7 @@ def profile_dots(xp, terms, batch):
     at = 0
     for t, width in zip(terms, widths):
         if width:
-            take = None if t.take is None else xp.astype(t.take, xp.int8, copy=False).contiguous()
+            take = None if t.take is None else as_int8(xp, t.take)
             _evaluate(xp, t.table, t.queries, t.profile, batch, t.cols, partial, strict=t.strict, factor=t.factor,
                       dot=(t.rows, t.col0, take), layout=(n * total, at, total))
         at += width
@@ -475,28 +503,3 @@ def attend_small(xp, y, x, w, take, profile: Profile, normalizer, batch, *, cent
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c, num_warps=MERGE_WARPS)
     table = Table(keys, perm, shift, carry, w, take_arg, C, True)
     return out[..., :c], count, raw, table, Queries(xs, xperm)
-
-
-def row_dots(xp, a, b):
-    """``<a[r, i], b[r, i]>`` for every row ``i``: (R, n) float64, from ``a`` (R, n, d) and ``b``
-    (R, n or 1, d) read in their own dtypes and strides (one launch; no float64 copy of either)."""
-    rows, n, d = a.shape
-    out = xp.empty((rows, n), dtype=xp.float64, device=a.device)
-    if rows and n:
-        sb_n = 0 if b.shape[1] == 1 else b.stride(1)
-        loaded().row_dots[(rows, triton_cdiv(n, BLOCK_ROWS))](
-            a, b, out, n, d, a.stride(0), a.stride(1), a.stride(2), b.stride(0), sb_n, b.stride(2),
-            BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS)
-    return out
-
-
-def column_sums(xp, weights, g):
-    """``sum over i of weights[r, i] g[r, i]``: (R, d) float64, from ``weights`` (R, n) and ``g``
-    (R, n, d) read in its own dtype and strides (one launch; no float64 copy of ``g``)."""
-    rows, n, d = g.shape
-    weights = xp.astype(weights, xp.float64).contiguous()
-    out = xp.zeros((rows, d), dtype=xp.float64, device=g.device)
-    if rows and d and n:
-        loaded().column_sums[(rows, triton_cdiv(d, BLOCK_COLS))](
-            weights, g, out, n, d, g.stride(0), g.stride(1), g.stride(2), BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS)
-    return out

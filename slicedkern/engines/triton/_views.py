@@ -15,16 +15,18 @@ from .._vjp import AllKeys, SeenKeys
 from ..scan._causal import causal_profiles_vjp
 from ._causal import causal_dv, causal_row_dots
 from ._sums import (
+    BLOCK_COLS,
+    BLOCK_ROWS,
     build_table,
-    column_sums,
     flat_rows,
+    loaded,
     profile_dot,
-    row_dots,
     row_view,
+    triton_cdiv,
 )
 
 __all__ = ["KernelRows", "CausalKeys", "SortedKeys", "SEEN_VALUE_SUMS", "adjacent_columns", "cotangent_tables",
-           "kernel_knot_grads"]
+           "kernel_knot_grads", "row_dots", "column_sums"]
 
 
 def adjacent_columns(arrays):
@@ -68,7 +70,7 @@ def cotangent_tables(xp, xr, xq, cotangents, cots):
 class KernelRows:
     """The quotient rule's reads of the output's cotangent on the kernels, for the engine's views
     of the keys: the cotangent kept in its own dtype and strides (no float64 copy of it), its row
-    dots one launch (:func:`._sums.row_dots`)."""
+    dots one launch (:func:`row_dots`)."""
 
     def cotangent(self, xp, g):
         return g
@@ -217,3 +219,28 @@ def kernel_knot_grads(xp, keyed, xq, profile, batch, gr, cols: range, *, scale=N
         dcoeffs.append(None if is_fixed(coeff) else summed(unit, True))
         dknots.append(None if is_fixed(knot) else -coeff * summed(unit.with_(derivative=True), strict))
     return tuple(dknots), tuple(dcoeffs)
+
+
+def row_dots(xp, a, b):
+    """``<a[r, i], b[r, i]>`` for every row ``i``: (R, n) float64, from ``a`` (R, n, d) and ``b``
+    (R, n or 1, d) read in their own dtypes and strides (one launch; no float64 copy of either)."""
+    rows, n, d = a.shape
+    out = xp.empty((rows, n), dtype=xp.float64, device=a.device)
+    if rows and n:
+        sb_n = 0 if b.shape[1] == 1 else b.stride(1)
+        loaded().row_dots[(rows, triton_cdiv(n, BLOCK_ROWS))](
+            a, b, out, n, d, a.stride(0), a.stride(1), a.stride(2), b.stride(0), sb_n, b.stride(2),
+            BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS)
+    return out
+
+
+def column_sums(xp, weights, g):
+    """``sum over i of weights[r, i] g[r, i]``: (R, d) float64, from ``weights`` (R, n) and ``g``
+    (R, n, d) read in its own dtype and strides (one launch; no float64 copy of ``g``)."""
+    rows, n, d = g.shape
+    weights = xp.astype(weights, xp.float64).contiguous()
+    out = xp.zeros((rows, d), dtype=xp.float64, device=g.device)
+    if rows and d and n:
+        loaded().column_sums[(rows, triton_cdiv(d, BLOCK_COLS))](
+            weights, g, out, n, d, g.stride(0), g.stride(1), g.stride(2), BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS)
+    return out

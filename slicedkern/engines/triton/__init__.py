@@ -286,7 +286,6 @@ class TritonEngine(Engine):
             dw = xp.zeros(y.shape + (dw_cols,), dtype=x.dtype, device=x.device) if dw_into is None else None
             return dx, dy, dw, [(tuple(None for _ in p.knots), tuple(None for _ in p.coeffs))
                                 for p in profiles]
-        # dx: derivative sums over the sorted keys, H(0) = 1 (the scan's convention)
         # with the forward's orders the scores are read for their shapes only (no copy of a level's halves)
         xr, yr, vr = row_view(xp, x, 1), row_view(xp, y, 1), row_view(xp, values, 2)
         if orders is None:
@@ -298,7 +297,8 @@ class TritonEngine(Engine):
         take = as_int8(xp, row_view(xp, w.take, 1)) if masked else None     # the dots read it as it is
         keyed = build_table(xp, yr, vr, take=take, ones=masked, presorted=yq, carry=key_carry)
         cots = [cotangent_rows(xp, g) for g in cotangents]
-        # dx: the derivative sums dotted with the cotangent inside the kernel, times the rows' factor
+        # dx: the derivative sums (H(0) = 1, the scan's convention) dotted with the cotangent inside
+        # the kernel, times the rows' factor
         # (no (n, c) array of them), every profile's partial dots summed once
         dx = profile_dots(xp, [DotTerm(keyed, xq, p.with_(derivative=True), column_range(p, c), rows, 0, False,
                                        factor=scale) for p, (rows, scale, _) in zip(profiles, cots)], batch)

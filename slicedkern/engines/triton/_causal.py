@@ -98,7 +98,7 @@ def dense_leaves_vjp(xp, x, y, w, profiles, cotangents, leaf: int, *, param_grad
     batch, n = tuple(x.shape[:-1]), x.shape[-1]
     masked = isinstance(w, MaskedValues)
     values = w.values if masked else w
-    take = as_int8(xp, flat_rows(xp, w.take, 1)) if masked else None
+    take = flat_rows(xp, w.take, 1) if masked else None
     # the leaves' kernel reads the factors of the positions as contiguous rows
     cots = [(rows, *(None if f is None else f.contiguous() for f in factors))
             for rows, *factors in (cotangent_rows(xp, g) for g in cotangents)]
@@ -303,7 +303,7 @@ def leaf_vjp(xp, x, y, w, profiles, cotangents, batch, leaf: int, *, param_grads
     dx = xp.zeros((rows, n), dtype=xp.float64, device=dev)
     dy = xp.zeros((rows, n), dtype=xp.float64, device=dev)
     dw = xp.zeros((rows, n, c), dtype=xp.float64, device=dev)
-    take8 = as_int8(xp, take).contiguous() if take is not None else None
+    take8 = as_int8(xp, take) if take is not None else None         # take is contiguous: read as int8
     params = []
     k = loaded()
     for p, (g, scale, value_scale) in zip(profiles, cotangents):

@@ -83,14 +83,15 @@ class Levels(NamedTuple):
     and the right blocks' sorted queries, with their permutations), so that the levels sort
     nothing themselves (the triton engine's bottom-up merge sort); None: each level sorts its own.
     ``leaves(xp, x, y, w, take, profiles, leaf)``: the dense leaves' sums (as :func:`._leaf.leaf_sums`
-    of ``[w | take]``, ``w`` in its own dtype), one plain float64 (..., n, c_p) array per profile
-    (float64 work only; None: :func:`._leaf.leaf_sums`).
+    of ``[w | take]``, ``w`` in its own dtype), one plain (..., n, c_p) array per profile, float64
+    or (for values of float32 or narrower) float32 (float64 work only; None: :func:`._leaf.leaf_sums`).
     ``sums_into(xp, qs, keys, vals, kept, profiles, accs, orders=None)``: ``sums`` added in place to
-    the running sums ``accs`` (one plain (..., n, c_p) array per profile on the positions, float64
-    work only), returning them, so that no level's sums are written apart (the triton engine's);
-    None: ``sums``, added to copies.
+    the running sums ``accs`` (one plain (..., n, c_p) array per profile on the positions, as
+    ``leaves`` gives them; float64 work only), returning them, so that no level's sums are written
+    apart (the triton engine's); None: ``sums``, added to copies.
     ``leaves_vjp(xp, x, y, w, profiles, cotangents, leaf, *, param_grads)``: the pull-back of the
-    dense leaves' sums, as :func:`._leaf.leaf_vjp` (float64 work only; None: that function).
+    dense leaves' sums, as :func:`._leaf.leaf_vjp` (its ``dw`` float32 for values of float32 or
+    narrower; float64 work only; None: that function).
     ``combine(xp, grid, num, den, w, take, good, *, center, normalizer, dtype)``: attention's output
     (..., lq, dv) in ``dtype`` from the plain running sums on the positions and the values ``w``
     and indicator ``take`` there, whose running totals it sums itself, as
@@ -309,8 +310,10 @@ def causal_attention(q, k, v, profile: Profile, *, key_mask, center: bool, norma
         den_sum = sums[1] if len(sums) > 1 else None
         out = levels.combine(xp, grid, sums[0], den_sum, w, take, sc.good, center=center, normalizer=normalizer,
                              dtype=v.dtype)
-        relu_count = grid.at_queries(xp, sums[0][..., dv:dv + 1], axis=-2)
-        raw_den = None if den_sum is None else grid.at_queries(xp, den_sum, axis=-2)
+        # the running sums may be narrower than the work (the triton engine's float32 ones): the
+        # backward's residuals are in the work dtype, as the scan's
+        relu_count = xp.astype(grid.at_queries(xp, sums[0][..., dv:dv + 1], axis=-2), q.dtype)
+        raw_den = None if den_sum is None else xp.astype(grid.at_queries(xp, den_sum, axis=-2), q.dtype)
     else:
         totals = _running_totals(xp, ar, w, take, q.dtype)
         on_queries = [each(ar, lambda a: grid.at_queries(xp, a, axis=-2), s) for s in sums + [totals]]

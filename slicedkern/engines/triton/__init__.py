@@ -267,7 +267,7 @@ class TritonEngine(Engine):
         permutation, the sorted queries and theirs, from the forward (attention's residuals), so
         that no array is sorted twice in a forward and its backward; ``key_carry``: the carry of the
         forward's table of the keys and ``w`` (a residual too: no pass 1 here). ``dw_into = (acc,
-        row_stride, offset)``: ``dw`` added in place to ``acc`` (float64, contiguous), key ``j`` of
+        row_stride, offset)``: ``dw`` added in place to ``acc`` (contiguous, float32 or float64), key ``j`` of
         row ``r`` at ``acc.flat[offset + r row_stride + j c + column]`` (a causal level's), and
         None returned. ``dv_finish = (sub, factor, dtype)``: ``dw`` of a profile over all the
         values' columns is ``(sums - sub) * factor`` in ``dtype``, in pass 2's epilogue (``sub`` (R,

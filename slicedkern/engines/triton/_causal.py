@@ -41,13 +41,22 @@ from ._sums import (
     triton_cdiv,
 )
 
-__all__ = ["causal_dv", "level_sums", "level_sums_into", "level_orders", "level_table", "dense_leaves",
+__all__ = ["running_dtype", "causal_dv", "level_sums", "level_sums_into", "level_orders", "level_table", "dense_leaves",
            "dense_leaves_vjp", "combine_output", "causal_epilogue", "merge_runs", "leaf_sums", "leaf_vjp",
            "position_carry", "causal_row_dots"]
 
 
 #: the names of :func:`level_orders`' sorted runs, in the order the engine keeps them as residuals
 RUN_NAMES = ("keys", "key_perm", "queries", "query_perm")
+
+
+def running_dtype(xp, values):
+    """The dtype of causal attention's running sums on the positions, forward and backward: the
+    dtype of the values' tiles (float32 for values of float32 or narrower, float64 for float64), so
+    that the (n, c) sums every level reads and writes move half the bytes of float64 ones. Each
+    level adds its float64 sums to them and rounds once: about one rounding per level, log2(n /
+    leaf) of them, on top of the tiles' (docs/architecture.rst, "Engines")."""
+    return _acc_dtype(xp, values)
 
 
 def level_table(xp, qs, keys, vals, kept, orders):
@@ -62,16 +71,16 @@ def level_table(xp, qs, keys, vals, kept, orders):
 
 
 def level_sums_into(xp, qs, keys, vals, kept, profiles, accs, orders=None):
-    """One level of causal attention added in place to the running sums ``accs`` (one (..., n, c_p)
-    float64 array per profile, on the positions; :attr:`~slicedkern.engines.scan._causal.Levels.sums_into`):
-    pass 2 adds each right block's sums into its rows, so no level's sums are written apart and no
-    running sums are copied (issue 26, item 4). Returns the arrays, made contiguous float64 once."""
+    """One level of causal attention added in place to the running sums ``accs`` (one contiguous
+    (..., n, c_p) array per profile, on the positions, in :func:`running_dtype`;
+    :attr:`~slicedkern.engines.scan._causal.Levels.sums_into`): pass 2 adds each right block's sums
+    into its rows in float64 and rounds once, so no level's sums are written apart and no running
+    sums are copied (issue 26, item 4). Returns the arrays."""
     batch, s, c = tuple(qs.shape[:-1]), qs.shape[-1], vals.shape[-1]
     table, xr = level_table(xp, qs, keys, vals, kept, orders)
     out = []
     for p, acc in zip(profiles, accs):
         cols = column_range(p, c + 1)
-        acc = xp.astype(acc, xp.float64, copy=False).contiguous()
         # block pair r's right block starts at position (2 r + 1) s of the flattened positions
         out.append(profile_sum_into(xp, table, xr, p, batch, cols, acc, 2 * s * len(cols), s * len(cols),
                                     strict=True))
@@ -193,8 +202,8 @@ def level_orders(xp, x, y, leaf: int, runs: dict | None = None, narrow: bool = F
 
 def causal_epilogue(xp, num, den, w, take, good, offset: int, carry, *, center: bool, normalizer, dtype):
     """Causal attention's output from its running sums (:func:`._dense.causal_epilogue`, one
-    launch over the caller's :func:`position_carry`): ``num`` (R, n, dv + 1) float64 the values' profile sums
-    and the ReLU count, ``den`` (R, n) float64 the normaliser's sums or None, ``w`` (R, n, dv) the
+    launch over the caller's :func:`position_carry`): ``num`` (R, n, dv + 1) the values' profile sums
+    and the ReLU count, ``den`` (R, n) the normaliser's sums or None (in :func:`running_dtype`), ``w`` (R, n, dv) the
     values (own dtype and strides) and ``take`` (R, n) bool, on the positions; ``good`` (R, lq)
     bool the NaN rule's verdicts; query ``i`` at position ``i + offset``; ``carry``: their
     :func:`position_carry`. Returns (R, lq, dv) in ``dtype``."""
@@ -264,12 +273,13 @@ def merge_runs(xp, values, perm, run: int, *, split_in: bool = False, split_out:
 def leaf_sums(xp, x, y, w, take, profile: Profile, batch, cols: range, leaf: int):
     """Causal attention's dense leaves (:func:`._dense.leaf_eval`, one launch): per position ``i``
     of a row, ``sum over j <= i in i's block of leaf positions, take_j of f(x_i - y_j) [w_j | 1]``
-    over the columns ``cols`` (column ``c`` the indicator), (R, n, len(cols)) float64. ``x``, ``y``
+    over the columns ``cols`` (column ``c`` the indicator), (R, n, len(cols)). ``x``, ``y``
     (R, n) float64 positions (``n`` a multiple of ``leaf``), ``w`` (R, n, c) in any dtype and
-    strides, ``take`` (R, n) bool; ``batch`` the shape the profile's array parameters broadcast to."""
+    strides, ``take`` (R, n) bool; ``batch`` the shape the profile's array parameters broadcast to.
+    The sums are in :func:`running_dtype` (the running sums the levels then add to)."""
     rows, n = x.shape
     c, width = w.shape[-1], len(cols)
-    out = xp.empty((rows, n, width), dtype=xp.float64, device=x.device)
+    out = xp.empty((rows, n, width), dtype=running_dtype(xp, w), device=x.device)
     if rows and n and width:
         knots, coeffs, lin, K = _profile_args(xp, profile, batch, rows, x.device)
         block_c = _blocks(xp, w)[2]
@@ -288,7 +298,8 @@ LEAF_COLS = 8
 
 def leaf_vjp(xp, x, y, w, profiles, cotangents, batch, leaf: int, *, param_grads: bool, take=None):
     """The pull-back of causal attention's dense leaves (:func:`._dense.leaf_pullback`, one launch
-    per profile): ``(dx, dy (R, n), dw (R, n, c), [(dknots, dcoeffs)] per profile)``, float64, as
+    per profile): ``(dx, dy (R, n), dw (R, n, c), [(dknots, dcoeffs)] per profile)``, float64 (``dw``
+    in :func:`running_dtype`, the levels adding to it as the forward's add to its sums), as
     :func:`slicedkern.engines.scan._leaf.leaf_vjp` returns them (knot and coefficient gradients of
     the array parameters, shaped ``batch``; None for the fixed ones). ``x``, ``y`` (R, n) float64
     on the positions (``n`` a multiple of ``leaf``), ``w`` (R, n, c) in any dtype and strides;
@@ -302,7 +313,7 @@ def leaf_vjp(xp, x, y, w, profiles, cotangents, batch, leaf: int, *, param_grads
     dev = x.device
     dx = xp.zeros((rows, n), dtype=xp.float64, device=dev)
     dy = xp.zeros((rows, n), dtype=xp.float64, device=dev)
-    dw = xp.zeros((rows, n, c), dtype=xp.float64, device=dev)
+    dw = xp.zeros((rows, n, c), dtype=running_dtype(xp, w), device=dev)
     take8 = as_int8(xp, take) if take is not None else None         # take is contiguous: read as int8
     params = []
     k = loaded()
@@ -360,8 +371,8 @@ def _leaf_params(xp, p: Profile, kept, dpar, batch, param_grads: bool):
 def causal_dv(xp, dw, g, weights, factor, dtype):
     """Causal attention's ``dv`` (R, lk, d) in ``dtype`` (:func:`._dense.causal_dv`, one launch):
     ``(dw - sub) * factor``, ``sub`` the reverse running sum over the positions of ``weights * g``
-    (over the queries that see each key), or zero when ``g`` is None. ``dw`` (R, lk, d) float64
-    and ``g`` (R, lq, d) read in their own strides, ``weights`` (R, lq) and ``factor`` (R, lk)."""
+    (over the queries that see each key), or zero when ``g`` is None. ``dw`` (R, lk, d)
+    and ``g`` (R, lq, d) read in their own dtypes and strides, ``weights`` (R, lq) and ``factor`` (R, lk)."""
     rows, lk, d = dw.shape
     out = xp.empty((rows, lk, d), dtype=dtype, device=dw.device)
     if rows and lk and d:

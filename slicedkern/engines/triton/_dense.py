@@ -28,7 +28,7 @@ def leaf_eval(x_ptr, y_ptr, w_ptr, take_ptr, knots_ptr, coeffs_ptr, lin_ptr, out
               K: tl.constexpr, ACC: tl.constexpr, LEAF: tl.constexpr, SUB: tl.constexpr, BLOCK_C: tl.constexpr):
     """The dense leaves of causal attention's divide and conquer: for one block of ``LEAF``
     positions of one row, ``out[i] = sum over j <= i in the block, take_j of f(x_i - y_j) [w_j | 1]``
-    over the columns ``col0 .. col0 + width`` (column ``c`` the indicator), float64 (R, n, width).
+    over the columns ``col0 .. col0 + width`` (column ``c`` the indicator), (R, n, width) in its own dtype.
     ``f`` (knots, coefficients, slope and intercept per row, as :func:`merge_eval` reads them) is
     formed pair by pair in float64 and rounded once to ACC for the product with the weights, in
     sub-tiles of ``SUB`` keys (issue 26, item 4: no (positions, leaf) array in memory)."""
@@ -54,8 +54,8 @@ def leaf_eval(x_ptr, y_ptr, w_ptr, take_ptr, knots_ptr, coeffs_ptr, lin_ptr, out
         wv = tl.where(wm, wv.to(ACC), 0.0)
         wv = tl.where(ok[:, None] & (cols[None, :] == c), 1.0, wv).to(ACC)
         acc = _below_sum(f.to(ACC), wv, acc, ACC)
-    tl.store(out_ptr + row * n * width + i[:, None] * width + (cols - col0)[None, :], acc.to(tl.float64),
-             mask=cm[None, :])
+    tl.store(out_ptr + row * n * width + i[:, None] * width + (cols - col0)[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=cm[None, :])
 
 
 def leaf_pullback(x_ptr, y_ptr, w_ptr, take_ptr, g_ptr, scale_ptr, vscale_ptr, knots_ptr, coeffs_ptr, lin_ptr,
@@ -64,12 +64,13 @@ def leaf_pullback(x_ptr, y_ptr, w_ptr, take_ptr, g_ptr, scale_ptr, vscale_ptr, k
                   SCALE: tl.constexpr, VALUE_SCALE: tl.constexpr, LEAF: tl.constexpr, SUB: tl.constexpr,
                   BLOCK_C: tl.constexpr):
     """The pull-back of :func:`leaf_eval` for one profile, one block of ``LEAF`` positions of one
-    row, added to ``dx``, ``dy`` (R, n) and ``dw`` (R, n, c), float64: with ``A_ij = s_i g_i .
-    w_j[col0 .. col0 + width]`` on the pairs ``j <= i`` of the block, ``dx_i += sum_j f'(x_i - y_j)
-    A_ij`` (``H(0) = 1``), ``dy_j -= sum_i f'(x_i - y_j) A_ij`` and ``dw_j += sum_i f(x_i - y_j) u_i
-    g_i`` on those columns; with PARAMS, per knot ``k`` the sums ``-c_k sum H(r - t_k) A`` (the tie
-    on the side ``strict`` (K,) int8 says) and ``sum ReLU(r - t_k) A`` added to ``dpar`` (R, n /
-    LEAF, 2 K) (docs/mathematics.rst, "The backward pass").
+    row, added to ``dx``, ``dy`` (R, n) float64 and ``dw`` (R, n, c) (in float64, rounded to its
+    dtype): with ``A_ij = s_i g_i . w_j[col0 .. col0 + width]`` on the pairs ``j <= i`` of the
+    block, ``dx_i += sum_j f'(x_i - y_j) A_ij`` (``H(0) = 1``), ``dy_j -= sum_i f'(x_i - y_j)
+    A_ij`` and ``dw_j += sum_i f(x_i - y_j) u_i g_i`` on those columns; with PARAMS, per knot
+    ``k`` the sums ``-c_k sum H(r - t_k) A`` (the tie on the side ``strict`` (K,) int8 says) and
+    ``sum ReLU(r - t_k) A`` added to ``dpar`` (R, n / LEAF, 2 K) (docs/mathematics.rst, "The
+    backward pass").
 
     ``s_i``: ``scale`` (R, n) float64 with SCALE, else 1; ``u_i``: ``vscale`` with VALUE_SCALE,
     else ``s_i`` (the quotient rule's factors, read here rather than multiplied into a copy of
@@ -142,7 +143,8 @@ def leaf_pullback(x_ptr, y_ptr, w_ptr, take_ptr, g_ptr, scale_ptr, vscale_ptr, k
                              other=0.0)
                 part = tl.sum(f[:, :, None] * gv.to(tl.float64)[:, None, :], 0)
                 where = dw_ptr + row * n * c + j[:, None] * c + (col0 + cl)[None, :]
-                tl.store(where, tl.load(where, mask=cm[None, :], other=0.0) + part, mask=cm[None, :])
+                total = tl.load(where, mask=cm[None, :], other=0.0).to(tl.float64) + part
+                tl.store(where, total.to(dw_ptr.dtype.element_ty), mask=cm[None, :])
     tl.store(dx_ptr + row * n + i, tl.load(dx_ptr + row * n + i) + dx)
 
 
@@ -232,8 +234,8 @@ def causal_epilogue(num_ptr, den_ptr, w_ptr, take_ptr, carry_ptr, carry_rows, go
     seen = (i < lq) & (p >= 0)
     cm = cols < dv
     base = row * n * (dv + 1) + p * (dv + 1)
-    acc = tl.load(num_ptr + base[:, None] + cols[None, :], mask=seen[:, None] & cm[None, :], other=0.0)
-    relu_count = tl.load(num_ptr + base + dv, mask=seen, other=0.0)
+    acc = tl.load(num_ptr + base[:, None] + cols[None, :], mask=seen[:, None] & cm[None, :], other=0.0).to(tl.float64)
+    relu_count = tl.load(num_ptr + base + dv, mask=seen, other=0.0).to(tl.float64)
     totals = acc                              # read by the epilogue only with CENTER
     if CENTER:
         totals = _running_totals(w_ptr, take_ptr, carry_ptr, carry_rows, row, i0 + offset, cols, n, dv, sw_r, sw_n,
@@ -243,7 +245,7 @@ def causal_epilogue(num_ptr, den_ptr, w_ptr, take_ptr, carry_ptr, carry_rows, go
                                    dv, sw_r, sw_n, sw_c, BLOCK_N), 1)
     den = relu_count                          # read by the epilogue only when NORM == 2
     if NORM == 2:
-        den = tl.load(den_ptr + row * n + p, mask=seen, other=0.0)
+        den = tl.load(den_ptr + row * n + p, mask=seen, other=0.0).to(tl.float64)
     acc = _attention_epilogue(acc, relu_count, count, totals, den, eps, CENTER, NORM)
     good = tl.load(good_ptr + row * lq + i, mask=i < lq, other=0) != 0
     acc = tl.where(good[:, None], acc, float("nan"))
@@ -311,7 +313,8 @@ def causal_dv(dw_ptr, g_ptr, weights_ptr, factor_ptr, out_ptr, lq, lk, d, shift,
         j = (blocks - 1 - b) * BLOCK_N + tl.arange(0, BLOCK_N)
         jm = j < lk
         mask = jm[:, None] & cm[None, :]
-        acc = tl.load(dw_ptr + row * sdw_r + j[:, None] * sdw_n + cols[None, :] * sdw_d, mask=mask, other=0.0)
+        acc = tl.load(dw_ptr + row * sdw_r + j[:, None] * sdw_n + cols[None, :] * sdw_d, mask=mask,
+                      other=0.0).to(tl.float64)
         if SUB:
             # the query at key j's position; queries before position 0 see no key and are never read
             t = j + shift

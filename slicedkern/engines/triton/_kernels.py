@@ -326,14 +326,15 @@ def _eval_block(row, i, cl, cb, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_p
         tl.store(out_ptr + out_off + row * out_rs + dest * out_qs + cb, tl.sum(prod, 1), mask=nm)
     else:
         result = acc
+        where = out_ptr + out_off + row * out_rs + dest[:, None] * out_qs + cl[None, :]
+        if ADD:
+            # added in float64 and rounded once: a float32 running sum gains one rounding per level
+            result += tl.load(where, mask=nm[:, None] & cm[None, :], other=0.0).to(tl.float64)
         if out_ptr.dtype.element_ty != tl.float64:
             # through float32: the interpreter casts float64 to bfloat16 wrongly (Triton 3.x); the
             # double rounding moves a 16-bit result by one unit only when the float32 value falls on
             # a midpoint
-            result = acc.to(tl.float32)
-        where = out_ptr + out_off + row * out_rs + dest[:, None] * out_qs + cl[None, :]
-        if ADD:
-            result += tl.load(where, mask=nm[:, None] & cm[None, :], other=0.0)
+            result = result.to(tl.float32)
         tl.store(where, result.to(out_ptr.dtype.element_ty), mask=nm[:, None] & cm[None, :])
 
 
@@ -373,9 +374,10 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     is the centring mean's term.
 
     The rows are written at ``out[out_off + row * out_rs + dest * out_qs + column]`` (``out_rs = n
-    width``, ``out_off = 0``, ``out_qs = width`` for an (R, n, width) array); ADD adds them to what
-    ``out`` (float64) holds there: a causal level's sums into the running sums of its right blocks,
-    and its pull-back's value gradients into the leaves' of its left blocks, in place.
+    width``, ``out_off = 0``, ``out_qs = width`` for an (R, n, width) array); ADD adds them, in
+    float64, to what ``out`` (float32 or float64) holds there, rounding once: a causal level's sums
+    into the running sums of its right blocks, and its pull-back's value gradients into the
+    leaves' of its left blocks, in place.
 
     DOT (the backward's score gradients): instead of the rows, their dot product with the rows of
     ``dot`` (strides ``sd_*``, columns from ``dot_col0``) at the same queries, read in their own

@@ -202,11 +202,11 @@ def level_orders(xp, x, y, leaf: int, runs: dict | None = None, narrow: bool = F
 
 def causal_epilogue(xp, num, den, w, take, good, offset: int, carry, *, center: bool, normalizer, dtype):
     """Causal attention's output from its running sums (:func:`._dense.causal_epilogue`, one
-    launch over the caller's :func:`position_carry`): ``num`` (R, n, dv + 1) the values' profile sums
-    and the ReLU count, ``den`` (R, n) the normaliser's sums or None (in :func:`running_dtype`), ``w`` (R, n, dv) the
-    values (own dtype and strides) and ``take`` (R, n) bool, on the positions; ``good`` (R, lq)
-    bool the NaN rule's verdicts; query ``i`` at position ``i + offset``; ``carry``: their
-    :func:`position_carry`. Returns (R, lq, dv) in ``dtype``."""
+    launch over the caller's :func:`position_carry`): ``num`` (R, n, dv + 1) the values' profile
+    sums and the ReLU count, ``den`` (R, n) the normaliser's sums or None (in :func:`running_dtype`),
+    ``w`` (R, n, dv) the values (own dtype and strides) and ``take`` (R, n) bool, on the positions;
+    ``good`` (R, lq) bool the NaN rule's verdicts; query ``i`` at position ``i + offset``;
+    ``carry``: their :func:`position_carry`. Returns (R, lq, dv) in ``dtype``."""
     rows, n, width = num.shape
     dv, lq = width - 1, good.shape[-1]
     out = xp.empty((rows, lq, dv), dtype=dtype, device=num.device)
@@ -371,8 +371,8 @@ def _leaf_params(xp, p: Profile, kept, dpar, batch, param_grads: bool):
 def causal_dv(xp, dw, g, weights, factor, dtype):
     """Causal attention's ``dv`` (R, lk, d) in ``dtype`` (:func:`._dense.causal_dv`, one launch):
     ``(dw - sub) * factor``, ``sub`` the reverse running sum over the positions of ``weights * g``
-    (over the queries that see each key), or zero when ``g`` is None. ``dw`` (R, lk, d)
-    and ``g`` (R, lq, d) read in their own dtypes and strides, ``weights`` (R, lq) and ``factor`` (R, lk)."""
+    (over the queries that see each key), or zero when ``g`` is None. ``dw`` (R, lk, d) and ``g``
+    (R, lq, d) read in their own dtypes and strides, ``weights`` (R, lq) and ``factor`` (R, lk)."""
     rows, lk, d = dw.shape
     out = xp.empty((rows, lk, d), dtype=dtype, device=dw.device)
     if rows and lk and d:

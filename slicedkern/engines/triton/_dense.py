@@ -28,7 +28,7 @@ def leaf_eval(x_ptr, y_ptr, w_ptr, take_ptr, knots_ptr, coeffs_ptr, lin_ptr, out
               K: tl.constexpr, ACC: tl.constexpr, LEAF: tl.constexpr, SUB: tl.constexpr, BLOCK_C: tl.constexpr):
     """The dense leaves of causal attention's divide and conquer: for one block of ``LEAF``
     positions of one row, ``out[i] = sum over j <= i in the block, take_j of f(x_i - y_j) [w_j | 1]``
-    over the columns ``col0 .. col0 + width`` (column ``c`` the indicator), (R, n, width) in its own dtype.
+    over the columns ``col0 .. col0 + width`` (column ``c`` the indicator), (R, n, width) in ``out``'s dtype.
     ``f`` (knots, coefficients, slope and intercept per row, as :func:`merge_eval` reads them) is
     formed pair by pair in float64 and rounded once to ACC for the product with the weights, in
     sub-tiles of ``SUB`` keys (issue 26, item 4: no (positions, leaf) array in memory)."""

@@ -366,9 +366,8 @@ def profile_sum(xp, table: Table, queries: Queries, profile: Profile, batch, col
 def profile_sum_into(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, into, row_stride: int,
                      offset: int, *, strict: bool, query_stride: int | None = None):
     """:func:`profile_sum` added in place to ``into`` (contiguous; added in float64 and rounded once
-    to its dtype): query ``i`` of row ``r``
-    to ``into.flat[offset + r row_stride + i query_stride + column]`` (``query_stride`` default
-    ``len(cols)``; one launch, nothing allocated)."""
+    to its dtype): query ``i`` of row ``r`` to ``into.flat[offset + r row_stride + i query_stride +
+    column]`` (``query_stride`` default ``len(cols)``; one launch, nothing allocated)."""
     rows, n = queries.sorted.shape
     if len(cols) and rows and n:
         add = (row_stride, offset, len(cols) if query_stride is None else query_stride)

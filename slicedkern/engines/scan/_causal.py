@@ -312,8 +312,8 @@ def causal_attention(q, k, v, profile: Profile, *, key_mask, center: bool, norma
                              dtype=v.dtype)
         # the running sums may be narrower than the work (the triton engine's float32 ones): the
         # backward's residuals are in the work dtype, as the scan's
-        relu_count = xp.astype(grid.at_queries(xp, sums[0][..., dv:dv + 1], axis=-2), q.dtype)
-        raw_den = None if den_sum is None else xp.astype(grid.at_queries(xp, den_sum, axis=-2), q.dtype)
+        relu_count = xp.astype(grid.at_queries(xp, sums[0][..., dv:dv + 1], axis=-2), q.dtype, copy=False)
+        raw_den = None if den_sum is None else xp.astype(grid.at_queries(xp, den_sum, axis=-2), q.dtype, copy=False)
     else:
         totals = _running_totals(xp, ar, w, take, q.dtype)
         on_queries = [each(ar, lambda a: grid.at_queries(xp, a, axis=-2), s) for s in sums + [totals]]

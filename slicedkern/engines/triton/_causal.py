@@ -3,7 +3,7 @@
 
 Every level is the left blocks' keys as rows of one pass 1 and the right blocks' queries as rows of
 one pass 2, added in place into the running sums of the positions (:func:`level_sums_into`): two
-launches per profile, whatever the number of blocks. The levels sort nothing: each score array is
+launches, whatever the number of blocks (a summed normaliser's sums ride the values' pass 2). The levels sort nothing: each score array is
 sorted once in runs of a leaf and merged bottom-up, one merge launch per level
 (:func:`level_orders`). The pairs inside the leaves are summed densely, and pulled back, by one
 launch per profile each (:func:`dense_leaves`, :func:`dense_leaves_vjp`), and the output is combined from
@@ -75,16 +75,17 @@ def level_sums_into(xp, qs, keys, vals, kept, profiles, accs, orders=None):
     (..., n, c_p) array per profile, on the positions, in :func:`running_dtype`;
     :attr:`~slicedkern.engines.scan._causal.Levels.sums_into`): pass 2 adds each right block's sums
     into its rows in float64 and rounds once, so no level's sums are written apart and no running
-    sums are copied (issue 26, item 4). Returns the arrays."""
+    sums are copied (issue 26, item 4). A profile over the indicator alone (attention's summed
+    normaliser) after one over the values rides that one's launch. Returns the arrays."""
     batch, s, c = tuple(qs.shape[:-1]), qs.shape[-1], vals.shape[-1]
     table, xr = level_table(xp, qs, keys, vals, kept, orders)
-    out = []
-    for p, acc in zip(profiles, accs):
-        cols = column_range(p, c + 1)
+    spans = [column_range(p, c + 1) for p in profiles]
+    fused = len(profiles) == 2 and spans[1] == range(c, c + 1) and spans[0].start < c
+    for p, cols, acc in list(zip(profiles, spans, accs))[:1 if fused else None]:
         # block pair r's right block starts at position (2 r + 1) s of the flattened positions
-        out.append(profile_sum_into(xp, table, xr, p, batch, cols, acc, 2 * s * len(cols), s * len(cols),
-                                    strict=True))
-    return out
+        profile_sum_into(xp, table, xr, p, batch, cols, acc, 2 * s * len(cols), s * len(cols), strict=True,
+                         norm_into=(profiles[1], accs[1]) if fused else None)
+    return list(accs)
 
 
 def dense_leaves(xp, x, y, w, take, profiles, leaf: int):

@@ -312,6 +312,16 @@ def _eval_block(row, i, cl, cb, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_p
             if first_block:
                 tl.store(raw_ptr + row * n + dest, raw, mask=nm)
         acc = _attention_epilogue(acc, relu_count, valid, t0[None, :], raw, eps, CENTER, NORM)
+    elif ADD:
+        if NORM == 2:
+            # a causal level: the normaliser's sums ride the values' launch (issue 26, item 4)
+            if cb == 0:
+                den = _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry_ptr, nknots_ptr,
+                                         ncoeffs_ptr, nlin_ptr, row, m, sk_r, C, c, nb, log_m, KN, STRICT, HAS_TAKE,
+                                         ACC, BLOCK_M)
+                at = raw_ptr + (out_off + row * out_rs) // out_qs + dest
+                den += tl.load(at, mask=nm, other=0.0).to(tl.float64)
+                tl.store(at, den.to(raw_ptr.dtype.element_ty), mask=nm)
     if SUB:
         acc = acc - tl.load(sub_ptr + row * width + cl, mask=cm, other=0.0)[None, :]
     if HAS_FACTOR:
@@ -377,7 +387,9 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     width``, ``out_off = 0``, ``out_qs = width`` for an (R, n, width) array); ADD adds them, in
     float64, to what ``out`` (float32 or float64) holds there, rounding once: a causal level's sums
     into the running sums of its right blocks, and its pull-back's value gradients into the
-    leaves' of its left blocks, in place.
+    leaves' of its left blocks, in place. ADD with NORM == 2 (ATTN off): the first column block
+    also adds the profile ``nknots``, ``ncoeffs``, ``nlin`` over the indicator (column ``c``) to
+    ``raw``, the normaliser's running sums, query ``i`` at ``raw[(out_off + row out_rs) / out_qs + i]``.
 
     DOT (the backward's score gradients): instead of the rows, their dot product with the rows of
     ``dot`` (strides ``sd_*``, columns from ``dot_col0``) at the same queries, read in their own

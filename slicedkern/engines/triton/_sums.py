@@ -293,7 +293,7 @@ def _normaliser_args(xp, normalizer, batch, rows: int, dev, fill: tuple):
 
 
 def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, out, *, strict: bool,
-              factor=None, sub=None, attention=None, dot=None, add=None, layout=None):
+              factor=None, sub=None, attention=None, dot=None, add=None, layout=None, norm_into=None):
     """Launch pass 2 into ``out`` (R, n, len(cols)); ``attention`` = ``(center, normalizer, count, raw)``
     for attention's fused epilogue (``count`` and ``raw`` the (R, n) float64 residuals it writes);
     ``dot`` = ``(rows, col0, take)``: write the rows' dot products with ``rows[..., col0:col0 + len(cols)]``
@@ -304,7 +304,9 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
     size) at ``offset + row * row_stride + i * query_stride`` instead of writing an (R, n,
     len(cols)) array; ``layout`` = ``(row_stride, offset, query_stride)``: where ``dot``'s partial
     dots go, column block ``b`` of query ``i`` at ``offset + row * row_stride + i * query_stride +
-    b`` (default: an (R, n, column blocks) array)."""
+    b`` (default: an (R, n, column blocks) array). ``norm_into`` = ``(profile, raw)`` with ``add``:
+    that profile over the indicator (column ``c``) added to ``raw`` too, the normaliser's running
+    sums on the same positions as ``out`` (a causal level's; :func:`profile_sum_into`)."""
     x = queries.sorted
     rows, n = x.shape
     m = table.keys.shape[-1]
@@ -316,6 +318,10 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
     if attention is not None:
         center, normalizer, count, raw = attention
         nknots, ncoeffs, nlin, kn, norm, eps = _normaliser_args(xp, normalizer, batch, rows, dev, (knots, coeffs, lin))
+    elif norm_into is not None:
+        nprofile, raw = norm_into
+        nknots, ncoeffs, nlin, kn = _profile_args(xp, nprofile, batch, rows, dev)
+        norm = 2
     nb = table.carry.shape[1] - 1
     w = table.w
     c = w.shape[-1]
@@ -364,14 +370,16 @@ def profile_sum(xp, table: Table, queries: Queries, profile: Profile, batch, col
 
 
 def profile_sum_into(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, into, row_stride: int,
-                     offset: int, *, strict: bool, query_stride: int | None = None):
+                     offset: int, *, strict: bool, query_stride: int | None = None, norm_into=None):
     """:func:`profile_sum` added in place to ``into`` (contiguous; added in float64 and rounded once
     to its dtype): query ``i`` of row ``r`` to ``into.flat[offset + r row_stride + i query_stride +
-    column]`` (``query_stride`` default ``len(cols)``; one launch, nothing allocated)."""
+    column]`` (``query_stride`` default ``len(cols)``; one launch, nothing allocated).
+    ``norm_into = (normaliser profile, raw)``: that profile over the table's indicator added in
+    the same launch to ``raw`` (contiguous, one number per position of ``into``)."""
     rows, n = queries.sorted.shape
     if len(cols) and rows and n:
         add = (row_stride, offset, len(cols) if query_stride is None else query_stride)
-        _evaluate(xp, table, queries, profile, batch, cols, into, strict=strict, add=add)
+        _evaluate(xp, table, queries, profile, batch, cols, into, strict=strict, add=add, norm_into=norm_into)
     return into
 
 

@@ -6,10 +6,11 @@ beside the floor (the exact result rounded to float32). Runs under Triton's inte
     TRITON_INTERPRET=1 PYTHONPATH=. python scripts/triton_precision.py [--causal] [--length 512]
         [--dim 16] [--heads 2] [--leaf 4] [--offset 30]
 
-Three cases: plain values, centred attention, and values offset by ``--offset`` (``v ~ offset +
-N(0, 1)``), where the float32 tile sums of the values lose digits the float64 carries cannot give
-back. ``--leaf``: the causal path's dense leaf (small leaves give more levels at a small length).
-docs/benchmarks.rst quotes its numbers.
+Four cases: ``v ~ N(0, 1)`` and ``v ~ offset + N(0, 1)`` (``--offset``), each uncentred and
+centred (``relu_attention``'s default). Centring offset values cancels: the result is the values'
+spread, the float32 tile sums round at the scale of the offset. ``--leaf``: the causal path's
+dense leaf (small leaves give more levels at a small length). docs/benchmarks.rst quotes its
+numbers.
 """
 
 from __future__ import annotations
@@ -64,13 +65,14 @@ def main() -> None:
     shape = (args.heads, args.length)
     print(f"{'causal' if args.causal else 'non-causal'} ReLU attention, float32, L = {args.length}, "
           f"D = {args.dim}, {args.heads} heads, {device}; error (floor)")
-    for label, offset, kw in (("plain", 0.0, {}), ("centred", 0.0, {"center": True}),
-                              (f"offset {args.offset:g}", args.offset, {})):
+    for label, offset, kw in (("uncentred", 0.0, {"center": False}), ("centred", 0.0, {"center": True}),
+                              (f"+{args.offset:g}, unc.", args.offset, {"center": False}),
+                              (f"+{args.offset:g}, centred", args.offset, {"center": True})):
         q, k = rng.normal(size=shape), rng.normal(size=shape)
         v = rng.normal(size=shape + (args.dim,)) + offset
         cot = rng.normal(size=shape + (args.dim,))
         found = errors(q, k, v, cot, causal=args.causal, device=device, **kw)
-        print(f"  {label:12s}" + "  ".join(f"{n} {e:.2e} ({f:.1e})" for n, (e, f) in found.items()), flush=True)
+        print(f"  {label:14s}" + "  ".join(f"{n} {e:.2e} ({f:.1e})" for n, (e, f) in found.items()), flush=True)
 
 
 if __name__ == "__main__":

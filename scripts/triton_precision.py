@@ -1,7 +1,7 @@
 """Float32 precision of the triton engine's ReLU attention, forward and gradients, against the
 float64 dense reference on the same rounded inputs (normwise: ``||got - exact|| / ||exact||``),
 beside the floor (the exact result rounded to float32). Runs under Triton's interpreter on the CPU
-(no GPU needed) or on a GPU:
+(no GPU needed; the default) or, with ``TRITON_INTERPRET=0`` on a machine with CUDA, on the GPU:
 
     TRITON_INTERPRET=1 PYTHONPATH=. python scripts/triton_precision.py [--causal] [--length 512]
         [--dim 16] [--heads 2] [--leaf 4] [--offset 30]
@@ -60,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.leaf is not None:
         engine.CAUSAL_LEAF = args.leaf
-    device = "cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") == "1" else "cpu"
+    device = "cuda" if torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] != "1" else "cpu"
     rng = np.random.default_rng(args.seed)
     shape = (args.heads, args.length)
     print(f"{'causal' if args.causal else 'non-causal'} ReLU attention, float32, L = {args.length}, "

@@ -5,11 +5,11 @@ Every level is the left blocks' keys as rows of one pass 1 and the right blocks'
 one pass 2, added in place into the running sums of the positions (:func:`level_sums_into`): two
 launches, whatever the number of blocks (a summed normaliser's sums ride the values' pass 2). The
 levels sort nothing: each score array is sorted once in runs of a leaf and merged bottom-up, one
-merge launch per level (:func:`level_orders`). The pairs inside the leaves are summed densely, and pulled back, by one
-launch per profile each (:func:`dense_leaves`, :func:`dense_leaves_vjp`), and the output is combined from
-the running sums by one more (:func:`combine_output`). The backward is the same levels' pull-backs over
-the same merges, on the engine's general pull-back (knot gradients included). Issue 26, item 4;
-docs/architecture.rst, "Engines".
+merge launch per level (:func:`level_orders`). The pairs inside the leaves are summed densely, and
+pulled back, by one launch per profile each (:func:`dense_leaves`, :func:`dense_leaves_vjp`), and
+the output is combined from the running sums by one more (:func:`combine_output`). The backward is
+the same levels' pull-backs over the same merges, on the engine's general pull-back (knot
+gradients included). Issue 26, item 4; docs/architecture.rst, "Engines".
 """
 
 from __future__ import annotations

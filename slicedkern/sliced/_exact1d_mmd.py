@@ -82,7 +82,12 @@ def mmd_1d(xp: Namespace, x: Array, y: Array, kernel: PiecewiseLinear, estimator
     for t, c in zip(kernel.knots, kernel.coeffs):
         weight_of[abs(float(t))] = weight_of.get(abs(float(t)), 0.0) + float(c)
     total = sum(float(c) for c in kernel.coeffs)
-    out = xp.zeros(tuple(batch), dtype=work, device=device)
+    # zero that is a function of x and y: with no term below (a knotless profile, whose even part is
+    # constant) the statistic is 0 for every sample, and under autograd it must still be a function
+    # of the samples, with a zero gradient, so that backward() works as for every other profile
+    out = xp.broadcast_to(0.0 * (xp.sum(x, axis=-1) + xp.sum(y, axis=-1)), tuple(batch))
+    # a sum that overflows is no NaN of a finite row (non-finite rows are made NaN at the end)
+    out = xp.where(xp.isfinite(out), out, xp.zeros_like(out))
     if total != 0.0:
         ed = energy_distance_1d(xp, x, y, None, None, batch=batch, device=device, work=work)
         out = out + (-0.5 * total) * ed

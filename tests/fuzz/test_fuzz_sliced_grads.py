@@ -268,20 +268,11 @@ def backend_gradients(ex, backend, engine):
     return out, dict(zip(positional, grads))
 
 
-def _constant_even_part(kernel) -> bool:
-    """Whether ``(f(r) + f(-r)) / 2`` has no knot (a constant: zero, or an odd ``f`` plus a constant)."""
-    return not (0.5 * (kernel + kernel.reflect())).knots
-
-
 def check_gradients(backend, engine, ex):
     gap = kink_distance(ex)
     assume(gap >= 1e-4 * ex["scale"])
     if ex["options"].get("causal"):
         assume(has_causal_mode(backend, engine))         # not the sweep on JAX arrays (tests/test_causal.py)
-    if backend.name in ("torch", "torch_cuda") and ex["stat"] == "mmd":
-        # a known defect: the MMD of such a kernel is a torch tensor without autograd history
-        # (test_mmd_of_a_knotless_kernel_keeps_the_autograd_graph)
-        assume(not _constant_even_part(ex["kernel"]))
     arrays = {name: a.values.copy() for name, a in ex["arrays"].items()}
     if ex["stat"] == "sliced_attention":
         q, k = arrays["q"] @ ex["theta"].T, arrays["k"] @ ex["theta"].T
@@ -324,12 +315,6 @@ def test_sliced_gradients_match_finite_differences(xp, engine, fuzz, stat):
 
 
 # ------------------------------------------------------------------------------------------ findings
-_KNOTLESS_MMD = ("mmd returns a constant without autograd history when the kernel's even part has no knot (zero, "
-                 "odd, or constant kernels): backward() raises, where kernel_attention, kernel_sum and "
-                 "sliced_kernel_sum keep the graph")
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_KNOTLESS_MMD)
 @pytest.mark.parametrize("one_dimensional", [False, True], ids=["Rd", "1d"])
 def test_mmd_of_a_knotless_kernel_keeps_the_autograd_graph(one_dimensional):
     """``mmd(x, y, f)`` with ``f = PiecewiseLinear(slope=1.0)`` (even part 0): the statistic is 0 for

@@ -25,13 +25,31 @@ import numbers
 from collections.abc import Sequence
 
 __all__ = ["PiecewiseLinear", "ReLU", "Abs", "Hat", "HatMixture", "Profile", "hat_profile",
-           "hat_pullback"]
+           "hat_pullback", "finite_real", "positive_real", "check_hat_count"]
 
 
 def _real(value, name: str) -> float:
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+        raise TypeError(f"argument {name!r} must be a real number, got {type(value).__name__}")
     return float(value)
+
+
+def finite_real(value, name: str) -> float:
+    """A profile parameter given as a number: a finite float, else ``TypeError`` / ``ValueError``
+    naming ``name``. The one rule of every parameter (knots, coefficients, slope, intercept, mixture
+    weights): a NaN or infinite one would make every output NaN rather than raise."""
+    value = _real(value, name)
+    if value != value or abs(value) == float("inf"):
+        raise ValueError(f"argument {name!r} must be finite, got {value}")
+    return value
+
+
+def positive_real(value, name: str) -> float:
+    """A bandwidth given as a number: a positive finite float, else ``TypeError`` / ``ValueError``."""
+    value = _real(value, name)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"argument {name!r} must be positive and finite, got {value}")
+    return value
 
 
 class PiecewiseLinear:
@@ -60,21 +78,19 @@ class PiecewiseLinear:
 
     def __init__(self, knots: Sequence[float] = (), coeffs: Sequence[float] = (), slope: float = 0.0,
                  intercept: float = 0.0):
-        knots = tuple(_real(t, "knots[i]") for t in knots)
-        coeffs = tuple(_real(c, "coeffs[i]") for c in coeffs)
+        knots = tuple(finite_real(t, "knots") for t in knots)
+        coeffs = tuple(finite_real(c, "coeffs") for c in coeffs)
         if len(knots) != len(coeffs):
             raise ValueError(f"knots and coeffs must have the same length, got {len(knots)} and "
                              f"{len(coeffs)}")
         merged: dict[float, float] = {}
         for t, c in zip(knots, coeffs):
-            if t != t or abs(t) == float("inf"):
-                raise ValueError(f"knots must be finite, got {t}")
             merged[t] = merged.get(t, 0.0) + c
         items = sorted((t, c) for t, c in merged.items() if c != 0.0)
         object.__setattr__(self, "_knots", tuple(t for t, _ in items))
         object.__setattr__(self, "_coeffs", tuple(c for _, c in items))
-        object.__setattr__(self, "_slope", _real(slope, "slope"))
-        object.__setattr__(self, "_intercept", _real(intercept, "intercept"))
+        object.__setattr__(self, "_slope", finite_real(slope, "slope"))
+        object.__setattr__(self, "_intercept", finite_real(intercept, "intercept"))
 
     def __setattr__(self, name, value):
         raise AttributeError(f"{type(self).__name__} is immutable")
@@ -231,13 +247,6 @@ class Abs(PiecewiseLinear):
         return "Abs()"
 
 
-def _positive(value, name):
-    value = _real(value, name)
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{name} must be positive and finite, got {value}")
-    return value
-
-
 class Hat(PiecewiseLinear):
     """The ReLU bump ``max(0, 1 - |r| / b)`` of bandwidth ``b > 0``.
 
@@ -250,7 +259,7 @@ class Hat(PiecewiseLinear):
     __slots__ = ()
 
     def __init__(self, bandwidth: float = 1.0):
-        b = _positive(bandwidth, "bandwidth")
+        b = positive_real(bandwidth, "bandwidth")
         p = hat_profile((b,), (1.0,))
         super().__init__(p.knots, p.coeffs, p.slope, p.intercept)
 
@@ -262,25 +271,34 @@ class Hat(PiecewiseLinear):
         return f"Hat({self.bandwidth!r})"
 
 
+def check_hat_count(count: int, name: str) -> None:
+    """``ValueError`` for a mixture of no hat: the one answer of this class, the mixture op and the
+    decoding cache, as the layers refuse ``mixture_size=0`` (the zero profile is ``PiecewiseLinear()``,
+    asked for by name)."""
+    if count == 0:
+        raise ValueError(f"argument {name!r} must hold at least one hat, got none")
+
+
 class HatMixture(PiecewiseLinear):
     """``sum_i weights[i] * max(0, 1 - |r| / bandwidths[i])``.
 
     Parameters
     ----------
-    bandwidths : sequence of float, length K
-        Positive bandwidths.
+    bandwidths : sequence of float, length K >= 1
+        Positive finite bandwidths.
     weights : sequence of float, length K
-        Mixture weights (any sign).
+        Finite mixture weights (any sign).
     """
 
     __slots__ = ()
 
     def __init__(self, bandwidths: Sequence[float], weights: Sequence[float]):
-        bandwidths = tuple(_positive(b, "bandwidths[i]") for b in bandwidths)
-        weights = tuple(_real(w, "weights[i]") for w in weights)
+        bandwidths = tuple(positive_real(b, "bandwidths") for b in bandwidths)
+        weights = tuple(finite_real(w, "weights") for w in weights)
         if len(bandwidths) != len(weights):
             raise ValueError(f"bandwidths and weights must have the same length, got {len(bandwidths)} "
                              f"and {len(weights)}")
+        check_hat_count(len(bandwidths), "bandwidths")
         p = hat_profile(bandwidths, weights)
         super().__init__(p.knots, p.coeffs, p.slope, p.intercept)
 

@@ -106,7 +106,7 @@ def test_bad_arguments_name_themselves():
         slicedkern.DecodeCache("hat_mixture", bandwidths=[1.0, float("inf")], weights=[1.0, 1.0])
     with pytest.raises(TypeError, match="'bandwidth'"):
         slicedkern.DecodeCache("hat", bandwidth=[1.0, 2.0])
-    with pytest.raises(TypeError, match="'weights'"):
+    with pytest.raises(ValueError, match="'weights'"):       # as the ops say it
         slicedkern.DecodeCache("hat_mixture", bandwidths=[1.0, 2.0], weights=[1.0])
     with pytest.raises(ValueError, match="'normalize'"):
         slicedkern.DecodeCache("relu", normalize="max")
@@ -194,3 +194,49 @@ def test_repeated_tokens_skip_no_check_that_could_fail():
     out = cache.attend(torch.randn(1, 1))          # the same q signature as before: the guard must still hold
     with pytest.raises(RuntimeError, match="DecodeCache is inference-only"):
         out.sum().backward()
+
+
+# --------------------------------------------------------------------------- issue 49, items 8 to 10
+def test_mixture_parameters_follow_the_ops_rule():
+    """An empty mixture was a TypeError here and zeros from hat_mixture_attention; NaN weights were
+    accepted. One rule now, the ops' (tests/test_edge_cases.py)."""
+    with pytest.raises(ValueError, match="'bandwidths' must hold at least one hat"):
+        slicedkern.DecodeCache("hat_mixture", bandwidths=[], weights=[])
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="'weights' must be finite"):
+            slicedkern.DecodeCache("hat_mixture", bandwidths=[1.0, 2.0], weights=[1.0, bad])
+    cache = slicedkern.DecodeCache("hat_mixture", bandwidths=[1.0], weights=np.array([np.nan]))
+    with pytest.raises(ValueError, match="'weights' must be finite"):
+        cache.append(np.zeros((1, 1)), np.zeros((1, 1, 2)))
+
+
+def test_a_scalar_key_mask_names_the_argument(rng):
+    q, k, v = _data(rng, 3)
+    cache = slicedkern.DecodeCache("relu")
+    with pytest.raises(TypeError, match="argument 'key_mask' must be an array.*got bool"):
+        cache.append(k, v, key_mask=True)
+    assert len(cache) == 0
+    cache.append(k, v, key_mask=np.ones(k.shape, dtype=bool))
+    np.testing.assert_allclose(cache.attend(q[..., 2:]), reference.relu_attention(q, k, v, causal=True)[..., 2:, :],
+                               rtol=1e-12, atol=1e-14)
+
+
+def test_the_docstrings_say_what_the_cache_does(rng):
+    """The class said "No key mask" (append takes one); attend said "Zero where no key has been
+    appended" (it raises before the first append, which gives the value width Dv)."""
+    assert "No key mask" not in slicedkern.DecodeCache.__doc__
+    assert "key_mask" in slicedkern.DecodeCache.__doc__
+    assert "ValueError" in slicedkern.DecodeCache.attend.__doc__
+    # what the docstrings now say: a raise before any append, zeros after appends of no key, and a
+    # masked key (padding) that counts nowhere
+    cache = slicedkern.DecodeCache("hat", bandwidth=1.0)
+    with pytest.raises(ValueError, match="'q'"):
+        cache.attend(np.zeros((2, 1)))
+    cache.append(np.zeros((2, 0)), np.zeros((2, 0, 3)))
+    np.testing.assert_array_equal(cache.attend(np.zeros((2, 1))), np.zeros((2, 1, 3)))
+    q, k, v = rng.normal(size=(1, 4)), rng.normal(size=(1, 4)), rng.normal(size=(1, 4, 2))
+    mask = np.array([[False, True, True, True]])
+    cache = slicedkern.DecodeCache("hat", bandwidth=1.0)
+    cache.append(k, v, key_mask=mask)
+    expected = reference.hat_attention(q, k, v, 1.0, key_mask=mask, causal=True)[..., 3:, :]
+    np.testing.assert_allclose(cache.attend(q[..., 3:]), expected, rtol=1e-12, atol=1e-14)

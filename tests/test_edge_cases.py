@@ -411,3 +411,72 @@ def test_finite_keys_primitive_marks_each_value_row(xp, dtype):
     np.testing.assert_array_equal(got, np.all(np.isfinite(values), axis=-1))
     empty = xp.to_numpy(finite_keys(xp.xp, xp.asarray(np.zeros((2, 4, 0)), dtype=dtype)))
     np.testing.assert_array_equal(empty, np.ones((2, 4), dtype=bool))
+
+
+# ------------------------------------------------ issue 49 item 8: one rule for every profile parameter
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_mixture_weights_must_be_finite(xp, rng, bad):
+    """NaN and infinite weights were accepted (NaN output) where NaN bandwidths raise."""
+    q, k, v = (xp.asarray(a) for a in qkv(rng))
+    with raises(ValueError, "weights", match="finite"):
+        slicedkern.hat_mixture_attention(q, k, v, [1.0, 2.0], [1.0, bad])
+    weights = np.ones((H, 2))
+    weights[1, 0] = bad
+    with raises(ValueError, "weights", match="finite"):
+        slicedkern.hat_mixture_attention(q, k, v, xp.asarray(np.ones((H, 2))), xp.asarray(weights))
+    with raises(ValueError, "weights", match="finite"):
+        slicedkern.hat_mixture_attention(q, k, v, xp.asarray(np.ones((H, 2))), [1.0, bad])
+
+
+def test_an_empty_mixture_is_refused_everywhere(xp, rng):
+    """``hat_mixture_attention(q, k, v, [], [])`` gave zeros, an array mixture of no hat an
+    IndexError, ``DecodeCache`` a TypeError: one answer, a ValueError, as the layers refuse
+    ``mixture_size=0`` (tests/test_decode.py checks the cache)."""
+    q, k, v = (xp.asarray(a) for a in qkv(rng))
+    with raises(ValueError, "bandwidths", match="at least one hat"):
+        slicedkern.hat_mixture_attention(q, k, v, [], [])
+    empty = xp.asarray(np.ones((H, 0)))
+    with raises(ValueError, "bandwidths", match="at least one hat"):
+        slicedkern.hat_mixture_attention(q, k, v, empty, empty)
+    with raises(ValueError, "bandwidths", match="at least one hat"):
+        slicedkern.kernel_attention(q, k, v, HatMixture([], []))
+
+
+# ----------------------------------------- issue 49 item 9: Python scalars where arrays are expected
+def _scalar_calls(xp, rng):
+    """(call, the argument it names) for a Python scalar in each array argument of the ops."""
+    from slicedkern.sliced import energy_distance, mmd, sliced_attention, sliced_kernel_sum
+    q, k, v = (xp.asarray(a) for a in qkv(rng))
+    x, y = xp.asarray(rng.normal(size=(4, 2))), xp.asarray(rng.normal(size=(5, 2)))
+    theta = xp.asarray(np.array([[0.6, 0.8]]))
+    return [
+        (lambda: slicedkern.relu_attention(q, k, v, key_mask=True), "key_mask"),
+        (lambda: slicedkern.hat_attention(q, k, v, key_mask=False), "key_mask"),
+        (lambda: slicedkern.kernel_sum(q, k, 1.0, ReLU()), "w"),
+        (lambda: slicedkern.DecodeCache("relu").append(k, v, key_mask=True), "key_mask"),
+        (lambda: energy_distance(x, y, directions=theta, x_weights=1.0), "x_weights"),
+        (lambda: energy_distance(x, y, directions=theta, y_weights=2), "y_weights"),
+        (lambda: sliced_kernel_sum(x, y, 1.0, ReLU(), directions=theta), "w"),
+        (lambda: sliced_kernel_sum(x, 0.5, xp.asarray(np.ones(5)), ReLU(), directions=theta), "y"),
+        (lambda: sliced_attention(x, y, xp.asarray(np.ones((5, 1))), ReLU(), directions=theta, key_mask=True),
+         "key_mask"),
+        (lambda: mmd(x, 1.0, Hat(1.0), directions=theta), "y"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_a_python_scalar_for_an_array_names_the_argument(xp, rng, case):
+    """These ended in internal AttributeErrors ('bool' object has no attribute 'dtype'); a list was
+    already a TypeError naming the argument, and a scalar is refused the same way (not broadcast)."""
+    call, name = _scalar_calls(xp, rng)[case]
+    with pytest.raises(TypeError, match=f"argument '{name}' must be an array.*got (bool|float|int)"):
+        call()
+
+
+def test_several_bandwidths_for_one_hat_point_to_the_mixture(xp, rng):
+    """``hat_attention(q, k, v, [0.5, 1.0])`` complained about 'weights', which it has no argument for."""
+    q, k, v = (xp.asarray(a) for a in qkv(rng))
+    with pytest.raises(TypeError, match="argument 'bandwidth' must be a number or an array.*hat_mixture_attention"):
+        slicedkern.hat_attention(q, k, v, [0.5, 1.0])
+    with pytest.raises(TypeError, match="argument 'bandwidths' must be a sequence of numbers or an array"):
+        slicedkern.hat_mixture_attention(q, k, v, 0.5, [1.0])

@@ -311,3 +311,25 @@ def test_kernels_pickle(kernel):
     assert type(back) is type(kernel) and back == kernel and repr(back) == repr(kernel)
     with pytest.raises(AttributeError, match="immutable"):
         back._slope = 2.0
+
+
+# ------------------------------------------------ issue 49 item 8: one rule for every profile parameter
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("make, name", [
+    (lambda x: PiecewiseLinear((0.0,), (x,)), "coeffs"),
+    (lambda x: PiecewiseLinear((0.0,), (1.0,), slope=x), "slope"),
+    (lambda x: PiecewiseLinear((0.0,), (1.0,), intercept=x), "intercept"),
+    (lambda x: PiecewiseLinear((x,), (1.0,)), "knots"),
+    (lambda x: HatMixture([1.0, 2.0], [1.0, x]), "weights"),
+    (lambda x: HatMixture([1.0, x], [1.0, 1.0]), "bandwidths"),
+], ids=["coeffs", "slope", "intercept", "knots", "weights", "bandwidths"])
+def test_every_profile_parameter_must_be_finite(make, name, bad):
+    """NaN knots and bandwidths raised while NaN coefficients and weights made every output NaN."""
+    with pytest.raises(ValueError, match=f"argument '{name}' must be"):
+        make(bad)
+
+
+def test_an_empty_mixture_is_refused():
+    with pytest.raises(ValueError, match="'bandwidths' must hold at least one hat"):
+        HatMixture([], [])
+    assert PiecewiseLinear()(np.array([-1.0, 2.0])).tolist() == [0.0, 0.0]     # the zero profile, by name

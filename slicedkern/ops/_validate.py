@@ -22,10 +22,11 @@ from .._lib.namespace import (
 )
 from .._spec import NORMALIZERS
 from ..backends import array_namespace, holds_everywhere, is_array, is_chunked, same_library
-from ..kernels import PiecewiseLinear
+from ..kernels import PiecewiseLinear, check_hat_count, finite_real, positive_real
 
 __all__ = ["setup", "namespace_of", "need_ndim", "check_kernel", "check_normalize", "check_eps",
-           "check_bool", "positive_param", "floating_param", "broadcast_all", "check_param_batch"]
+           "check_bool", "positive_param", "finite_param", "floating_param", "broadcast_all",
+           "check_param_batch", "hat_floats", "hat_param", "not_an_array"]
 
 
 #: The namespace of every NumPy array, asked once (array_api_compat takes microseconds per array,
@@ -36,16 +37,15 @@ _NUMPY_NAMESPACE = compat.array_namespace(np.empty(0))
 def namespace_of(named_arrays: dict, xp=None, *, required=()):
     """The common namespace of the given arrays, with an error naming each argument.
 
-    ``named_arrays`` maps argument names to arrays (``None`` entries and Python scalars are skipped,
-    except for the names in ``required``, which must be arrays). With an explicit ``xp`` every array
-    must come from that library.
+    ``named_arrays`` maps argument names to arrays (``None`` entries are skipped, except for the
+    names in ``required``). Every other entry must be an array: a Python scalar is refused as a list
+    is, not broadcast (a ``key_mask=True`` or ``x_weights=1.0`` would otherwise mean something only
+    some ops could guess). With an explicit ``xp`` every array must come from that library.
     """
-    for name in required:
-        a = named_arrays.get(name)
-        if a is None or is_scalar(a) or not is_array(a):
-            raise TypeError(f"argument {name!r} must be an array (NumPy, torch, JAX, CuPy or another "
-                            f"array-API library), got {type(a).__name__}")
-    arrays = {k: a for k, a in named_arrays.items() if a is not None and not is_scalar(a)}
+    for name, a in named_arrays.items():
+        if (a is None and name in required) or (a is not None and (is_scalar(a) or not is_array(a))):
+            raise TypeError(not_an_array(name, a))
+    arrays = {k: a for k, a in named_arrays.items() if a is not None}
     for name, a in arrays.items():
         if isinstance(a, np.ma.MaskedArray):
             raise TypeError(f"argument {name!r} is a NumPy masked array, whose mask slicedkern would "
@@ -74,6 +74,14 @@ def namespace_of(named_arrays: dict, xp=None, *, required=()):
                             f"({type(arrays[name]).__module__}.{type(arrays[name]).__name__}) come from "
                             "different array libraries; convert them to one library first")
     return first
+
+
+def not_an_array(name: str, value) -> str:
+    """The message of an array argument given something else (a Python scalar, a list, ``None``)."""
+    hint = (" (a Python scalar is not broadcast: pass an array of the argument's shape)"
+            if is_scalar(value) else "")
+    return (f"argument {name!r} must be an array (NumPy, torch, JAX, CuPy or another array-API "
+            f"library), got {type(value).__name__}{hint}")
 
 
 #: The ops that take lazy chunked (Dask) arrays (docs/scaling.rst, "Dask").
@@ -169,17 +177,71 @@ def check_bool(value, name):
     return bool(value)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def positive_param(xp, value, name, device, work):
     """A positive float, or an array of them (values checked unless traced), in the work dtype."""
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        value = float(value)
-        if not (value > 0 and value != float("inf")):
-            raise ValueError(f"argument {name!r} must be positive and finite, got {value}")
-        return value
+    if _is_number(value):
+        return positive_real(value, name)
     value = floating_param(xp, value, name, device, work)
     if holds_everywhere(xp, value, lambda ns, a: (a > 0) & ns.isfinite(a)) is False:
         raise ValueError(f"argument {name!r} must be positive and finite everywhere")
     return value
+
+
+def finite_param(xp, value, name, device, work):
+    """A finite float, or an array of them (values checked unless traced), in the work dtype: the
+    rule of :func:`slicedkern.kernels.finite_real` for a parameter given as an array."""
+    if _is_number(value):
+        return finite_real(value, name)
+    value = floating_param(xp, value, name, device, work)
+    if holds_everywhere(xp, value, lambda ns, a: ns.isfinite(a)) is False:
+        raise ValueError(f"argument {name!r} must be finite everywhere")
+    return value
+
+
+def hat_floats(value, name: str, *, positive: bool, single: bool) -> tuple[float, ...] | None:
+    """Hat parameters given as Python numbers, checked: a tuple of floats, or ``None`` for anything
+    else (an array, checked by :func:`hat_param`).
+
+    ``single`` (``hat_attention``'s ``bandwidth``) takes one number; a mixture's parameters take a
+    sequence of them, one per hat (a bare number would leave the number of hats to a guess).
+    """
+    check = positive_real if positive else finite_real
+    if single:
+        if isinstance(value, (list, tuple)):
+            raise TypeError(f"argument {name!r} must be a number or an array (one per batch row or head), got "
+                            f"{type(value).__name__}; a mixture of several hats is hat_mixture_attention "
+                            "(bandwidths=, weights=)")
+        return (check(value, name),) if _is_number(value) else None
+    if _is_number(value):
+        raise TypeError(f"argument {name!r} must be a sequence of numbers or an array of shape (..., K), one "
+                        f"entry per hat, got {type(value).__name__}")
+    if not isinstance(value, (list, tuple)):
+        return None
+    for entry in value:
+        if not _is_number(entry):
+            raise TypeError(f"argument {name!r} must hold numbers, got {type(entry).__name__}")
+    check_hat_count(len(value), name)
+    return tuple(check(entry, name) for entry in value)
+
+
+def hat_param(xp, value, name: str, device, work, batch, *, positive: bool, single: bool):
+    """Hat parameters: ``(floats, array)``: a tuple of floats (:func:`hat_floats`), or ``None`` and
+    a work-dtype array, of batch shape ``(...)`` when ``single``, else ``(..., K)``, ``K >= 1``."""
+    floats = hat_floats(value, name, positive=positive, single=single)
+    if floats is not None:
+        return floats, None
+    arr = (positive_param if positive else finite_param)(xp, value, name, device, work)
+    if not single:
+        if arr.ndim == 0:
+            raise ValueError(f"argument {name!r} must have a last axis with one entry per hat, got "
+                             f"{shape_str(value)}")
+        check_hat_count(arr.shape[-1], name)
+    check_param_batch(arr if single else arr[..., 0], name, batch)
+    return None, arr
 
 
 def floating_param(xp, value, name, device, work, expected="a number, a sequence of numbers or an array"):

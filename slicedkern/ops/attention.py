@@ -8,7 +8,6 @@ Bandwidth gradients at a tie ``|q - k| = b`` are the right derivative in ``b``.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, NamedTuple
 
 from .._lib.namespace import array_device, as_work, shape_str
@@ -23,10 +22,8 @@ from ._validate import (
     check_eps,
     check_kernel,
     check_normalize,
-    check_param_batch,
-    floating_param,
+    hat_param,
     need_ndim,
-    positive_param,
     setup,
 )
 
@@ -140,7 +137,8 @@ def relu_attention(q: Array, k: Array, v: Array, /, *, key_mask: Array | None = 
     v : array, shape (..., Lk, Dv)
         Values.
     key_mask : bool array, shape (..., Lk), optional
-        True where the key takes part. Masked keys count nowhere: not in the sums, the mean used for
+        True where the key takes part (an array: a Python ``True`` is a ``TypeError``, as is every
+        Python scalar where an array is expected). Masked keys count nowhere: not in the sums, the mean used for
         centring, the normaliser or the count.
     center : bool, default True
         Centre the values over the valid keys (the paper's "centered value parametrization").
@@ -189,30 +187,6 @@ def relu_attention(q: Array, k: Array, v: Array, /, *, key_mask: Array | None = 
                       normalize=normalize, eps=eps, causal=causal, engine=engine, xp=xp)
 
 
-def _param_list(xp, value, name, device, work, batch, *, positive, single):
-    """Hat parameters: ``(floats, array)``: a tuple of floats, or ``None`` and a work-dtype array.
-
-    ``value`` is a number (``single`` only), a sequence of numbers, or an array: of batch shape
-    ``(...)`` when ``single``, else ``(..., K)``.
-    """
-    if isinstance(value, numbers.Real) and not isinstance(value, bool) and single:
-        value = [value]
-    if isinstance(value, (list, tuple)):
-        out = []
-        for entry in value:
-            if not isinstance(entry, numbers.Real) or isinstance(entry, bool):
-                raise TypeError(f"argument {name!r} must hold numbers, got {type(entry).__name__}")
-            out.append(positive_param(xp, entry, name, device, work) if positive else float(entry))
-        return tuple(out), None
-    arr = positive_param(xp, value, name, device, work) if positive else floating_param(
-        xp, value, name, device, work)
-    if not single and arr.ndim == 0:
-        raise ValueError(f"argument {name!r} must have a last axis with one entry per hat, got "
-                         f"{shape_str(value)}")
-    check_param_batch(arr if single else arr[..., 0], name, batch)
-    return None, arr
-
-
 def hat_spec(bandwidths, weights, names):
     """Builder of the hat fields of an :class:`AttentionSpec` and its array parameters.
 
@@ -222,13 +196,12 @@ def hat_spec(bandwidths, weights, names):
     single = weights is None
 
     def build(xp, device, work, batch):
-        alphas, alpha_arr = _param_list(xp, bandwidths, names[0], device, work, batch, positive=True,
-                                        single=single)
+        alphas, alpha_arr = hat_param(xp, bandwidths, names[0], device, work, batch, positive=True,
+                                      single=single)
         if single:
             betas, beta_arr = (1.0,), None
         else:
-            betas, beta_arr = _param_list(xp, weights, names[1], device, work, batch, positive=False,
-                                          single=False)
+            betas, beta_arr = hat_param(xp, weights, names[1], device, work, batch, positive=False, single=False)
         n_alpha = len(alphas) if alpha_arr is None else (1 if single else alpha_arr.shape[-1])
         n_beta = len(betas) if beta_arr is None else beta_arr.shape[-1]
         if n_alpha != n_beta:
@@ -261,6 +234,7 @@ def hat_attention(q: Array, k: Array, v: Array, /, bandwidth: ArrayOrFloat = 1.0
     v : array, shape (..., Lk, Dv)
     bandwidth : float or array, default 1.0
         Positive half-width ``b``; an array broadcasts against the leading dims (one per head, say).
+        A list is a ``TypeError``: several hats are :func:`hat_mixture_attention`.
     key_mask : bool array, shape (..., Lk), optional
         True where the key takes part.
     center : bool, default False
@@ -306,9 +280,10 @@ def hat_mixture_attention(q: Array, k: Array, v: Array, /, bandwidths: ArrayOrFl
     q, k, v, key_mask, center, normalize, eps, causal, engine, xp
         As in :func:`hat_attention`.
     bandwidths : sequence of float or array, shape (..., K)
-        Positive bandwidths; an array's leading dims broadcast against the batch (per head).
+        Positive finite bandwidths, ``K >= 1``; an array's leading dims broadcast against the batch
+        (per head).
     weights : sequence of float or array, shape (..., K)
-        Mixture weights.
+        Finite mixture weights (any sign).
 
     Returns
     -------

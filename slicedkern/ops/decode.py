@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import numbers
-
 from .._lib.namespace import array_device, shape_str
 from .._spec import OP_DEFAULTS, AttentionSpec, Normalizer, profile_of
-from ..backends import backend_of, is_array, without_gradient
+from ..backends import backend_of, without_gradient
 from ..engines import sweep
 from ..engines import triton as triton_engine
 from ..engines.scan._decode import Runs
 from ..kernels import Hat, HatMixture, PiecewiseLinear, Profile, ReLU
-from ._validate import check_bool, check_eps, check_normalize, setup
+from ._validate import check_bool, check_eps, check_normalize, hat_floats, setup
 from .attention import hat_spec, nan_rows_without_keys
 
 __all__ = ["DecodeCache"]
@@ -23,42 +21,33 @@ _NO_GRADIENT = ("DecodeCache is inference-only: its outputs have no gradient. Ge
 _OPTIONS = {**OP_DEFAULTS, "hat_mixture": {"bandwidths": None, "weights": None, **OP_DEFAULTS["hat_mixture"]}}
 
 
-def _positive_floats(value, name):
-    """Float bandwidths: a number or a sequence of numbers (TypeError), positive and finite (ValueError)."""
-    values = [value] if isinstance(value, numbers.Real) else list(value) if isinstance(value, (list, tuple)) else None
-    if not values or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) for b in values):
-        raise TypeError(f"argument {name!r} must be a number, a sequence of numbers or an array, got {value!r}")
-    if not all(0 < b < float("inf") for b in values):
-        raise ValueError(f"argument {name!r} must be positive and finite, got {value!r}")
-    return [float(b) for b in values]
-
-
-def _array_parameters(op, options) -> bool:
-    """Whether the hat parameters include an array (per head, say): their profile is built at the
-    first ``append``, when the batch shape and the library are known."""
+def _hat_floats(op, options) -> tuple | None:
+    """The hat parameters of ``op`` as floats, checked as the ops check them (``(bandwidths,
+    weights)``), or ``None`` when one of them is an array (per head, say): their profile is built
+    at the first ``append``, when the batch shape and the library are known."""
     if op == "hat":
-        return is_array(options["bandwidth"])
-    if op == "hat_mixture":
-        return is_array(options["bandwidths"]) or is_array(options["weights"])
-    return False
+        bandwidths = hat_floats(options["bandwidth"], "bandwidth", positive=True, single=True)
+        return None if bandwidths is None else (bandwidths, (1.0,))
+    bandwidths = hat_floats(options["bandwidths"], "bandwidths", positive=True, single=False)
+    weights = hat_floats(options["weights"], "weights", positive=False, single=False)
+    if bandwidths is None or weights is None:
+        return None
+    if len(bandwidths) != len(weights):
+        raise ValueError(f"arguments 'bandwidths' and 'weights' must have one entry per hat, got "
+                         f"{len(bandwidths)} and {len(weights)}")
+    return bandwidths, weights
 
 
-def _kernel(op, options):
+def _kernel(op, options) -> PiecewiseLinear | None:
+    """The fixed profile of ``op``, or ``None`` for hat parameters given as arrays."""
     if isinstance(op, PiecewiseLinear):
         return op
     if op == "relu":
         return ReLU()
-    if op == "hat":
-        if not isinstance(options["bandwidth"], numbers.Real):
-            raise TypeError(f"argument 'bandwidth' must be a number or an array (one per batch row or "
-                            f"head), got {options['bandwidth']!r}")
-        return Hat(_positive_floats(options["bandwidth"], "bandwidth")[0])
-    bandwidths = _positive_floats(options["bandwidths"], "bandwidths")
-    weights = options["weights"]
-    if not isinstance(weights, (list, tuple)) or len(weights) != len(bandwidths) or not all(
-            isinstance(w, numbers.Real) and not isinstance(w, bool) for w in weights):
-        raise TypeError(f"argument 'weights' must be a sequence of {len(bandwidths)} numbers, got {weights!r}")
-    return HatMixture(bandwidths, [float(w) for w in weights])
+    floats = _hat_floats(op, options)
+    if floats is None:
+        return None
+    return Hat(floats[0][0]) if op == "hat" else HatMixture(*floats)
 
 
 def _array_profile(hats, xp, work, k) -> Profile:
@@ -115,7 +104,8 @@ class DecodeCache:
     work per token; memory ``O(n D)`` like a softmax KV cache. Inference only: differentiating an
     output (torch ``backward``, ``jax.grad``) through the cache's keys, values or queries raises
     (``RuntimeError`` on torch, ``TypeError`` on JAX) rather than leaving their gradients silently
-    empty; generate under ``torch.no_grad()``. No key mask; any array-API backend.
+    empty; generate under ``torch.no_grad()``. Padding is a ``key_mask`` of :meth:`append`, as the
+    ops' (a left-padded prompt's pad keys count nowhere); any array-API backend.
 
     Parameters
     ----------
@@ -126,9 +116,11 @@ class DecodeCache:
     **options
         The op's own keywords, with its defaults: ``center``, ``normalize``, ``eps``,
         ``bandwidth`` (hat), ``bandwidths`` and ``weights`` (hat_mixture). The hat parameters are
-        numbers, or arrays as the ops take them (a bandwidth of shape ``(H,)`` per head of a
-        ``(B, H)`` batch, say; mixtures ``(..., K)``), of the library of the keys, checked against
-        their batch shape at the first :meth:`append`; they get no gradient.
+        checked as the ops check them: a number (a mixture's: sequences of numbers, at least one
+        hat; weights finite, bandwidths positive and finite), or arrays as the ops take them (a
+        bandwidth of shape ``(H,)`` per head of a ``(B, H)`` batch, say; mixtures ``(..., K)``), of
+        the library of the keys, checked against their batch shape at the first :meth:`append`;
+        they get no gradient.
 
     Examples
     --------
@@ -155,13 +147,14 @@ class DecodeCache:
             raise TypeError(f"argument(s) {unknown} are not options of the {name!r} op; "
                             f"it takes {sorted(_OPTIONS[name])}")
         opts = {**_OPTIONS[name], **options}
-        if _array_parameters(name, opts):
+        kernel = _kernel(op, opts)
+        if kernel is None:
             # validated against the batch shape at the first append, as the ops validate them
             names = ("bandwidth", "weights") if name == "hat" else ("bandwidths", "weights")
             self._hats = hat_spec(opts[names[0]], None if name == "hat" else opts["weights"], names)
             self._profile = None
         else:
-            self._hats, self._profile = None, Profile.of(_kernel(op, opts))
+            self._hats, self._profile = None, Profile.of(kernel)
         check_normalize(opts["normalize"])
         self._normalizer = Normalizer(opts["normalize"], check_eps(opts["eps"]))
         self._center = check_bool(opts.get("center", False), "center")
@@ -228,8 +221,23 @@ class DecodeCache:
     def attend(self, q):
         """Attention of queries ``q`` (..., M) over every key appended so far: (..., M, Dv).
 
-        Zero where no key has been appended; NaN for a non-finite query (keys appended or not), and
-        for every query once a non-finite key or value has been appended (it sees that key).
+        Zero while the appends so far hold no key (appends of ``t = 0`` keys), as the causal op
+        gives a query that sees none; NaN for a non-finite query (keys appended or not), and for every
+        query once a non-finite key or value has been appended (it sees that key).
+
+        Raises
+        ------
+        ValueError
+            Before the first :meth:`append` (the cache learns the batch shape, ``Dv`` and the library
+            from it), or for ``q`` of another batch shape or library than the appended keys.
+
+        Examples
+        --------
+        >>> import numpy as np, slicedkern
+        >>> cache = slicedkern.DecodeCache("relu")
+        >>> cache.append(np.zeros((1, 0)), np.zeros((1, 0, 2)))      # no key yet, but Dv = 2
+        >>> cache.attend(np.zeros((1, 1)))
+        array([[[0., 0.]]])
         """
         checked = self._attend_checked
         if checked is not None and self._guard is None and checked[0] == _signature(q):

@@ -86,7 +86,7 @@ def _plan_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, d
                      chunk_size: int | None = None, seed: Seed = None, xp: Namespace | None = None
                      ) -> _KernelSumPlan | ChunkedPlan:
     """The plan of :func:`sliced_kernel_sum` (same arguments), after validating them."""
-    xp, device, out_dtype, work = setup({"x": x, "y": y, "w": w}, xp, chunked=True)
+    xp, device, out_dtype, work = setup({"x": x, "y": y, "w": w}, xp, required=("x", "y", "w"), chunked=True)
     check_kernel(kernel)
     need_ndim(x, "x", 2, "(..., n, d)")
     need_ndim(y, "y", 2, "(..., m, d)")
@@ -218,7 +218,7 @@ def _plan_attention(q: Array, k: Array, v: Array, kernel: PiecewiseLinear, *, di
                     eps: float = 1e-6, causal: bool = False, chunk_size: int | None = None, seed: Seed = None,
                     xp: Namespace | None = None) -> _AttentionPlan:
     """The plan of :func:`sliced_attention` (same arguments), after validating them."""
-    xp, device, out_dtype, work = setup({"q": q, "k": k, "v": v, "key_mask": key_mask}, xp)
+    xp, device, out_dtype, work = setup({"q": q, "k": k, "v": v, "key_mask": key_mask}, xp, required=("q", "k", "v"))
     check_kernel(kernel)
     need_ndim(q, "q", 2, "(..., Lq, d)")
     need_ndim(k, "k", 2, "(..., Lk, d)")

@@ -161,7 +161,7 @@ def _plan_energy_distance(x: Array, y: Array, *, directions: int | Array | None 
                           xp: Namespace | None = None) -> EnergyPlan | DenseEnergyPlan | ChunkedPlan:
     """The plan of :func:`energy_distance` (same arguments), after validating them."""
     named = {"x": x, "y": y, "x_weights": x_weights, "y_weights": y_weights}
-    xp, device, out_dtype, work = setup(named, xp, chunked=True)
+    xp, device, out_dtype, work = setup(named, xp, required=("x", "y"), chunked=True)
     if method not in _METHODS:
         raise ValueError(f"argument 'method' must be one of {_METHODS}, got {method!r}")
     exact, dim = _layout(x, y, directions, method)
@@ -315,7 +315,7 @@ def _plan_mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | 
               estimator: str = "v", chunk_size: int | None = None, seed: Seed = None,
               method: str = "auto", xp: Namespace | None = None) -> MMDPlan | DenseMMDPlan | ChunkedPlan:
     """The plan of :func:`mmd` (same arguments), after validating them."""
-    xp, device, out_dtype, work = setup({"x": x, "y": y}, xp, chunked=True)
+    xp, device, out_dtype, work = setup({"x": x, "y": y}, xp, required=("x", "y"), chunked=True)
     check_kernel(kernel)
     if estimator not in _ESTIMATORS:
         raise ValueError(f"argument 'estimator' must be one of {_ESTIMATORS}, got {estimator!r}")

@@ -69,3 +69,44 @@ def test_bad_decoding_calls_name_the_argument():
         layer(x[:1], x[:1], x[:1], is_causal=True, decode=True)
     with pytest.raises(ValueError, match="'cache'"):
         layer(x.astype(jnp.float32), x.astype(jnp.float32), x.astype(jnp.float32), is_causal=True, decode=True)
+
+
+def _decode(layer, x, pad, chunks):
+    layer.init_cache(x.shape, jnp.float64)
+    steps, start = [], 0
+    for size in chunks:
+        part = x[:, start:start + size]
+        mask = None if pad is None else pad[:, start:start + size]
+        steps.append(layer(part, part, part, key_padding_mask=mask, is_causal=True, decode=True)[0])
+        start += size
+    return jnp.concatenate(steps, axis=1)
+
+
+@pytest.mark.parametrize("kernel", ["hat", pytest.param("relu", marks=_SLOW)])
+def test_left_padded_prompt_decodes_as_the_unpadded_one(kernel):
+    """Issue 49 item 1: with RoPE, a prompt left-padded by 3 decodes the unpadded prompt's outputs,
+    and so does the full causal forward (padding is no position)."""
+    layer = _layer(kernel, rope=True)
+    x = jax.random.normal(jax.random.key(2), (2, 5, 16), dtype=jnp.float64)
+    padded = jnp.concatenate([jax.random.normal(jax.random.key(3), (2, 3, 16), dtype=jnp.float64), x], axis=1)
+    pad = jnp.zeros((2, 8), dtype=bool).at[:, :3].set(True)
+    want, _ = layer(x, x, x, is_causal=True)
+    full, _ = layer(padded, padded, padded, key_padding_mask=pad, is_causal=True)
+    assert float(jnp.max(jnp.abs(full[:, 3:] - want))) < 1e-12
+    got = _decode(layer, padded, pad, [4, 4])
+    assert float(jnp.max(jnp.abs(got[:, 3:] - want))) < 1e-12
+
+
+def test_decoding_no_tokens_leaves_the_cache_unchanged():
+    """Issue 49 item 3: ``decode=True`` with zero new tokens gives (N, 0, E) and changes nothing."""
+    layer = _layer("hat", rope=True)
+    x = jax.random.normal(jax.random.key(4), (2, 4, 16), dtype=jnp.float64)
+    want, _ = layer(x, x, x, is_causal=True)
+    layer.init_cache(x.shape, jnp.float64)
+    empty, _ = layer(x[:, :0], x[:, :0], x[:, :0], is_causal=True, decode=True)
+    assert empty.shape == (2, 0, 16) and len(layer.cache) == 0 and layer.cache.decode is None
+    first, _ = layer(x[:, :2], x[:, :2], x[:, :2], is_causal=True, decode=True)
+    empty, _ = layer(x[:, :0], x[:, :0], x[:, :0], is_causal=True, decode=True)
+    assert empty.shape == (2, 0, 16) and len(layer.cache) == 2
+    rest, _ = layer(x[:, 2:], x[:, 2:], x[:, 2:], is_causal=True, decode=True)
+    assert float(jnp.max(jnp.abs(jnp.concatenate([first, rest], axis=1) - want))) < 1e-12

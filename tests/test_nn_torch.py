@@ -13,15 +13,22 @@ import io
 import math
 import warnings
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
 import slicedkern  # noqa: E402
 from slicedkern import reference  # noqa: E402
 from slicedkern.kernels import Hat, PiecewiseLinear, ReLU  # noqa: E402
-from slicedkern.nn.torch import SlicedAttention, SlicedTransformerEncoder, SlicedTransformerEncoderLayer  # noqa: E402
+from slicedkern.nn.torch import (  # noqa: E402
+    SlicedAttention,
+    SlicedTransformerEncoder,
+    SlicedTransformerEncoderLayer,
+    convert_attention,
+)
 
 #: A fixed kernel object: a hat plus a small ReLU ramp (neither even nor monotone).
 CUSTOM = Hat(0.8) + 0.25 * ReLU()
@@ -32,16 +39,27 @@ KERNELS = {"relu": {"kernel": "relu"},
 
 
 # ----------------------------------------------------------------------------------- the oracle
-def rope_reference(x, num_heads):
-    """RoPE as complex rotations of the (first half, second half) feature pairs of each head."""
+def rope_reference(x, num_heads, positions=None):
+    """RoPE as complex rotations of the (first half, second half) feature pairs of each head, at
+    ``positions`` (N, L) (default ``0..L-1``)."""
     n, length, embed = x.shape
     half = embed // num_heads // 2
+    if positions is None:
+        positions = torch.arange(length).expand(n, length)
     pairs = x.reshape(n, length, num_heads, 2, half)
     z = torch.complex(pairs[..., 0, :], pairs[..., 1, :])
-    theta = (torch.arange(length, dtype=x.dtype)[:, None]
-             * 10000.0 ** (-torch.arange(half, dtype=x.dtype) / half))
-    z = z * torch.polar(torch.ones_like(theta), theta)[:, None, :]
+    theta = (positions.to(x.dtype)[..., None]
+             * 10000.0 ** (-torch.arange(half, dtype=x.dtype) / half))              # (N, L, half)
+    z = z * torch.polar(torch.ones_like(theta), theta)[:, :, None, :]
     return torch.stack((z.real, z.imag), dim=-2).reshape(n, length, embed)
+
+
+def reference_positions(valid, q_len):
+    """The layer's RoPE positions, written out: a key at the number of real keys before it, query
+    ``i`` at the position of key ``i + Lk - Lq`` (``Lq <= Lk``)."""
+    before = torch.cat([torch.zeros_like(valid[:, :1], dtype=torch.int64),
+                        valid.to(torch.int64).cumsum(-1)[:, :-1]], dim=-1)
+    return before[:, valid.shape[1] - q_len:], before
 
 
 def dense_layer(layer, options, query, key, value, key_padding_mask=None, causal=False, ops=reference):
@@ -64,12 +82,13 @@ def dense_layer(layer, options, query, key, value, key_padding_mask=None, causal
         return (hidden @ sd["score_out.weight"].T).transpose(1, 2)          # (N, H, L)
 
     q, k, v = linear(query, "q_proj"), linear(key, "k_proj"), linear(value, "v_proj")
-    if options.get("rope", False):
-        q, k = rope_reference(q, heads), rope_reference(k, heads)
     n, q_len, k_len = q.shape[0], q.shape[1], k.shape[1]
+    valid = (torch.ones(n, k_len, dtype=torch.bool) if key_padding_mask is None else ~key_padding_mask)
+    if options.get("rope", False):
+        q_pos, k_pos = reference_positions(valid, q_len)
+        q, k = rope_reference(q, heads, q_pos), rope_reference(k, heads, k_pos)
     qs, ks = score(q), score(k)
     vh = v.reshape(n, k_len, heads, -1).transpose(1, 2)                     # (N, H, Lk, Dh)
-    valid = (torch.ones(n, k_len, dtype=torch.bool) if key_padding_mask is None else ~key_padding_mask)
     if causal:
         # One reference row per query: keys j <= i, so centring uses the prefix mean.
         rows = valid[:, None, :] & torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
@@ -590,3 +609,108 @@ def test_kernel_object_is_used_as_is():
     x = torch.randn(1, 4, 6)
     out, _ = layer(x, x, x)
     assert out.shape == (1, 4, 6) and torch.all(torch.isfinite(out))
+
+
+# ------------------------------------------------------------------- issue 49: RoPE, flags, model
+def _rope_layer(kernel):
+    torch.manual_seed(0)
+    layer = SlicedAttention(8, 2, kernel=kernel, rope=True, batch_first=True, dtype=torch.float64)
+    with torch.no_grad():
+        for parameter in layer.parameters():       # non-zero biases, bandwidths away from 1
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    return layer.eval()
+
+
+@pytest.mark.parametrize("kernel", ["hat", "relu"])
+def test_rope_padding_is_no_position(kernel):
+    """Issue 49 item 1: padding moves no real token's RoPE position, cross-attention (padded memory
+    before the real keys; after them with ``query_positions``) and a left-padded causal prompt."""
+    layer = _rope_layer(kernel)
+    g = torch.Generator().manual_seed(4)
+    n, lq, lk = 2, 4, 6
+    query, memory, extra = (torch.randn(n, length, 8, generator=g, dtype=torch.float64) for length in (lq, lk, 3))
+    with torch.no_grad():
+        base, _ = layer(query, memory, memory)
+        before = torch.cat([extra[:, :2], memory], dim=1)
+        pad = torch.zeros(n, lk + 2, dtype=torch.bool)
+        pad[:, :2] = True
+        got, _ = layer(query, before, before, key_padding_mask=pad)
+        torch.testing.assert_close(got, base, rtol=1e-12, atol=1e-12)
+        own = torch.arange(lq).expand(n, lq)            # the queries' own positions
+        base, _ = layer(query, memory, memory, query_positions=own)
+        after = torch.cat([memory, extra[:, :2]], dim=1)
+        got, _ = layer(query, after, after, key_padding_mask=pad.flip(-1), query_positions=own)
+        torch.testing.assert_close(got, base, rtol=1e-12, atol=1e-12)
+        x = memory
+        base, _ = layer(x, x, x, is_causal=True)
+        padded = torch.cat([extra, x], dim=1)
+        pad = torch.zeros(n, lk + 3, dtype=torch.bool)
+        pad[:, :3] = True
+        got, _ = layer(padded, padded, padded, key_padding_mask=pad, is_causal=True)
+        torch.testing.assert_close(got[:, 3:], base, rtol=1e-12, atol=1e-12)
+
+
+def test_explicit_positions_are_the_rotation_angles():
+    """``query_positions`` / ``key_positions`` are the positions the rotation uses: the layer's own
+    rule given explicitly changes nothing, a shift of both moves the scores, and bad ones are named."""
+    layer = _rope_layer("hat")
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    positions = torch.arange(5).expand(2, 5)
+    with torch.no_grad():
+        base, _ = layer(x, x, x)
+        same, _ = layer(x, x, x, query_positions=positions, key_positions=positions)
+        shifted, _ = layer(x, x, x, query_positions=positions + 7, key_positions=positions + 7)
+    torch.testing.assert_close(same, base, rtol=0, atol=0)
+    assert float((shifted - base).abs().max()) > 1e-3
+    with pytest.raises(TypeError, match="'query_positions' must hold integers"):
+        layer(x, x, x, query_positions=positions.double())
+    with pytest.raises(ValueError, match="'key_positions' must have shape"):
+        layer(x, x, x, key_positions=positions[:, :3])
+    with pytest.raises(ValueError, match="'query_positions' applies to rope=True"):
+        make_layer(KERNELS["hat"], embed_dim=8, num_heads=2, batch_first=True)(x, x, x, query_positions=positions)
+    with pytest.raises(ValueError, match="'key_positions' cannot be given with a cache"):
+        layer(x, x, x, is_causal=True, cache=layer.init_cache(), key_positions=positions)
+
+
+FLAGS = ("learn_bandwidth", "bias", "batch_first", "rope", "center")
+
+
+@pytest.mark.parametrize("bad", ["no", 1, 0.0, None])
+@pytest.mark.parametrize("flag", FLAGS)
+def test_flags_must_be_booleans(flag, bad):
+    """Issue 49 item 6: a flag given as "no" (truthy) or a number is a TypeError naming it, in the
+    layer, the encoder layer and convert_attention; center alone also takes None (the ops' default)."""
+    if flag == "center" and bad is None:
+        return
+    with pytest.raises(TypeError, match=f"'{flag}' must be True or False"):
+        SlicedAttention(8, 2, kernel="hat", **{flag: bad})
+    with pytest.raises(TypeError, match=f"'{flag}' must be True or False"):
+        SlicedTransformerEncoderLayer(8, 2, **{flag: bad})
+    if flag not in ("bias", "batch_first"):       # those two convert_attention takes from each attention
+        with pytest.raises(TypeError, match=f"'{flag}' must be True or False"):
+            convert_attention(nn.MultiheadAttention(8, 2), **{flag: bad})
+
+
+def test_numpy_booleans_are_flags():
+    layer = SlicedAttention(8, 2, kernel="hat", rope=np.True_, bias=np.False_, batch_first=np.True_,
+                            learn_bandwidth=np.False_, center=np.True_)
+    assert (layer.config.rope, layer.config.bias, layer.batch_first, layer.config.learn_bandwidth,
+            layer.config.center) == (True, False, True, False, True)
+    assert all(type(v) is bool for v in (layer.config.rope, layer.config.bias, layer.batch_first))
+
+
+@pytest.mark.parametrize("name", ["is_causal", "need_weights", "average_attn_weights"])
+def test_call_flags_must_be_booleans(name):
+    layer = SlicedAttention(8, 2, batch_first=True)
+    x = torch.randn(1, 3, 8)
+    with pytest.raises(TypeError, match=f"'{name}' must be True or False"):
+        layer(x, x, x, **{name: "no"})
+    with pytest.raises(TypeError, match="'norm_first' must be True or False"):
+        SlicedTransformerEncoderLayer(8, 2, norm_first="no")
+
+
+@pytest.mark.parametrize("model", ["model", None, 3])
+def test_convert_attention_of_a_non_module_names_model(model):
+    """Issue 49 item 7: a TypeError naming 'model', not an AttributeError from inside the walk."""
+    with pytest.raises(TypeError, match="argument 'model' must be a torch.nn.Module"):
+        convert_attention(model)

@@ -128,3 +128,36 @@ def test_bad_caches_name_the_argument():
         layer(x[:, :1], x, x, is_causal=True, cache=cache)
     with pytest.raises(ValueError, match="one cache per layer"):
         SlicedTransformerEncoder(SlicedTransformerEncoderLayer(16, 2), 2)(x, is_causal=True, cache=[])
+
+
+@pytest.mark.parametrize("kernel", ["hat-per-head", "relu"])
+def test_left_padded_prompt_generates_as_the_unpadded_one(kernel):
+    """Issue 49 item 1: with RoPE, a prompt left-padded by 3 generates, token by token and by
+    chunks, the outputs of the unpadded prompt (the cache counts the real tokens it has seen)."""
+    layer = _layer(kernel, rope=True)
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    padded = torch.cat([torch.randn(2, 3, 16, dtype=torch.float64), x], dim=1)
+    pad = torch.zeros(2, 9, dtype=torch.bool)
+    pad[:, :3] = True
+    with torch.no_grad():
+        want = _steps(layer, x, None, [1] * 6)
+        for chunks in ([1] * 9, [4, 2, 3]):
+            torch.testing.assert_close(_steps(layer, padded, pad, chunks)[:, 3:], want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_step_of_no_tokens_leaves_the_cache_unchanged():
+    """Issue 49 item 3: zero new tokens give an (N, 0, E) output, before and after other steps, and
+    the generation goes on as if the empty steps had not been."""
+    layer = _layer("hat-per-head", rope=True)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    cache = layer.init_cache()
+    with torch.no_grad():
+        full, _ = layer(x, x, x, is_causal=True)
+        empty, _ = layer(x[:, :0], x[:, :0], x[:, :0], is_causal=True, cache=cache)
+        assert empty.shape == (2, 0, 16) and len(cache) == 0 and cache.decode is None and cache.meta is None
+        first, _ = layer(x[:, :3], x[:, :3], x[:, :3], is_causal=True, cache=cache)
+        pad = torch.zeros(2, 0, dtype=torch.bool)
+        empty, _ = layer(x[:, :0], x[:, :0], x[:, :0], key_padding_mask=pad, is_causal=True, cache=cache)
+        assert empty.shape == (2, 0, 16) and len(cache) == 3
+        rest, _ = layer(x[:, 3:], x[:, 3:], x[:, 3:], is_causal=True, cache=cache)
+    torch.testing.assert_close(torch.cat([first, rest], dim=1), full, rtol=1e-12, atol=1e-12)

@@ -16,8 +16,10 @@ For input tokens ``x`` (queries), ``y`` (keys) and ``z`` (values), with ``H`` he
 ``Dh = embed_dim / H``:
 
 1. ``Q = W_q x``, ``K = W_k y``, ``V = W_v z`` (shape ``(..., L, embed_dim)``), optionally with
-   rotary position embeddings applied to ``Q`` and ``K`` head by head (``rope=True``; keys at
-   positions ``0..Lk-1``, queries at the last ``Lq`` of them, as ``is_causal`` aligns them);
+   rotary position embeddings applied to ``Q`` and ``K`` head by head (``rope=True``) at the
+   positions of :func:`rope_positions`: padding is no position (a key's position counts the valid
+   keys before it), and query ``i`` takes the position of key ``i + Lk - Lq``, the token
+   ``is_causal`` aligns it with;
 2. one score per head and token, ``s = Pi(Q)`` and ``t = Pi(K)`` of shape ``(..., L, H)``, with the
    same learned map ``Pi``: linear (``score="linear"``) or a one-hidden-layer MLP of width
    ``embed_dim`` with GELU (``score="mlp"``). ``Pi`` reads one token at a time, so no token ever
@@ -157,7 +159,9 @@ def layer_config(embed_dim, num_heads, *, kernel, score, bandwidth, learn_bandwi
                  normalize, dropout, bias, kdim, vdim, batch_first, rope, slices=1) -> LayerConfig:
     """Validate the constructor arguments shared by the torch and Flax layers.
 
-    Every error is a ``ValueError`` (or ``TypeError`` for a wrong type) that names the argument.
+    Every error is a ``ValueError`` (or ``TypeError`` for a wrong type) that names the argument;
+    the flags (``learn_bandwidth``, ``bias``, ``batch_first``, ``rope`` and ``center`` unless None)
+    must be Python or NumPy booleans.
     """
     embed_dim = _positive_int(embed_dim, "embed_dim")
     num_heads = _positive_int(num_heads, "num_heads")
@@ -174,10 +178,11 @@ def layer_config(embed_dim, num_heads, *, kernel, score, bandwidth, learn_bandwi
         raise ValueError(f"argument 'score' must be one of {_SCORES}, got {score!r}")
     bandwidths = _initial_bandwidths(kernel_name, bandwidth, mixture_size, num_heads)
     op_name = "kernel" if kernel_name == "custom" else kernel_name
-    if center is None:
-        center = OP_DEFAULTS[op_name]["center"]      # the ops' defaults: centred ReLU, plain hats
-    elif not isinstance(center, bool):
-        raise TypeError(f"argument 'center' must be True, False or None, got {center!r}")
+    # the ops' defaults: centred ReLU, plain hats
+    center = OP_DEFAULTS[op_name]["center"] if center is None else check_bool(center, "center")
+    # one rule for every flag, the ops' own: "no" or 1 is an error, not a truthy True
+    learn_bandwidth, bias, batch_first, rope = (check_bool(value, name) for value, name in (
+        (learn_bandwidth, "learn_bandwidth"), (bias, "bias"), (batch_first, "batch_first"), (rope, "rope")))
     if normalize == "auto":
         normalize = OP_DEFAULTS[op_name]["normalize"]
     elif normalize not in _NORMALIZERS:
@@ -191,9 +196,9 @@ def layer_config(embed_dim, num_heads, *, kernel, score, bandwidth, learn_bandwi
                          f"{embed_dim // num_heads}")
     return LayerConfig(embed_dim=embed_dim, num_heads=num_heads, kernel_name=kernel_name,
                        kernel=kernel_object, score=score, bandwidths=bandwidths,
-                       learn_bandwidth=bool(learn_bandwidth), center=center, normalize=normalize,
-                       dropout=float(dropout), bias=bool(bias), kdim=kdim, vdim=vdim,
-                       batch_first=bool(batch_first), rope=bool(rope),
+                       learn_bandwidth=learn_bandwidth, center=center, normalize=normalize,
+                       dropout=float(dropout), bias=bias, kdim=kdim, vdim=vdim,
+                       batch_first=batch_first, rope=rope,
                        slices=_positive_int(slices, "slices"))
 
 
@@ -203,10 +208,55 @@ def attention_op(config: LayerConfig) -> Callable:
             "custom": kernel_attention}[config.kernel_name]
 
 
+def rope_positions(like, q_len: int, k_len: int, valid=None, start=None):
+    """The RoPE positions of a layer's queries and keys: padding is no position.
+
+    A key's position is the number of valid keys before it in its row (plus ``start``, (N,) the
+    valid keys a cache has seen), so padding, left, right or inside, moves no real token, as Hugging
+    Face derives ``position_ids`` from the attention mask; a padded key takes the position of the
+    next valid one (it is masked anyway). Query ``i`` takes the position of key ``i + Lk - Lq``, the
+    token the causal rule aligns it with (the queries are the last ``Lq`` tokens of the keys' sequence,
+    self-attention and generation alike), or ``i + Lk - Lq`` itself before the first key
+    (``Lq > Lk``). ``valid``: (N, Lk) bool, True = a real key, or None; ``like``: an array of the
+    namespace, device and batch size ``N`` (axis 0) to make them in. Returns ``(queries (N, Lq),
+    keys (N, Lk))``, integer arrays.
+    """
+    xp = array_namespace(like)
+    device = array_device(like)
+    if valid is None:
+        valid = xp.ones((like.shape[0], k_len), dtype=xp.bool, device=device)
+    counts = xp.cumulative_sum(valid, axis=-1)            # the default integer dtype (int32 in JAX)
+    keys = counts - xp.astype(valid, counts.dtype)        # valid keys before each key
+    if start is not None:
+        keys = keys + xp.astype(start, counts.dtype)[:, None]
+    if q_len <= k_len:
+        return keys[:, k_len - q_len:], keys
+    before = xp.arange(k_len - q_len, 0, dtype=counts.dtype, device=device)
+    first = xp.zeros_like(keys[:, :1]) if start is None else xp.astype(start, counts.dtype)[:, None]
+    head = xp.broadcast_to(before[None, :] + first, (keys.shape[0], q_len - k_len))
+    return xp.concat((head, keys), axis=-1), keys
+
+
+def check_positions(config: LayerConfig, name: str, shape: Sequence[int], is_integer: bool,
+                    expected: tuple[int, ...], cached: bool) -> None:
+    """Validate explicit RoPE positions (``query_positions`` / ``key_positions``) of a forward call:
+    integers of shape ``expected`` ((N, L), or (L,) unbatched), with ``rope=True`` and no cache."""
+    if not config.rope:
+        raise ValueError(f"argument {name!r} applies to rope=True only (the layer has no positions)")
+    if cached:
+        raise ValueError(f"argument {name!r} cannot be given with a cache: generation continues the cache's "
+                         "positions (the real tokens it has seen)")
+    if not is_integer:
+        raise TypeError(f"argument {name!r} must hold integers (token positions)")
+    if tuple(shape) != tuple(expected):
+        raise ValueError(f"argument {name!r} must have shape {tuple(expected)} (one position per token), got "
+                         f"shape {tuple(shape)}")
+
+
 class Generation:
     """What a layer keeps while generating, in any framework: a :class:`slicedkern.DecodeCache` (one
-    row per batch entry and head), the tokens so far (the next token's position, for RoPE) and the
-    valid keys each batch entry has seen (a query that has seen none gets zeros)."""
+    row per batch entry and head), the tokens so far and the valid keys each batch entry has seen
+    (the next token's RoPE position, and a query that has seen none gets zeros)."""
 
     def __init__(self) -> None:
         self.decode = None            # made at the first step, with the layer's parameters then
@@ -226,16 +276,25 @@ class Generation:
         if k_len != q_len:
             raise ValueError(f"arguments 'query' and 'key': with a cache they are the same new tokens, got "
                              f"{q_len} queries and {k_len} keys")
-        self.check(batch, dtype, device)
+        # a step of no tokens is checked against the cache but leaves it as it was
+        self.check(batch, dtype, device, record=q_len > 0)
 
-    def check(self, batch: int, dtype, device) -> None:
-        """The step continues the cache's batch, dtype and device (ValueError naming 'cache')."""
+    def check(self, batch: int, dtype, device, record: bool = True) -> None:
+        """The step continues the cache's batch, dtype and device (ValueError naming 'cache');
+        ``record``: remember them if the cache has none yet."""
         meta = (batch, dtype, device)
         if self.meta is not None and meta != self.meta:
             raise ValueError(f"argument 'cache' holds a batch of {self.meta[0]} rows of {self.meta[1]} on "
                              f"{self.meta[2]}; got new tokens with {batch} rows of {dtype} on {device} "
                              "(a new batch needs a new cache)")
-        self.meta = meta
+        if record:
+            self.meta = meta
+
+    def positions(self, like, valid):
+        """The RoPE positions of the new tokens, (N, T) (:func:`rope_positions` after the valid keys
+        seen so far); ``like`` (N, T, ...) the new tokens, ``valid`` (N, T) bool or None."""
+        length = like.shape[1]
+        return rope_positions(like, length, length, valid, self.seen)[1]
 
     def step(self, config: LayerConfig, parameters, q_scores, k_scores, v, valid):
         """Attend the new tokens, each over the keys so far and the new ones up to its position.
@@ -243,22 +302,28 @@ class Generation:
         ``parameters``: ``(bandwidth, mixture_weight)`` as :func:`op_arguments` takes them (read at
         the first step); ``q_scores``, ``k_scores`` and ``v`` as :func:`head_scores` and
         :func:`head_values` give them, (N, H, [P,] T) and (N, H, [P,] T, Dh); ``valid`` (N, T) bool
-        or None (no padding). Returns ``(ctx (N, H, [P,] T, Dh), sees_a_key (N, T) bool)``.
+        or None (no padding). Returns ``(ctx (N, H, [P,] T, Dh), sees_a_key (N, T) bool)``; no new
+        token (T = 0) gives empty ones and leaves the cache as it was.
         """
         xp = array_namespace(q_scores)
+        device = array_device(q_scores)
         batch, length = q_scores.shape[0], q_scores.shape[-1]
+        masked = valid is not None
+        if not masked:
+            valid = xp.ones((batch, length), dtype=xp.bool, device=device)
+        if length == 0:
+            return xp.zeros(v.shape, dtype=v.dtype, device=device), valid
         if self.decode is None:
             self.decode = decode_cache(config, *parameters)
-            self.seen = xp.zeros((batch,), dtype=xp.int64, device=array_device(q_scores))
         rows = []
         for t in range(length):      # each new query sees the new keys up to its own position
-            mask = None if valid is None else over_heads(valid[:, t:t + 1], q_scores.ndim)
+            mask = over_heads(valid[:, t:t + 1], q_scores.ndim) if masked else None
             self.decode.append(k_scores[..., t:t + 1], v[..., t:t + 1, :], key_mask=mask)
             rows.append(self.decode.attend(q_scores[..., t:t + 1]))
         self.length += length
-        counted = (xp.ones((batch, length), dtype=xp.int64, device=array_device(q_scores)) if valid is None
-                   else xp.astype(valid, xp.int64))
-        seen = self.seen[:, None] + xp.cumulative_sum(counted, axis=-1)   # (N, T) valid keys seen
+        seen = xp.cumulative_sum(valid, axis=-1)            # (N, T) valid keys seen, this step's
+        if self.seen is not None:
+            seen = seen + xp.astype(self.seen, seen.dtype)[:, None]
         self.seen = seen[:, -1]
         return xp.concat(rows, axis=-2), seen > 0
 

@@ -15,21 +15,20 @@ from . import ROPE_BASE, Generation, head_scores, head_values, merge_heads
 __all__ = ["AttentionCache", "generate_step", "rotary_embedding"]
 
 
-def rotary_embedding(x: Tensor, num_heads: int, offset: int = 0) -> Tensor:
+def rotary_embedding(x: Tensor, num_heads: int, positions: Tensor) -> Tensor:
     """Rotate each head's features of ``x`` (N, L, E) by position (RoPE, half-split layout).
 
     Feature ``i`` of the first half of a head and feature ``i`` of its second half form a pair,
-    rotated by the angle ``position * ROPE_BASE ** (-2 i / head_dim)``; the tokens of ``x`` take the
-    positions ``offset, ..., offset + L - 1``.
+    rotated by the angle ``position * ROPE_BASE ** (-2 i / head_dim)``; ``positions`` (N, L) are the
+    tokens' positions (:func:`slicedkern.nn.rope_positions`).
     """
     batch, length, embed_dim = x.shape
     half = embed_dim // num_heads // 2
     heads = x.reshape(batch, length, num_heads, 2, half)
     # Angles in float32 at least: positions past 256 are not even integers in bfloat16.
     dtype = torch.promote_types(x.dtype, torch.float32)
-    position = torch.arange(offset, offset + length, device=x.device, dtype=dtype)
     frequency = ROPE_BASE ** (-torch.arange(half, device=x.device, dtype=dtype) / half)
-    angle = (position[:, None] * frequency)[:, None, :]                      # (L, 1, half)
+    angle = (positions.to(dtype)[..., None] * frequency)[:, :, None, :]     # (N, L, 1, half)
     cos, sin = torch.cos(angle), torch.sin(angle)
     first, second = heads[..., 0, :], heads[..., 1, :]
     rotated = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-2)
@@ -79,12 +78,13 @@ def generate_step(layer: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     cache.check_step(is_causal, query.shape[1], key.shape[1], query.shape[0], query.dtype, query.device)
     cfg = layer.config
     q, k, v = layer.q_proj(query), layer.k_proj(key), layer.v_proj(value)
+    valid = None if key_padding_mask is None else ~key_padding_mask       # (N, T)
     if cfg.rope:
-        q, k = (rotary_embedding(x, cfg.num_heads, offset=cache.length) for x in (q, k))
+        positions = cache.positions(q, valid)          # after the valid tokens the cache has seen
+        q, k = (rotary_embedding(x, cfg.num_heads, positions) for x in (q, k))
     q_scores, k_scores = head_scores(cfg, layer.scores(q)), head_scores(cfg, layer.scores(k))   # (N, H, [P,] T)
     bandwidth = None if layer.log_bandwidth is None else torch.exp(layer.log_bandwidth.detach())
     weight = None if layer.mixture_weight is None else layer.mixture_weight.detach()
-    valid = None if key_padding_mask is None else ~key_padding_mask       # (N, T)
     ctx, sees = cache.step(cfg, (bandwidth, weight), q_scores, k_scores, head_values(cfg, v), valid)
     out = layer.out_proj(layer.attention_dropout(merge_heads(cfg, ctx)))
     # zeros where a query sees no key yet, as the full forward gives them

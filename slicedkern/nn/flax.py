@@ -37,11 +37,14 @@ from . import (
     Generation,
     attend_heads,
     attention_op,
+    check_bool,
     check_forward,
+    check_positions,
     head_scores,
     head_values,
     layer_config,
     merge_heads,
+    rope_positions,
 )
 
 __all__ = ["SlicedAttention", "FixedBandwidth"]
@@ -55,20 +58,19 @@ class FixedBandwidth(nnx.Variable):
     """The log-bandwidths of a layer built with ``learn_bandwidth=False``: state, not a parameter."""
 
 
-def rotary_embedding(x: jax.Array, num_heads: int, offset: int = 0) -> jax.Array:
+def rotary_embedding(x: jax.Array, num_heads: int, positions: jax.Array) -> jax.Array:
     """Rotate each head's features of ``x`` (N, L, E) by position (RoPE, half-split layout).
 
-    The same rotation as :func:`slicedkern.nn.torch.rotary_embedding`: the tokens of ``x`` take the
-    positions ``offset, ..., offset + L - 1``.
+    The same rotation as :func:`slicedkern.nn.torch.rotary_embedding`; ``positions`` (N, L) are the
+    tokens' positions (:func:`slicedkern.nn.rope_positions`).
     """
     batch, length, embed_dim = x.shape
     half = embed_dim // num_heads // 2
     heads = x.reshape(batch, length, num_heads, 2, half)
     # Angles in float32 at least: positions past 256 are not even integers in bfloat16.
     dtype = jnp.promote_types(x.dtype, jnp.float32)
-    position = jnp.arange(offset, offset + length, dtype=dtype)
     frequency = ROPE_BASE ** (-jnp.arange(half, dtype=dtype) / half)
-    angle = (position[:, None] * frequency)[:, None, :]                       # (L, 1, half)
+    angle = (positions.astype(dtype)[..., None] * frequency)[:, :, None, :]   # (N, L, 1, half)
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     first, second = heads[..., 0, :], heads[..., 1, :]
     rotated = jnp.stack((first * cos - second * sin, first * sin + second * cos), axis=-2)
@@ -232,7 +234,8 @@ class SlicedAttention(nnx.Module):
                  key_padding_mask: jax.Array | None = None, need_weights: bool = False,
                  attn_mask: jax.Array | None = None, is_causal: bool = False,
                  deterministic: bool | None = None, rngs: nnx.Rngs | None = None,
-                 decode: bool = False) -> tuple[jax.Array, None]:
+                 decode: bool = False, query_positions: jax.Array | None = None,
+                 key_positions: jax.Array | None = None) -> tuple[jax.Array, None]:
         """Attend from ``query`` to ``key`` / ``value``.
 
         Parameters
@@ -258,7 +261,13 @@ class SlicedAttention(nnx.Module):
             Generation (after :meth:`init_cache`, ``is_causal=True``): ``query``, ``key`` and ``value``
             are the new tokens only, after those already decoded; ``key_padding_mask`` marks padding
             among them. The output equals their rows of the full causal forward over every token
-            so far, RoPE at their absolute positions included.
+            so far, RoPE at their absolute positions included; no new token gives an empty output
+            and leaves the cache as it was.
+        query_positions, key_positions : integer array, shape (N, Lq) / (N, Lk), or (Lq,) / (Lk,), optional
+            RoPE positions of the tokens (``rope=True`` only, not with ``decode``); each one left
+            out follows the layer's rule: a key's position counts the real keys before it, query
+            ``i`` takes key ``i + Lk - Lq``'s (``slicedkern.nn.rope_positions``; see
+            :class:`slicedkern.nn.torch.SlicedAttention`, Notes).
 
         Returns
         -------
@@ -270,6 +279,20 @@ class SlicedAttention(nnx.Module):
         batched = check_forward(self.config, tuple(query.shape), tuple(key.shape), tuple(value.shape),
                                 mask_shape, key_padding_mask is not None and key_padding_mask.dtype == jnp.bool_,
                                 need_weights, attn_mask is not None, is_causal)
+        check_bool(decode, "decode")
+        if deterministic is not None:
+            check_bool(deterministic, "deterministic")
+        positions = []
+        for name, given, tokens in (("query_positions", query_positions, query), ("key_positions", key_positions,
+                                                                                 key)):
+            if given is not None:
+                given = jnp.asarray(given)
+                expected = ((tokens.shape[1 - self.batch_first], tokens.shape[self.batch_first]) if batched
+                            else (tokens.shape[0],))
+                check_positions(self.config, name, given.shape, jnp.issubdtype(given.dtype, jnp.integer), expected,
+                                decode)
+                given = given if batched else given[None]
+            positions.append(given)
         if not batched:
             query, key, value = query[None], key[None], value[None]
             key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]
@@ -278,7 +301,7 @@ class SlicedAttention(nnx.Module):
         if decode:
             out = self._generate(query, key, value, key_padding_mask, is_causal, deterministic, rngs)
         else:
-            out = self._attend(query, key, value, key_padding_mask, is_causal, deterministic, rngs)
+            out = self._attend(query, key, value, key_padding_mask, is_causal, deterministic, rngs, *positions)
         if not batched:
             out = out[0]
         elif not self.batch_first:
@@ -293,25 +316,30 @@ class SlicedAttention(nnx.Module):
         batch, length = query.shape[0], query.shape[1]
         cache.check_step(is_causal, length, key.shape[1], batch, query.dtype, None)
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        valid = None if key_padding_mask is None else ~key_padding_mask
         if cfg.rope:
-            q, k = (rotary_embedding(x, cfg.num_heads, offset=cache.length) for x in (q, k))
+            positions = cache.positions(q, valid)          # after the valid tokens the cache has seen
+            q, k = (rotary_embedding(x, cfg.num_heads, positions) for x in (q, k))
         q_scores, k_scores = head_scores(cfg, self.scores(q)), head_scores(cfg, self.scores(k))
         bandwidth = None if self.log_bandwidth is None else jnp.exp(self.log_bandwidth[...])
         weight = None if self.mixture_weight is None else self.mixture_weight[...]
-        valid = None if key_padding_mask is None else ~key_padding_mask
         ctx, sees = cache.step(cfg, (bandwidth, weight), q_scores, k_scores, head_values(cfg, v), valid)
         out = self.out_proj(self.attention_dropout(merge_heads(cfg, ctx), deterministic=deterministic, rngs=rngs))
         # zeros where a query sees no key yet, as the full forward gives them
         return jnp.where(sees[..., None], out, jnp.zeros((), dtype=out.dtype))
 
-    def _attend(self, query, key, value, key_padding_mask, causal, deterministic, rngs):
-        """The batch-first computation: (N, Lq, E), (N, Lk, kdim), (N, Lk, vdim) to (N, Lq, E)."""
+    def _attend(self, query, key, value, key_padding_mask, causal, deterministic, rngs, query_positions=None,
+                key_positions=None):
+        """The batch-first computation: (N, Lq, E), (N, Lk, kdim), (N, Lk, vdim) to (N, Lq, E);
+        positions (N, L) or None (the layer's rule)."""
         cfg = self.config
         batch, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if cfg.rope:
-            # queries are the last Lq positions of the key sequence, as the causal rule aligns them
-            q, k = rotary_embedding(q, cfg.num_heads, offset=k_len - q_len), rotary_embedding(k, cfg.num_heads)
+            q_pos, k_pos = rope_positions(q, q_len, k_len, None if key_padding_mask is None else ~key_padding_mask)
+            q_pos = q_pos if query_positions is None else query_positions
+            k_pos = k_pos if key_positions is None else key_positions
+            q, k = rotary_embedding(q, cfg.num_heads, q_pos), rotary_embedding(k, cfg.num_heads, k_pos)
         bandwidth = None if self.log_bandwidth is None else jnp.exp(self.log_bandwidth[...])
         if isinstance(self.log_bandwidth, FixedBandwidth):
             bandwidth = jax.lax.stop_gradient(bandwidth)

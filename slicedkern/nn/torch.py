@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from ..backends import learn_types
 from ..kernels import PiecewiseLinear
-from . import attend_heads, attention_op, check_forward, layer_config
+from . import attend_heads, attention_op, check_bool, check_forward, check_positions, layer_config, rope_positions
 from ._torch_convert import (
     boolean_padding,
     copy_projections,
@@ -99,8 +99,8 @@ class SlicedAttention(nn.Module):
         Inputs and outputs are ``(N, L, E)`` if True, ``(L, N, E)`` otherwise.
     rope : bool, default False
         Apply rotary position embeddings to the projected queries and keys, head by head, before
-        scoring (needs an even head width). Keys take the positions ``0..Lk-1`` and queries the last
-        ``Lq`` of them, ``Lk-Lq..Lk-1``, the alignment of ``is_causal``.
+        scoring (needs an even head width). Positions count real tokens only (see Notes); queries
+        take the positions of the last ``Lq`` keys, the alignment of ``is_causal``.
     slices : int, default 1
         Scores per head and token: ``Pi`` gives ``P = slices`` of them, each slice attends on its
         own and the head's output is their mean (the multi-slice kernel of
@@ -118,6 +118,15 @@ class SlicedAttention(nn.Module):
 
     Padding never reaches the real tokens: ``Pi`` reads one token at a time, and padded keys count
     in no sum, mean or normaliser. A query whose keys are all padded gets an output of zeros.
+
+    Padding is no position either (``rope=True``): a sliced score is a projection of the rotated
+    vector, so unlike a dot product it depends on absolute positions, and a key's position is the
+    number of real keys before it in its row (``slicedkern.nn.rope_positions``, as Hugging Face
+    derives ``position_ids`` from the attention mask). Query ``i`` takes the position of key
+    ``i + Lk - Lq``, the token ``is_causal`` aligns it with: in self-attention, chunked or cached
+    generation, padding left, right or inside the sequences moves no real token. In
+    cross-attention the queries are thus the last ``Lq`` tokens of the memory's sequence; memory
+    padding after them moves them, unless ``query_positions`` places them (see :meth:`forward`).
     Half-precision inputs (``torch.autocast``) are attended in float32 or better and come back in
     their dtype, as the ops do.
 
@@ -226,7 +235,8 @@ class SlicedAttention(nn.Module):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None = None,
                 need_weights: bool = False, attn_mask: Tensor | None = None, average_attn_weights: bool = True,
-                is_causal: bool = False, *, cache: AttentionCache | None = None) -> tuple[Tensor, None]:
+                is_causal: bool = False, *, cache: AttentionCache | None = None,
+                query_positions: Tensor | None = None, key_positions: Tensor | None = None) -> tuple[Tensor, None]:
         """Attend from ``query`` to ``key`` / ``value``.
 
         Parameters
@@ -258,6 +268,11 @@ class SlicedAttention(nn.Module):
             ``key_padding_mask`` (N, new tokens) marks padding among them (a left-padded prompt).
             The output equals those rows of the full causal forward over every token so far, RoPE
             at their absolute positions included. See :meth:`init_cache`.
+        query_positions, key_positions : integer Tensor, shape (N, Lq) / (N, Lk), or (Lq,) / (Lk,), optional
+            RoPE positions of the tokens (``rope=True`` only, not with a cache), as Hugging Face's
+            ``position_ids``; each one left out follows the layer's rule (see Notes). For
+            cross-attention to a separate memory, ``query_positions`` gives the queries their own
+            positions (e.g. ``torch.arange(Lq)``), which the memory's padding then never moves.
 
         Returns
         -------
@@ -274,6 +289,17 @@ class SlicedAttention(nn.Module):
         batched = check_forward(self.config, tuple(query.shape), tuple(key.shape), tuple(value.shape),
                                 mask_shape, key_padding_mask is not None and key_padding_mask.dtype == torch.bool,
                                 need_weights, attn_mask is not None, is_causal)
+        check_bool(average_attn_weights, "average_attn_weights")
+        positions = []
+        for name, given, tokens in (("query_positions", query_positions, query), ("key_positions", key_positions,
+                                                                                 key)):
+            if given is not None:
+                expected = ((tokens.shape[1 - self.batch_first], tokens.shape[self.batch_first]) if batched
+                            else (tokens.shape[0],))
+                integer = not (given.is_floating_point() or given.is_complex() or given.dtype == torch.bool)
+                check_positions(self.config, name, tuple(given.shape), integer, expected, cache is not None)
+                given = given if batched else given.unsqueeze(0)
+            positions.append(given)
         if not batched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
             key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
@@ -282,7 +308,7 @@ class SlicedAttention(nn.Module):
         if cache is not None:
             out = self._generate(query, key, value, key_padding_mask, is_causal, cache)
         else:
-            out = self._attend(query, key, value, key_padding_mask, is_causal)
+            out = self._attend(query, key, value, key_padding_mask, is_causal, *positions)
         if not batched:
             out = out.squeeze(0)
         elif not self.batch_first:
@@ -298,14 +324,17 @@ class SlicedAttention(nn.Module):
         return generate_step(self, query, key, value, key_padding_mask, is_causal, cache)
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None,
-                causal: bool) -> Tensor:
-        """The batch-first computation: (N, Lq, E), (N, Lk, kdim), (N, Lk, vdim) to (N, Lq, E)."""
+                causal: bool, query_positions: Tensor | None = None, key_positions: Tensor | None = None) -> Tensor:
+        """The batch-first computation: (N, Lq, E), (N, Lk, kdim), (N, Lk, vdim) to (N, Lq, E);
+        positions (N, L) or None (the layer's rule)."""
         cfg = self.config
         batch, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if cfg.rope:
-            # queries are the last Lq positions of the key sequence, as the causal rule aligns them
-            q, k = rotary_embedding(q, cfg.num_heads, offset=k_len - q_len), rotary_embedding(k, cfg.num_heads)
+            q_pos, k_pos = rope_positions(q, q_len, k_len, None if key_padding_mask is None else ~key_padding_mask)
+            q_pos = q_pos if query_positions is None else query_positions
+            k_pos = k_pos if key_positions is None else key_positions
+            q, k = rotary_embedding(q, cfg.num_heads, q_pos), rotary_embedding(k, cfg.num_heads, k_pos)
         bandwidth = None if self.log_bandwidth is None else torch.exp(self.log_bandwidth)
         ctx = attend_heads(cfg, self._op, self.scores(q), self.scores(k), v, key_padding_mask, bandwidth,
                            self.mixture_weight, causal)                    # (N, Lq, E)
@@ -352,7 +381,8 @@ def convert_attention(model: nn.Module, **options) -> nn.Module:
     Raises
     ------
     TypeError
-        An unknown option, or one taken from the attentions (the message names it).
+        ``model`` is not an ``nn.Module``; an unknown option, or one taken from the attentions, or a
+        flag that is not a boolean (the message names it).
     ValueError
         ``model`` holds no ``nn.MultiheadAttention`` (a softmax model would run under a sliced
         name), or one with ``add_bias_kv`` / ``add_zero_attn``.
@@ -369,6 +399,8 @@ def convert_attention(model: nn.Module, **options) -> nn.Module:
     >>> model(torch.randn(2, 7, 16)).shape
     torch.Size([2, 7, 16])
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"argument 'model' must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, nn.MultiheadAttention):
         return SlicedAttention.from_multihead_attention(model, **options)
     return replace_attention(model, lambda mha: SlicedAttention.from_multihead_attention(mha, **options),
@@ -410,6 +442,7 @@ class SlicedTransformerEncoderLayer(nn.Module):
                  mixture_size: int | None = None, center: bool | None = None, normalize: str | None = "auto",
                  rope: bool = False, slices: int = 1) -> None:
         super().__init__()
+        check_bool(norm_first, "norm_first")         # the attention checks its own flags
         factory = {"device": device, "dtype": dtype}
         self.self_attn = SlicedAttention(d_model, nhead, kernel=kernel, score=score, bandwidth=bandwidth,
                                          learn_bandwidth=learn_bandwidth, mixture_size=mixture_size,

@@ -22,14 +22,11 @@ Tolerances are those of ``test_fuzz_gradients`` -- ``1e-6 (|fd| + max |fd|)`` pl
 finite differences' rounding error -- with the rounding bound of the loss taken per query as above
 (a causal query's normaliser can be far smaller than the non-causal one, and its error larger).
 
-On the sweep, whose causal mode shifts each batch row by its median key (unseen keys included), a
-query's value is judged only where the keys it does not see are at most 4 times its own scale, with
-a bound 4 times wider (``_causal.causal_oracle(row_shift=True)``): a known defect, pinned below.
-
 Findings (deterministic, NumPy; ``xfail(strict=True)`` where an engine is known to fail):
 
-* ``test_causal_row_does_not_depend_on_unseen_keys``: the causal sweep's row 0 changes when a later,
-  larger key is appended (found by ``test_fuzz_decode``).
+* ``test_causal_row_does_not_depend_on_unseen_keys``: the causal sweep's row 0 changed when a later,
+  larger key was appended (found by ``test_fuzz_decode``; fixed: the sweep shifts a row's scores by
+  the first key a query can see, not by the row's median key).
 * ``test_zero_relu_normaliser_rule_is_scale_free``: the scan (and the causal sweep) drop ``dv`` of a
   row whose ReLU normaliser is 0 when the profile vanishes there; the test of that once probed
   ``min(knots) - 1``, which rounding defeated at knots beyond 2**53 (fixed: the step scales).
@@ -85,9 +82,6 @@ def check_causal_forward(backend, engine, case):
     note(f"backend {backend.name}, engine {engine.name!r}; reproducer (NumPy arrays):\n{case!r}")
     expected, bound, judged = causal_oracle(case)
     assert_reference_agrees(case, expected, bound, judged)
-    if engine.name == "sweep":
-        # the sweep's rounding scales with keys a query does not see (test_causal_row_does_not_depend_on_unseen_keys)
-        expected, bound, judged = causal_oracle(case, row_shift=True)
     args, kwargs = case.on(backend)
     called = call_recording_warnings(engine, case, args, kwargs)
     if called is None:
@@ -138,7 +132,7 @@ def _gradients(backend, engine, case, cotangent, what: str):
     note(f"backend {backend.name}, engine {engine.name!r}, {what}; reproducer (NumPy arrays):\n{case!r}\n"
          f"cotangent g = np.array({cotangent.tolist()!r})  # loss = sum(g * out)")
     out, grads, args = backend_gradients(backend, engine, case, cotangent)
-    expected, bound, judged = causal_oracle(case, row_shift=engine.name == "sweep")
+    expected, bound, judged = causal_oracle(case)
     assert_meta(out, backend=backend, shape=expected.shape, dtype=backend.dtype(case.out_dtype()))
     assert_within(to_numpy(out), expected, bound, case.out_dtype(), judged=judged, what=f"causal {case.op} output")
     for position in case.float_positions():
@@ -258,14 +252,7 @@ def test_zero_relu_normaliser_rule_is_scale_free(engine_name, causal):
     assert (dq.tolist(), dk.tolist(), dv.tolist()) == ([-1.0], [1.0], [[2e20]])
 
 
-_ROW_SHIFT = pytest.mark.xfail(
-    strict=True, reason="the causal sweep shifts every score of a batch row by the row's median key, unseen keys "
-                        "included: query 0 (scores ~1e-12) loses its 4e-21 score difference to the rounding of "
-                        "1e-12 - 1.0 and returns 0 instead of 4e-15")
-
-
-@pytest.mark.parametrize("engine_name", [pytest.param(name, marks=[_ROW_SHIFT] if name == "sweep" else [])
-                                         for name in _NUMPY_ENGINES])
+@pytest.mark.parametrize("engine_name", _NUMPY_ENGINES)
 def test_causal_row_does_not_depend_on_unseen_keys(engine_name):
     """Causality to the last bit of accuracy: query 0 sees key 0 only, so its row must be the row of the
     call without key 1 (within float64 rounding of ITS scores, ~1e-12: an a-priori error of about 1e-20

@@ -5,10 +5,10 @@ they see. Sources become visible in position order: at step ``k`` the target of 
 first ``clip(k + 1 + lag, 0, n_s)`` sources (``lag = n_s - n_t``: bottom-right alignment). A Fenwick
 (binary indexed) tree over the sources' score ranks (sources sorted once per row) holds the rows
 ``[u, (s - shift) u]`` (and ``[1, s - shift]``, the valid-key indicator, for attention) of the
-visible sources; for each target and knot ``t`` the rank of ``x - t`` among the sorted sources (the
-exact tie rule of :func:`._kernels_common.below`) gives the prefix sums ``P0, P1`` of the sources
-below it, so that the knot's ReLU term is ``(x - t) P0 - P1``: ``O(n log n (c + 1))`` per knot, all
-float64.
+visible sources (``shift``: the score of the first source to become visible, :func:`_sort_sources`);
+for each target and knot ``t`` the rank of ``x - t`` among the sorted sources (the exact tie rule of
+:func:`._kernels_common.below`) gives the prefix sums ``P0, P1`` of the sources below it, so that the
+knot's ReLU term is ``(x - t) P0 - P1``: ``O(n log n (c + 1))`` per knot, all float64.
 
 The same sweep serves the forward and every part of the backward (:func:`causal_rows`, ``mode``):
 
@@ -79,23 +79,36 @@ def _prefix(tree, r, width, acc):
 def _sort_sources(b, src_scores, src_mask, has_mask, negate, svals, order, rank_of):
     """Sort the sources of row ``b`` that can take part (unmasked, finite score; negated when
     ``negate``) into ``svals[b]``/``order[b]``; ``rank_of[b, s]`` is the rank of source ``s`` (-1 for
-    the others). Returns ``(count sorted, shift)``."""
+    the others). Returns ``(count sorted, shift)``.
+
+    The shift is the score of the first source to become visible (position order; reverse order
+    when ``negate``): every target that sees a source sees that one, so a target's rounding depends
+    on the sources it sees only (a shift taken among all of them, say their median, would let a
+    later, far larger source erase a small score difference of an early target). It is one of the
+    scores the target sees, so ``s P0 - P1`` still cancels no more than the scores' own spread.
+    """
     n_s = src_scores.shape[1]
     sv, so = svals[b], order[b]
     ns = 0
+    first = -1
     for s in range(n_s):
         rank_of[b, s] = -1
         if has_mask and not src_mask[b, s]:
             continue
         val = src_scores[b, s]
         if np.isfinite(val):
+            if first < 0 or negate:        # reversed, the last one becomes visible first
+                first = s
             sv[ns] = -val if negate else val
             so[ns] = s
             ns += 1
+    shift = 0.0
+    if first >= 0:
+        shift = -src_scores[b, first] if negate else src_scores[b, first]
     _sort(sv, so, ns)
     for r in range(ns):
         rank_of[b, so[r]] = r
-    return ns, (sv[ns // 2] if ns > 0 else 0.0)
+    return ns, shift
 
 
 @njit(**INLINE)

@@ -91,21 +91,12 @@ def test_vjp_of_kernel_sum_with_reordered_arguments():
 
 
 # ------------------------------------------ 10. large tied scores, "relu" normaliser, gradients
-_SWEEP_FULL_ROUNDING = pytest.mark.xfail(
-    strict=True, reason="open: the sweep's fused non-causal backward forms each key's value gradient as "
-    "totals minus prefix sums over the queries, so a query below every key (ReLU normaliser 0, clamped "
-    "to eps) adds g/eps times |q| 2^-52 of rounding (0.79 at |q| = 1e20); the generic backward routes "
-    "such rows around dv (engines/_vjp.py); the kernel needs suffix sums")
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("engine", ENGINES)
-def test_relu_normaliser_gradients_at_large_tied_scores(engine, causal, request):
+def test_relu_normaliser_gradients_at_large_tied_scores(engine, causal):
     """A row whose ReLU normaliser is exactly 0 (no key below the query) pulled ``g / eps`` times the
     rounding of the prefix sums back into ``dv``: 1.7e10 where the answer is about 1 at 1e20."""
     torch = pytest.importorskip("torch")
-    if engine == "sweep" and not causal:
-        request.applymarker(_SWEEP_FULL_ROUNDING)
     worst = 0.0
     for seed in (80, 100, 114, 138, 174):
         rng = np.random.default_rng(seed)

@@ -203,6 +203,18 @@ def test_attention_vjp_eps_clamp(rng):
         close(dv, _fd(lambda a: loss(q, k, a), v), tol=1e-7)
 
 
+def test_attention_vjp_value_gradients_leave_out_a_clamped_query_below_every_key():
+    """Query 0 is below both keys: its ReLU normaliser is 0, clamped to ``eps``, so ``gnum_0 = g / eps
+    = 1e6`` at ``x_0 = -1e20``; it takes part in no ``dv_j`` (``ReLU(x_0 - y_j) = 0``), which come from
+    query 1 alone (``x = 2``, normaliser 2 + 1): ``dv = [2/3, 1/3]``. Row totals minus prefix sums over
+    the queries left ``|x_0 gnum_0| 2^-52``, about 2e10, in both (issue 49: suffix sums now)."""
+    q, k = np.array([[-1e20, 2.0]]), np.array([[0.0, 1.0]])
+    v, g = np.array([[[1.0], [-1.0]]]), np.ones((1, 2, 1))
+    for center, expected in ((False, [2 / 3, 1 / 3]), (True, [2 / 3 - 1 / 2, 1 / 3 - 1 / 2])):
+        dv = attn_vjp(q, k, v, g, ReLU(), None, center, "relu")[2]
+        np.testing.assert_allclose(dv[0, :, 0], expected, rtol=1e-15, atol=1e-15)
+
+
 def test_attention_vjp_nan_policy(rng):
     q, k = rng.normal(size=(5, 6)), rng.normal(size=(5, 7))
     v, g = rng.normal(size=(5, 7, 2)), rng.normal(size=(5, 6, 2))

@@ -18,9 +18,11 @@ backward pass")
    the valid-key indicator as an implicit column (count and key sums), the centring as
    ``N - mu R`` and the normalisers (``|r| = 2 ReLU(r) - r``).
 3. *Backward sweep* (:func:`kernel_sum_vjp`, :func:`attention_vjp`): keys in increasing order, one
-   pointer per knot advancing through the sorted queries. One pass per row yields ``dq``, ``dk``,
-   ``dv`` and the knot / coefficient gradients together (no second sort, no (n, D) temporary);
-   a short preparation per row computes the per-query normaliser, centring and quotient-rule
+   pointer per knot advancing through the sorted queries. One pass per row yields ``dq``, ``dk``
+   and the knot / coefficient gradients together (no second sort, no (n, D) temporary); a second,
+   keys in decreasing order, writes ``dv`` from suffix sums over the queries (so that a query
+   takes no part in the rounding of the value gradients of keys its ReLU terms do not reach); a
+   short preparation per row computes the per-query normaliser, centring and quotient-rule
    factors first. ``attention(..., keep=True)`` returns the forward's sorted rows, ``1 / D_i``,
    ``R_i`` and value totals, and ``attention_vjp(..., residuals=)`` reuses them: the backward then
    neither sorts nor sweeps the scores again.

@@ -65,10 +65,9 @@ def _backward_prepare_row(b, scores, sorted_rows, profile, options, tensors, ter
     qrow, krow, qp = queries[b], keys[b], query_order[b]
     n_keys = np.float64(nk)
     nonzero_count = n_keys if n_keys > 1.0 else 1.0
-    coeff_sum, knot_moment, any_active = 0.0, 0.0, False
+    coeff_sum, any_active = 0.0, False
     for m in range(n_knots):
         coeff_sum += coeffs[b, m]
-        knot_moment += coeffs[b, m] * knots[b, m]
         any_active = any_active or coeffs[b, m] != 0.0 or (want_coeffs and m < n_user_knots)
     grad_normaliser = normalizer == ABS_NORMALIZER or normalizer == RELU_NORMALIZER
 
@@ -124,8 +123,8 @@ def _backward_prepare_row(b, scores, sorted_rows, profile, options, tensors, ter
     # 2. per query (original order: the rows of g and out are read sequentially), only when some
     #    term needs more than the sweep's own running sums
     linear_slope = bs + coeff_sum
-    need_vectors = (center or grad_normaliser or a != 0.0 or linear_slope != 0.0 or knot_moment != 0.0
-                    or not any_active)
+    # (the affine part of f enters dv_j through the totals: a G0 + slope (G1 - (y_j - shift) G0))
+    need_vectors = center or grad_normaliser or a != 0.0 or bs != 0.0 or linear_slope != 0.0 or not any_active
     g0, g1, dmean = row_vectors[b, 0], row_vectors[b, 1], row_vectors[b, 2]
     count_total, norm_total = 0.0, 0.0
     if need_vectors:
@@ -163,6 +162,73 @@ def _backward_prepare_row(b, scores, sorted_rows, profile, options, tensors, ter
 
 
 @njit(**JIT)
+def _value_gradients(b, c0, c1, sorted_rows, profile, scale, row_vectors, cot, dv, nonzero_count, last_coeff):
+    """``dv_j = sum_i f(x_i - y_j) gnum_i + dmean / n_valid`` of row ``b``, columns ``c0:c1``.
+
+    Keys in decreasing order; for each knot with a coefficient a pointer moves down through the
+    sorted queries, absorbing those with ``x_i > y_j + t_m`` (exactly): the queries that key ``j``'s
+    ReLU term sees (a tie adds ``ReLU(0) = 0``, so it is left out). With the suffix sums
+    ``S0_m = sum gnum_i``, ``S1_m = sum (x_i - shift) gnum_i`` over them, the term is
+    ``c_m (S1_m - (y_j - shift + t_m) S0_m)``. Suffix sums, not the row totals minus the prefix sums
+    of the first pass: a query below every key (a "relu" normaliser clamped to ``eps``, so a large
+    ``gnum``) would leave ``|x_i gnum_i| 2^-52`` of rounding in every ``dv_j`` it takes no part in.
+    """
+    queries, query_order, keys, key_order, counts, shift = sorted_rows
+    knots, coeffs, slope, intercept = profile
+    width, n_knots = c1 - c0, knots.shape[1]
+    nq, nk = counts[b, 0], counts[b, 1]
+    sh, a, bs = shift[b], intercept[b], slope[b]
+    qrow, krow, qp, kp = queries[b], keys[b], query_order[b], key_order[b]
+    g0, g1 = row_vectors[b, 0, c0:c1], row_vectors[b, 1, c0:c1]
+    dmean = row_vectors[b, 2, c0:c1]
+    # the affine part of f (all queries take part in it) and the centring's d mean / n_valid
+    base = np.empty(width)
+    for d in range(width):
+        base[d] = a * g0[d] + bs * g1[d] + dmean[d] / nonzero_count
+    s0 = np.zeros((n_knots, width))
+    s1 = np.zeros((n_knots, width))
+    ptr = np.full(n_knots, nq, np.int64)
+    acc = np.empty(width)
+    for p in range(min(PREFETCH_AHEAD, nk)):
+        fetch_row(dv, b, kp[nk - 1 - p], c0, width, True)
+    for p in range(nk - 1, -1, -1):
+        yu = krow[p]
+        ys = yu - sh
+        if p >= PREFETCH_AHEAD:
+            fetch_row(dv, b, kp[p - PREFETCH_AHEAD], c0, width, True)
+        slope_ys = bs * ys
+        for d in range(width):
+            acc[d] = base[d] - slope_ys * g0[d]
+        for m in range(last_coeff + 1):
+            cm = coeffs[b, m]
+            if cm == 0.0:
+                continue
+            tm = knots[b, m]
+            su, se = exact_sum(yu, tm)
+            s0m, s1m = s0[m], s1[m]
+            pos = ptr[m]
+            while pos > 0 and not below(qrow[pos - 1], su, se, True):
+                pos -= 1
+                if pos >= PREFETCH_AHEAD:
+                    fetch_row(cot, b, qp[pos - PREFETCH_AHEAD], c0, width, False)
+                i = qp[pos]
+                sc = scale[b, i]
+                xsc = (qrow[pos] - sh) * sc
+                grow = cot[b, i, c0:c1]
+                for d in range(width):
+                    gd = np.float64(grow[d])
+                    s0m[d] += gd * sc
+                    s1m[d] += gd * xsc
+            ptr[m] = pos
+            u = ys + tm
+            for d in range(width):
+                acc[d] += cm * (s1m[d] - u * s0m[d])
+        dvrow = dv[b, kp[p], c0:c1]
+        for d in range(width):
+            dvrow[d] = acc[d]
+
+
+@njit(**JIT)
 def _backward_task(b, ch, c0, c1, scores, sorted_rows, profile, options, tensors, terms, grads):
     """Columns ``c0:c1`` of the backward sweep of row ``b``; True when a value or cotangent is bad.
 
@@ -173,14 +239,14 @@ def _backward_task(b, ch, c0, c1, scores, sorted_rows, profile, options, tensors
     * a query absorbed by knot ``m`` sees the keys already passed, ``y <= x_i - t_m``: their value
       sum ``KP0`` is the forward's step sum ``P0[rank(x_i - t_m)]``, so
       ``dq_i += c_m gnum_i . KP0`` and ``dknots_m -= c_m gnum_i . KP0`` (right derivative, H(0) = 1);
-    * key ``j`` sees the queries not yet absorbed, ``x_i >= y_j + t_m``: with the running sums
-      ``P0_m = sum gnum_i``, ``P1_m = sum (x_i - shift) gnum_i`` over the absorbed ones and the row
-      totals ``G0``, ``G1``, ``dv_j = sum_i f(x_i - y_j) gnum_i`` and
+    * key ``j`` sees the queries not yet absorbed, ``x_i >= y_j + t_m``: with the running sum
+      ``P0_m = sum gnum_i`` over the absorbed ones and the row total ``G0``,
       ``dk_j = -v_j . sum_i f'(x_i - y_j) gnum_i`` (left derivative in the key).
 
-    One pass per row and chunk yields dq, dk and dv together; every sum is float64; ``dv`` is
-    written once per key. Chunk 0 also carries the scalar (indicator) terms of centring and
-    normaliser. docs/mathematics.rst, "The backward pass".
+    A second pass, keys in decreasing order (:func:`_value_gradients`), writes
+    ``dv_j = sum_i f(x_i - y_j) gnum_i`` from suffix sums. Every sum is float64; ``dv`` is written
+    once per key. Chunk 0 also carries the scalar (indicator) terms of centring and normaliser.
+    docs/mathematics.rst, "The backward pass".
     """
     _, keys_given, mask, has_mask = scores
     queries, query_order, keys, key_order, counts, shift = sorted_rows
@@ -192,7 +258,7 @@ def _backward_task(b, ch, c0, c1, scores, sorted_rows, profile, options, tensors
     dq_parts, dk_parts, dv, dknots_parts, dcoeffs_parts = grads
     m_all, width, n_knots = keys_given.shape[1], c1 - c0, knots.shape[1]
     nq, nk = counts[b, 0], counts[b, 1]
-    sh, a, bs = shift[b], intercept[b], slope[b]
+    sh, bs = shift[b], slope[b]
     qrow, krow, qp, kp = queries[b], keys[b], query_order[b], key_order[b]
     first = ch == 0
     grad_normaliser = first and (normalizer == ABS_NORMALIZER or normalizer == RELU_NORMALIZER)
@@ -201,11 +267,10 @@ def _backward_task(b, ch, c0, c1, scores, sorted_rows, profile, options, tensors
 
     active = np.zeros(n_knots, np.bool_)     # knots whose sums carry value columns
     moving = np.zeros(n_knots, np.bool_)     # knots whose pointer has to move at all
-    coeff_sum, knot_moment, any_active = 0.0, 0.0, False
+    coeff_sum, any_active = 0.0, False
     for m in range(n_knots):
         cm = coeffs[b, m]
         coeff_sum += cm
-        knot_moment += cm * knots[b, m]
         active[m] = cm != 0.0 or (want_coeffs and m < n_user_knots)
         moving[m] = active[m] or (grad_normaliser and m == zero_knot)
         any_active = any_active or active[m]
@@ -221,17 +286,10 @@ def _backward_task(b, ch, c0, c1, scores, sorted_rows, profile, options, tensors
     for m in range(n_knots):
         if coeffs[b, m] != 0.0:
             last_coeff = m
-    g0, g1 = row_vectors[b, 0, c0:c1], row_vectors[b, 1, c0:c1]
-    dmean = row_vectors[b, 2, c0:c1]
+    g0 = row_vectors[b, 0, c0:c1]
     count_total, norm_total = row_scalars[b, 0], row_scalars[b, 1]
-    # the part of dv_j that does not depend on j but through y_j G0 (the affine part of f and the
-    # suffix sums written as totals minus prefixes) and the centring's d mean / n_valid
-    base = np.empty(width)
-    for d in range(width):
-        base[d] = (a - knot_moment) * g0[d] + linear_slope * g1[d] + dmean[d] / nonzero_count
 
     p0 = np.zeros((n_knots, width))
-    p1 = np.zeros((n_knots, width))
     count_prefix = np.zeros(n_knots)        # sum of grad_count over the absorbed queries
     norm_prefix = 0.0                       # sum of grad_norm over those absorbed at knot 0
     ptr = np.zeros(n_knots, np.int64)
@@ -243,7 +301,6 @@ def _backward_task(b, ch, c0, c1, scores, sorted_rows, profile, options, tensors
     run_count = 0.0
     gnum = np.empty(width)
     vj = np.empty(width)
-    acc = np.empty(width)
     dacc = np.empty(width)
     kcount, ksum = 0.0, 0.0                 # count and sum (shifted) of the keys passed
     yu, ys = 0.0, 0.0
@@ -259,15 +316,13 @@ def _backward_task(b, ch, c0, c1, scores, sorted_rows, profile, options, tensors
             yu = krow[p]
             ys = yu - sh
             if p + PREFETCH_AHEAD < nk:
-                ahead = kp[p + PREFETCH_AHEAD]
-                fetch_row(values, b, ahead, c0, width, False)
-                fetch_row(dv, b, ahead, c0, width, True)
+                fetch_row(values, b, kp[p + PREFETCH_AHEAD], c0, width, False)
         for m in range(n_knots):
             if not moving[m]:
                 continue
             tm, cm = knots[b, m], coeffs[b, m]
             su, se = exact_sum(yu, tm) if p < nk else (np.inf, 0.0)
-            p0m, p1m = p0[m], p1[m]
+            p0m = p0[m]
             pos = ptr[m]
             while pos < nq and below(qrow[pos], su, se, False):
                 i = qp[pos]
@@ -281,7 +336,6 @@ def _backward_task(b, ch, c0, c1, scores, sorted_rows, profile, options, tensors
                         gv = np.float64(grow[d]) * sc
                         gnum[d] = gv
                         p0m[d] += gv
-                        p1m[d] += xs * gv
                     if want_coeffs:
                         step, moment = dot_pair(gnum, kp0, kp1)
                         coeff_sums[m] += (xs - tm) * step - moment
@@ -312,34 +366,27 @@ def _backward_task(b, ch, c0, c1, scores, sorted_rows, profile, options, tensors
         if p == nk:
             break
 
-        # key j: dv_j and dk_j from the running sums of the queries absorbed so far; the last knot
-        # with a coefficient is folded into the loop that stores dv_j (one pass less per key)
+        # key j: dk_j from the running sums of the queries absorbed so far; the last knot with a
+        # coefficient is folded into the loop that adds v_j to the key sums (one pass less per key)
         j = kp[p]
         vrow = values[b, j, c0:c1]
-        slope_ys = linear_slope * ys
         for d in range(width):
             vj[d] = np.float64(vrow[d])
-            acc[d] = base[d] - slope_ys * g0[d]
             dacc[d] = linear_slope * g0[d]
         for m in range(last_coeff):
             cm = coeffs[b, m]
             if cm == 0.0:
                 continue
-            u = ys + knots[b, m]
-            p0m, p1m = p0[m], p1[m]
+            p0m = p0[m]
             for d in range(width):
-                acc[d] += cm * (u * p0m[d] - p1m[d])
                 dacc[d] -= cm * p0m[d]
         if track_runs and (p == 0 or krow[p] != krow[p - 1]):
             for d in range(width):
                 run0[d] = kp0[d]
             run_count = kcount
-        dvrow = dv[b, j, c0:c1]
         cl = coeffs[b, last_coeff] if last_coeff >= 0 else 0.0
-        u = ys + knots[b, last_coeff] if last_coeff >= 0 else 0.0
-        p0l, p1l = p0[max(last_coeff, 0)], p1[max(last_coeff, 0)]
+        p0l = p0[max(last_coeff, 0)]
         for d in range(width):
-            dvrow[d] = acc[d] + cl * (u * p0l[d] - p1l[d])
             dacc[d] -= cl * p0l[d]
             kp0[d] += vj[d]
         dk = -dot(vj, dacc)
@@ -356,6 +403,7 @@ def _backward_task(b, ch, c0, c1, scores, sorted_rows, profile, options, tensors
         kcount += 1.0
         ksum += ys
 
+    _value_gradients(b, c0, c1, sorted_rows, profile, scale, row_vectors, cot, dv, nonzero_count, last_coeff)
     if has_mask:  # masked keys take part in nothing: zero gradients
         for j in range(m_all):
             if not mask[b, j]:

@@ -272,3 +272,39 @@ def test_signatures_are_the_constructors():
     assert list(layer.parameters) == list(inspect.signature(sk_torch.SlicedAttention).parameters)[
         :len(layer.parameters) - 2] + ["param_dtype", "rngs"]
     assert "value" in inspect.signature(sk_flax.FixedBandwidth).parameters
+
+
+# ------------------------------------------------------------------- issue 49: RoPE, flags
+def test_rope_padding_is_no_position_in_cross_attention():
+    """Issue 49 item 1, Flax: padded memory keys before the real ones, or after them with the queries
+    placed by ``query_positions``, change no output."""
+    layer = sk_flax.SlicedAttention(8, 2, kernel="hat", rope=True, batch_first=True, rngs=nnx.Rngs(0))
+    query = jax.random.normal(jax.random.key(1), (2, 4, 8))
+    memory = jax.random.normal(jax.random.key(2), (2, 6, 8))
+    extra = jax.random.normal(jax.random.key(3), (2, 2, 8))
+    pad = jnp.zeros((2, 8), dtype=bool).at[:, :2].set(True)
+    base, _ = layer(query, memory, memory)
+    before = jnp.concatenate([extra, memory], axis=1)
+    assert float(jnp.max(jnp.abs(layer(query, before, before, key_padding_mask=pad)[0] - base))) < 1e-5
+    own = jnp.broadcast_to(jnp.arange(4), (2, 4))
+    base, _ = layer(query, memory, memory, query_positions=own)
+    after = jnp.concatenate([memory, extra], axis=1)
+    got, _ = layer(query, after, after, key_padding_mask=pad[:, ::-1], query_positions=own)
+    assert float(jnp.max(jnp.abs(got - base))) < 1e-5
+    with pytest.raises(TypeError, match="'query_positions' must hold integers"):
+        layer(query, memory, memory, query_positions=own.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("flag", ["learn_bandwidth", "bias", "batch_first", "rope", "center"])
+def test_flags_must_be_booleans(flag):
+    """Issue 49 item 6, Flax: the constructor's and the call's flags are booleans (TypeError naming them)."""
+    with pytest.raises(TypeError, match=f"'{flag}' must be True or False"):
+        sk_flax.SlicedAttention(8, 2, kernel="hat", rngs=nnx.Rngs(0), **{flag: "no"})
+
+
+@pytest.mark.parametrize("name", ["is_causal", "need_weights", "decode", "deterministic"])
+def test_call_flags_must_be_booleans(name):
+    layer = sk_flax.SlicedAttention(8, 2, batch_first=True, rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 3, 8))
+    with pytest.raises(TypeError, match=f"'{name}' must be True or False"):
+        layer(x, x, x, **{name: "no"})

@@ -1005,3 +1005,100 @@ def test_traffic_of_the_causal_backward(engine_tiles):
     # gather per knot)
     learned = _traffic().count(128, 8, 1, backward=True, causal=True, bandwidths=True)
     assert learned["sorts"] == 2 and "gather" not in learned["by op"], learned
+
+
+def _huge_case(rng, scores, values, lq=9, lk=11, rows=2):
+    """float32-representable scores and values of the sizes given (as float64 arrays)."""
+    def f32(a):
+        return a.astype(np.float32).astype(np.float64)
+    return (f32(rng.normal(size=(rows, lq)) * scores), f32(rng.normal(size=(rows, lk)) * scores),
+            f32(rng.normal(size=(rows, lk, 2)) * values))
+
+
+def _huge_call(module, kernel, q, k, v, bandwidth, **kw):
+    if kernel == "relu":
+        return module.relu_attention(q, k, v, **kw)
+    return module.hat_attention(q, k, v, bandwidth, **kw)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("kernel", ["relu", "hat"])
+@pytest.mark.parametrize("scores, values", [(1e30, 1e9), (1e19, 1e19)], ids=["scores1e30", "both1e19"])
+def test_float32_products_of_scores_and_values_beyond_float32(rng, small_leaves, causal, kernel, scores, values):
+    """float32 scores and values whose products pass float32's largest number (scores 1e30 with
+    values 1e9, both 1e19) while the rows are finite: the values are scaled by a power of two
+    where their sums could overflow and the output scaled back (_scale.value_scale), forward and
+    gradients (a learned bandwidth per row for the hat) within float32's rounding of the dense
+    float64 reference, causal too (issue 49, item 2: before, NaN and -inf)."""
+    q, k, v = _huge_case(rng, scores, values)
+    cot = rng.normal(size=q.shape + (2,))
+    results = []
+    for module, dtype, kw in ((slicedkern, torch.float32, {"engine": "triton"}), (reference, torch.float64, {})):
+        args = [_t(a, dtype).requires_grad_() for a in (q, k, v)]
+        if kernel == "hat":
+            args.append(_t([0.5 * scores, 0.8 * scores], dtype).requires_grad_())
+        out = _huge_call(module, kernel, *args[:3], args[3] if kernel == "hat" else None, causal=causal, **kw)
+        results.append((out, *torch.autograd.grad((out * _t(cot, dtype)).sum(), args)))
+    for got, want, label in zip(*results, ("out", "q", "k", "v", "bandwidth")):
+        got, want = _np(got), _np(want)
+        assert np.isfinite(got).all(), label
+        # the output within float32's rounding of sums as large as the values; a gradient of its largest
+        scale = float(np.abs(v).max()) if label == "out" else float(np.abs(want).max())
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale, err_msg=label)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_values_scaled_in_one_row_leave_the_others_bit_for_bit(rng, small_leaves, causal):
+    """The scaling is per batch row and exact: a row whose products are in range gives the same bits
+    beside a scaled row as alone, and the scaled row its own result scaled (both powers of two:
+    values times 2 ** 120 give outputs and score gradients times 2 ** 120, value gradients the
+    same)."""
+    from slicedkern.engines.triton._scale import value_scale
+    from slicedkern.kernels import Profile
+    q, k, v = _huge_case(rng, 1.0, 1.0)
+    big = v * 2.0 ** 120
+    import array_api_compat.torch as xp
+    _, up = value_scale(xp, *(_t(a) for a in (q, k)), _t(big, torch.float32), Profile.of(ReLU()))
+    assert (up > 1).all()                     # 2 ** 120 by scores of order 1 and 11 keys: scaled
+    cot = _t(rng.normal(size=q.shape + (2,)), torch.float32)
+
+    def run(values):
+        args = [_t(a, torch.float32).requires_grad_() for a in (q, k, values)]
+        out = slicedkern.relu_attention(*args, causal=causal, engine="triton")
+        return [_np(a) for a in (out, *torch.autograd.grad((out * cot).sum(), args))]
+
+    alone, mixed = run(v), run(np.stack([v[0], big[1]]))
+    for a, b in zip(alone, mixed):
+        np.testing.assert_array_equal(a[0], b[0])
+    scaled = run(big)
+    for a, b, factor in zip(alone, scaled, (2.0 ** 120, 2.0 ** 120, 2.0 ** 120, 1.0)):
+        np.testing.assert_array_equal(a * factor, b)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("lq, lk", [(0, 3), (3, 0)], ids=["no-queries", "no-keys"])
+@pytest.mark.parametrize("kernel", ["relu", "hat", "mixture"])
+def test_empty_axis_with_gradients(causal, lq, lk, kernel):
+    """An empty query or key axis with inputs that record gradients, a key mask and learned
+    bandwidths (and weights): the empty output and zero gradients, of every input's shape, as the
+    scan gives (issue 49, items 4 and 5: before, autograd refused the mask returned as a residual,
+    and the knot gradients of no pair were None)."""
+    q, k, v = torch.randn(2, lq), torch.randn(2, lk), torch.randn(2, lk, 2)
+    mask = torch.ones(2, lk, dtype=torch.bool)
+    params = {"relu": (), "hat": (torch.tensor([0.5, 0.7]),),
+              "mixture": (torch.tensor([[0.5, 1.0]] * 2), torch.tensor([[1.0, -0.4]] * 2))}[kernel]
+    results = []
+    for engine in ("triton", "scan"):
+        args = [a.clone().requires_grad_() for a in (q, k, v, *params)]
+        kw = dict(key_mask=mask, causal=causal, engine=engine)
+        if kernel == "relu":
+            out = slicedkern.relu_attention(*args, **kw)
+        elif kernel == "hat":
+            out = slicedkern.hat_attention(*args, **kw)
+        else:
+            out = slicedkern.hat_mixture_attention(*args, **kw)
+        results.append((out, *torch.autograd.grad(out.sum(), args)))
+    assert results[0][0].shape == (2, lq, 2)
+    for got, want, arg in zip(results[0], results[1], (None, q, k, v, *params)):
+        assert got.shape == (want.shape if arg is None else arg.shape)
+        assert (got == 0).all() and (want == 0).all()

@@ -59,7 +59,7 @@ from .._columns import MaskedValues
 from .._nanpolicy import screen
 from .._vjp import attention_vjp
 from ..scan._causal import Levels, causal_attention, causal_profile_sums, causal_profiles_vjp
-from ..sortscan.pullback import ColumnSums, column_range
+from ..sortscan.pullback import ColumnSums, column_range, no_pairs_knot_grads
 from . import _sums
 from ._causal import (
     RUN_NAMES,
@@ -71,6 +71,7 @@ from ._causal import (
     level_sums_into,
 )
 from ._decode import DeviceRuns
+from ._scale import scaled_grads, scaled_up, value_scale
 from ._sums import (
     DotTerm,
     Queries,
@@ -115,10 +116,13 @@ def device_runs(profile, *, center: bool, normalizer, dv: int, xp):
     return DeviceRuns(xp, profile, center=center, normalizer=normalizer, dv=dv)
 
 
-def _factor(xp, sc, row_ok):
+def _factor(xp, sc, row_ok, up=None):
     """The output rows' factor: 1, or NaN where the NaN policy says (``sc``'s verdicts so far) and on
-    the batch rows whose bandwidths are bad (``row_ok``, or None: :meth:`Engine.forward`)."""
+    the batch rows whose bandwidths are bad (``row_ok``, or None: :meth:`Engine.forward`); times
+    ``up`` (a batch row's power of two, :func:`._scale.value_scale`) where given."""
     factor = sc.divisor(xp, 1.0)
+    if up is not None:
+        factor = factor * up[..., None]
     if row_ok is not None:
         factor = xp.where(row_ok[..., None], factor, xp.asarray(float("nan"), dtype=factor.dtype,
                                                                 device=factor.device))
@@ -176,7 +180,9 @@ class TritonEngine(Engine):
         batch, lq, lk, dv = tuple(q.shape[:-1]), q.shape[-1], k.shape[-1], v.shape[-1]
         dt, dev = q.dtype, q.device
         if lq == 0 or lk == 0:
-            take = xp.ones(k.shape, dtype=xp.bool, device=dev) if key_mask is None else key_mask
+            # a copy of the mask: torch's autograd refuses to save an input returned as it is
+            take = xp.ones(k.shape, dtype=xp.bool, device=dev) if key_mask is None else xp.astype(key_mask, xp.bool,
+                                                                                                   copy=True)
             zeros = xp.zeros(q.shape + (1,), dtype=dt, device=dev)
             return xp.zeros(q.shape + (dv,), dtype=dt, device=dev), (take, zeros, zeros)
         # values narrower than float64 mean scores of float32 or narrower (the op casts the values to
@@ -184,13 +190,15 @@ class TritonEngine(Engine):
         # float64 sums cannot overflow, so the values' finiteness is read off the table's totals
         # (the NaN policy's deferred check) rather than from a pass over them
         narrow = v.dtype != xp.float64
+        # narrow values scaled where their sums with the scores could overflow (issue 49, item 2)
+        v, up = value_scale(xp, q, k, v, profile)
         sc = screen(xp, q, k, v, key_mask, defer=narrow and quiet_nonfinite(xp))
         table_take = None if sc.table_take is None else flat_rows(xp, sc.table_take, 1)
         if sc.deferred and max(lq, lk) <= _sums.SMALL_FUSED:
             # short rows: sorts, both passes and the values' verdict in one launch (issue 26, item 3)
             out, relu_count, raw, table, xr = attend_small(
                 xp, flat_rows(xp, sc.y, 1), flat_rows(xp, sc.x, 1), row_view(xp, v, 2), table_take, profile,
-                normalizer, batch, center=center, factor=flat_rows(xp, _factor(xp, sc, row_ok), 1), dtype=v.dtype)
+                normalizer, batch, center=center, factor=flat_rows(xp, _factor(xp, sc, row_ok, up), 1), dtype=v.dtype)
             if not for_backward:             # the kernel took the values' verdict itself: none to keep
                 return xp.reshape(out, batch + (lq, dv)), ()
             sc.settle(xp, xp.reshape(table.totals, batch + (1, -1)), dv)       # the residuals' verdicts
@@ -200,9 +208,10 @@ class TritonEngine(Engine):
             sc.settle(xp, xp.reshape(table.totals, batch + (1, -1)), dv)
             xr = sort_queries(xp, flat_rows(xp, sc.x, 1), narrow)
             out, relu_count, raw = attend(xp, table, xr, profile, normalizer, batch, center=center,
-                                          factor=flat_rows(xp, _factor(xp, sc, row_ok), 1), dtype=v.dtype)
+                                          factor=flat_rows(xp, _factor(xp, sc, row_ok, up), 1), dtype=v.dtype)
         # the sorted orders and the screening go to the backward too (n elements each): it sorts and
-        # screens nothing again
+        # screens nothing again (the table's sums are those of the scaled values: the backward scales
+        # them again, _scaled_vjp)
         residuals = [sc.take, xp.reshape(relu_count, batch + (lq, 1)), table.keys, table.perm, xr.sorted, xr.perm,
                      table.carry, sc.q_ok & sc.row_ok[..., None], sc.row_ok]
         if raw is not None:
@@ -221,9 +230,13 @@ class TritonEngine(Engine):
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
         runs = {}
-        # values narrower than float64: scores of float32 or narrower (attention's forward, above)
+        # values narrower than float64: scores of float32 or narrower (attention's forward, above),
+        # and values scaled where the float32 running sums could overflow
+        narrow = v.dtype != xp.float64
+        v, up = value_scale(xp, q, k, v, profile)
         out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,
-                                    xp=xp, levels=self._levels(runs, narrow=v.dtype != xp.float64))
+                                    xp=xp, levels=self._levels(runs, narrow=narrow))
+        out = scaled_up(xp, out, up)
         residuals = self.residuals_of(aux)
         # the combination's block carry of the running totals (n / 64 rows) goes to the backward's
         # row dots, and the levels' sorted runs (n elements each), when the levels sorted, to its
@@ -231,7 +244,27 @@ class TritonEngine(Engine):
         kept = tuple(runs[name] for name in ("position_carry",) + RUN_NAMES if name in runs)
         return out, residuals[:2] + kept + residuals[2:]
 
+    def attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
+        return self._scaled_vjp(super().attention_vjp, q, k, v, profile, g, out, residuals, key_mask=key_mask,
+                                center=center, normalizer=normalizer, xp=xp)
+
     def causal_attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
+        return self._scaled_vjp(self._causal_vjp, q, k, v, profile, g, out, residuals, key_mask=key_mask,
+                                center=center, normalizer=normalizer, xp=xp)
+
+    @staticmethod
+    def _scaled_vjp(vjp, q, k, v, profile, g, out, residuals, *, key_mask, xp, **options):
+        """``vjp`` of the forward that scaled the values (:func:`._scale.value_scale`): over the same
+        scaled values and the output scaled alike (the forward's residuals are theirs), the score
+        and parameter gradients scaled up again (attention is linear in the values; ``dv`` does not
+        depend on them)."""
+        v, up = value_scale(xp, q, k, v, profile)
+        if up is not None:
+            out = scaled_up(xp, out, 1.0 / up)
+        grads = vjp(q, k, v, profile, g, out, residuals, key_mask=key_mask, xp=xp, **options)
+        return scaled_grads(xp, grads, up)
+
+    def _causal_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
         kept = len(residuals) - 2 - int(normalizer.summed)     # 0, 1 (the carry) or 1 + 4 (and the runs)
         aux = self.aux_of(residuals[:2] + residuals[2 + kept:])
         if kept:
@@ -284,8 +317,7 @@ class TritonEngine(Engine):
             dx = xp.zeros(x.shape, dtype=x.dtype, device=x.device)
             dy = xp.zeros(y.shape, dtype=x.dtype, device=x.device)
             dw = xp.zeros(y.shape + (dw_cols,), dtype=x.dtype, device=x.device) if dw_into is None else None
-            return dx, dy, dw, [(tuple(None for _ in p.knots), tuple(None for _ in p.coeffs))
-                                for p in profiles]
+            return dx, dy, dw, no_pairs_knot_grads(x, profiles, xp=xp, param_grads=param_grads)
         # with the forward's orders the scores are read for their shapes only (no copy of a level's halves)
         xr, yr, vr = row_view(xp, x, 1), row_view(xp, y, 1), row_view(xp, values, 2)
         if orders is None:

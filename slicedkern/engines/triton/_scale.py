@@ -1,0 +1,118 @@
+"""Values scaled by a power of two where their products with the scores could overflow float32.
+
+The kernels sum float32 (or narrower) values in float32 over a tile span, and causal attention keeps
+its running sums on the positions in float32 (:func:`._causal.running_dtype`): a sum of ``f(q_i -
+k_j) v_j`` overflows there once ``|score| |value|`` nears 3.4e38, though the output, divided by a
+normaliser or a count, is finite (issue 49, item 2). Attention is linear in the values, the
+centring and the divisor included (every normaliser sums the scores alone, ``eps`` too), so the
+values of a batch row are scaled down by ``2 ** -t`` before the kernels and the output up by ``2 **
+t``, both exact: a row whose bound below is in range has ``t = 0`` and is computed as before, bit for
+bit, and a scaled row is rounded as the unscaled one would be, but for values pushed below float32's
+smallest normal number (``2 ** -126``, against a row maximum near ``2 ** -t`` of the bound).
+
+The scores are not scaled: a hat's bandwidth and a normaliser's ``eps`` would have to scale with
+them. The sums of the scores alone (the ReLU count, a normaliser's sum in causal attention's
+float32 running sums) then bound the range: ``|score| Lk`` below about 1e38.
+
+The bound is taken on the device, as arrays: no number of it is read on the host.
+"""
+
+from __future__ import annotations
+
+from ...kernels import is_fixed
+
+__all__ = ["value_scale", "scaled_up", "scaled_grads"]
+
+#: a row is scaled when its bound reaches ``2 ** LIMIT``: four times below float32's largest number
+LIMIT = 126
+
+
+def _finite_abs_max(xp, a, axes):
+    """The largest finite ``|a|`` over ``axes``, float64 (0 where none): for the scores, whose
+    non-finite entries the NaN policy screens one by one."""
+    size = xp.where(xp.isfinite(a), xp.abs(a), xp.zeros((), dtype=a.dtype, device=a.device))
+    return xp.astype(xp.max(size, axis=axes), xp.float64)
+
+
+def _abs_max(xp, v):
+    """The largest ``|v|`` over the last two axes of ``v``, float64, from the largest and the
+    smallest entry of each row, taken in one read of ``v`` and no array of its size (the values are
+    the ``n D`` numbers). Not finite where an entry is not."""
+    bottom, top = v.aminmax(dim=-1)
+    top = xp.astype(xp.max(top, axis=-1), xp.float64)
+    return xp.maximum(top, -xp.astype(xp.min(bottom, axis=-1), xp.float64))
+
+
+def _size(xp, p, dev):
+    """``|p|`` of a profile parameter (a number or a batch-shaped array) as a float64 array, 0 where
+    not finite."""
+    p = xp.abs(xp.asarray(p, dtype=xp.float64, device=dev) if is_fixed(p) else xp.astype(p, xp.float64))
+    return xp.where(xp.isfinite(p), p, xp.zeros((), dtype=xp.float64, device=dev))
+
+
+def _term_bound(xp, profile, scores, dev):
+    """A bound on ``|f(r)|`` and on the profile's pair terms ``|r - t|`` for every difference ``r`` of
+    the scores (of size at most ``scores``): ``(1 + |slope| + sum |c|) (2 scores + max |t|) +
+    |intercept|`` (the knots' coefficients are applied in float64; the terms they multiply, and
+    the profile's value in causal attention's leaves, are rounded to float32)."""
+    reach, gain = _size(xp, 0.0, dev), 1.0 + _size(xp, profile.slope, dev)
+    for t, c in zip(profile.knots, profile.coeffs):
+        reach = xp.maximum(reach, _size(xp, t, dev))
+        gain = gain + _size(xp, c, dev)
+    return gain * (2.0 * scores + reach) + _size(xp, profile.intercept, dev)
+
+
+def _power_of_two(xp, e, dtype):
+    """``2 ** e`` exactly, for int32 ``e`` within the normal exponents of ``dtype`` (float32 or
+    float64): the number's bits, not ``pow`` (not exact on every backend)."""
+    if dtype == xp.float64:
+        return ((xp.astype(e, xp.int64) + 1023) << 52).view(xp.float64)
+    return ((e + 127) << 23).view(xp.float32)
+
+
+def value_scale(xp, q, k, v, profile):
+    """``(v scaled, up)``: the values ``v`` (..., Lk, Dv), narrower than float64, times ``2 ** -t``
+    per batch row, and ``up = 2 ** t`` (..., ) float64 that the output is multiplied by (``t >= 0``,
+    0 where the row is in range; see the module's docstring), or ``(v, None)`` for float64 values
+    and empty calls. ``q`` (..., Lq) and ``k`` (..., Lk) the scores, ``profile`` the value kernel.
+    One array of ``v``'s size is made: the scaled values (several reductions, of the batch's size)."""
+    lk = k.shape[-1]
+    if v.dtype == xp.float64 or lk == 0 or q.shape[-1] == 0 or v.shape[-1] == 0:
+        return v, None
+    dev = v.device
+    scores = xp.maximum(_finite_abs_max(xp, q, (-1,)), _finite_abs_max(xp, k, (-1,)))
+    # a value that is not finite gives no bound, and its row is not scaled: the NaN policy makes
+    # the row NaN if its key takes part (a masked key's value is not read, but it still stops the
+    # scaling: its row is then computed as without it)
+    bound = _term_bound(xp, profile, scores, dev) * _abs_max(xp, v) * float(lk)
+    bound = xp.where(xp.isfinite(bound), bound, xp.zeros((), dtype=xp.float64, device=dev))
+    _, e = bound.frexp()                                    # bound < 2 ** e
+    t = xp.clip(e - LIMIT, min=0, max=LIMIT)
+    down = _power_of_two(xp, -t, xp.float32)[..., None, None]
+    # float16's exponents stop at 2 ** -24: its values are scaled through float32
+    scaled = xp.astype(xp.astype(v, xp.float32) * down, v.dtype) if v.dtype == xp.float16 else \
+        v * xp.astype(down, v.dtype)
+    return scaled, _power_of_two(xp, t, xp.float64)
+
+
+def scaled_up(xp, out, up):
+    """``out`` (..., Lq, Dv) times ``up`` (..., ) (:func:`value_scale`), in ``out``'s dtype (through
+    float32 for narrower ones, where ``up`` may not be a number)."""
+    if up is None:
+        return out
+    factor = xp.astype(up, xp.float32)[..., None, None]
+    return out * factor if out.dtype == xp.float32 else xp.astype(xp.astype(out, xp.float32) * factor, out.dtype)
+
+
+
+def scaled_grads(xp, grads, up):
+    """Attention's ``(dq, dk, dv, (dknots, dcoeffs))`` over values scaled by ``1 / up``
+    (:func:`value_scale`) made those of the values: every gradient but ``dv`` times ``up``."""
+    if up is None:
+        return grads
+    dq, dk, dv, (dknots, dcoeffs) = grads
+
+    def times(a, core):
+        return None if a is None else a * xp.astype(xp.reshape(up, tuple(up.shape) + (1,) * core), a.dtype)
+
+    return (times(dq, 1), times(dk, 1), dv, (tuple(times(d, 0) for d in dknots), tuple(times(d, 0) for d in dcoeffs)))

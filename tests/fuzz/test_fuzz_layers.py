@@ -11,8 +11,9 @@ from that seed (normal deviates), so that no example is ill-conditioned by const
 * ``test_padding_never_changes_real_outputs``: padded keys (``key_padding_mask`` True) count
   nowhere. Self-attention: appending 1 to 4 padded tokens (random features) to a sequence that may
   already hold padding leaves the outputs of its tokens unchanged, with or without ``is_causal``
-  and RoPE (appended tokens shift no position). Cross-attention (no RoPE, not causal, where
-  positions would move): inserting padded keys ANYWHERE among the keys changes nothing either.
+  and RoPE (padding is no position): appended or prepended (left padding). Cross-attention (not
+  causal; with RoPE the queries placed at ``query_positions = 0..Lq-1``): inserting padded keys
+  ANYWHERE among the keys changes nothing either.
 * ``test_rope_queries_are_the_last_key_positions``: with ``Lq <= Lk``, attending the last ``Lq``
   tokens of a sequence over the whole sequence equals the last ``Lq`` rows of its self-attention,
   ``is_causal`` or not, RoPE or not, with padding: queries take the last ``Lq`` key positions and
@@ -104,17 +105,20 @@ def layer_of(example):
     return make_layer(kwargs, seed), np.random.default_rng(seed), kwargs, shape
 
 
-def _call(layer, query, key, value, mask, is_causal: bool, *, unbatched: bool):
-    """``layer`` on batch-first data (N, L, E); returns batch-first (N, Lq, E)."""
+def _call(layer, query, key, value, mask, is_causal: bool, *, unbatched: bool, query_positions=None):
+    """``layer`` on batch-first data (N, L, E); returns batch-first (N, Lq, E); ``query_positions``
+    (N, Lq) or None."""
     first = layer.batch_first
     if unbatched:
         out, weights = layer(query[0], key[0], value[0], key_padding_mask=None if mask is None else mask[0],
-                             is_causal=is_causal)
+                             is_causal=is_causal,
+                             query_positions=None if query_positions is None else query_positions[0])
         assert weights is None
         return out[None]
     if not first:
         query, key, value = (a.transpose(0, 1) for a in (query, key, value))
-    out, weights = layer(query, key, value, key_padding_mask=mask, is_causal=is_causal)
+    out, weights = layer(query, key, value, key_padding_mask=mask, is_causal=is_causal,
+                         query_positions=query_positions)
     assert weights is None
     return out if first else out.transpose(0, 1)
 
@@ -144,11 +148,11 @@ def assert_same(got, want, what: str, values: float):
 def padding_examples(draw):
     cross = draw(st.booleans())
     kwargs, seed = draw(layer_configs(cross=cross))
-    kwargs["rope"] = (not cross) and draw(st.booleans())
+    kwargs["rope"] = draw(st.booleans())
     n = draw(st.integers(1, 3))
     shape = {"n": n, "lq": draw(st.integers(1, 7)), "lk": draw(st.integers(1, 7)), "pad": draw(st.integers(1, 4)),
              "unbatched": n == 1 and draw(st.booleans()), "cross": cross,
-             "causal": (not cross) and draw(st.booleans()),
+             "causal": (not cross) and draw(st.booleans()), "left": draw(st.booleans()),
              "padded_already": draw(st.sampled_from((0.0, 0.3))), "all_padded_row": draw(st.booleans())}
     return kwargs, seed, shape
 
@@ -167,23 +171,29 @@ def check_padding(example):
         if not shape["cross"]:
             x = torch.as_tensor(rng.normal(size=(n, lk, e)))
             before = _call(layer, x, x, x, mask_t, shape["causal"], unbatched=unbatched)
-            x_pad = torch.cat([x, torch.as_tensor(rng.normal(size=(n, pad, e)))], dim=1)
-            mask_pad = torch.cat([mask_t, torch.ones((n, pad), dtype=torch.bool)], dim=1)
-            after = _call(layer, x_pad, x_pad, x_pad, mask_pad, shape["causal"], unbatched=unbatched)[:, :lk]
-            what = f"self-attention with {pad} padded tokens appended"
+            extra = torch.as_tensor(rng.normal(size=(n, pad, e)))
+            padding = torch.ones((n, pad), dtype=torch.bool)
+            left = shape["left"]            # padding is no RoPE position, before the tokens or after them
+            x_pad = torch.cat([extra, x] if left else [x, extra], dim=1)
+            mask_pad = torch.cat([padding, mask_t] if left else [mask_t, padding], dim=1)
+            after = _call(layer, x_pad, x_pad, x_pad, mask_pad, shape["causal"], unbatched=unbatched)
+            after = after[:, pad:] if left else after[:, :lk]
+            what = f"self-attention with {pad} padded tokens {'prepended' if left else 'appended'}"
             values = value_scale(layer, x)
         else:
             query = torch.as_tensor(rng.normal(size=(n, shape["lq"], e)))
             key = torch.as_tensor(rng.normal(size=(n, lk, kdim)))
             value = torch.as_tensor(rng.normal(size=(n, lk, vdim)))
-            before = _call(layer, query, key, value, mask_t, False, unbatched=unbatched)
+            # the queries at their own positions: the memory's padding then moves none
+            own = torch.arange(shape["lq"]).expand(n, shape["lq"]) if layer.config.rope else None
+            before = _call(layer, query, key, value, mask_t, False, unbatched=unbatched, query_positions=own)
             # padded keys at random places among the real ones, in order
             real_slots = np.sort(rng.choice(lk + pad, size=lk, replace=False))
             new_key = torch.as_tensor(rng.normal(size=(n, lk + pad, kdim)))
             new_value = torch.as_tensor(rng.normal(size=(n, lk + pad, vdim)))
             new_mask = torch.ones((n, lk + pad), dtype=torch.bool)
             new_key[:, real_slots], new_value[:, real_slots], new_mask[:, real_slots] = key, value, mask_t
-            after = _call(layer, query, new_key, new_value, new_mask, False, unbatched=unbatched)
+            after = _call(layer, query, new_key, new_value, new_mask, False, unbatched=unbatched, query_positions=own)
             padded_at = sorted(set(range(lk + pad)) - set(real_slots.tolist()))
             what = f"cross-attention with {pad} padded keys inserted at {padded_at}"
             values = value_scale(layer, value)
@@ -221,3 +231,26 @@ def check_suffix(example):
 
 def test_rope_queries_are_the_last_key_positions(torch_engine, fuzz):
     fuzz.run(suffix_examples(), check_suffix, backend="torch", weight=1.0)
+
+
+# ------------------------------------------------------------------------------------- bad flags
+FLAGS = ("learn_bandwidth", "bias", "batch_first", "rope", "center")
+NOT_BOOLEANS = st.one_of(st.text(max_size=3), st.integers(-2, 2), st.floats(allow_nan=False), st.just([]))
+
+
+@st.composite
+def bad_flag_examples(draw):
+    kwargs, seed = draw(layer_configs())
+    return kwargs, seed, {"flag": draw(st.sampled_from(FLAGS)), "value": draw(NOT_BOOLEANS)}
+
+
+def check_bad_flag(example):
+    kwargs, _, shape = example
+    note(f"SlicedAttention(**{kwargs!r}) with {shape['flag']}={shape['value']!r}")
+    with pytest.raises(TypeError, match=f"'{shape['flag']}' must be True or False"):
+        SlicedAttention(**{**kwargs, shape["flag"]: shape["value"]})
+
+
+def test_flags_that_are_not_booleans_are_named(fuzz):
+    """Any non-boolean flag ("no", 1, 0.0, []) is a TypeError naming it, never a truthy switch."""
+    fuzz.run(bad_flag_examples(), check_bad_flag, backend="torch", weight=0.2)

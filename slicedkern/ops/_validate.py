@@ -43,7 +43,7 @@ def namespace_of(named_arrays: dict, xp=None, *, required=()):
     some ops could guess). With an explicit ``xp`` every array must come from that library.
     """
     for name, a in named_arrays.items():
-        if (a is None and name in required) or (a is not None and (is_scalar(a) or not is_array(a))):
+        if (a is None and name in required) or (a is not None and (_python_scalar(a) or not is_array(a))):
             raise TypeError(not_an_array(name, a))
     arrays = {k: a for k, a in named_arrays.items() if a is not None}
     for name, a in arrays.items():
@@ -76,10 +76,15 @@ def namespace_of(named_arrays: dict, xp=None, *, required=()):
     return first
 
 
+def _python_scalar(value) -> bool:
+    """A Python number (not a NumPy scalar, which NumPy arithmetic on 0-d arrays returns: an array)."""
+    return type(value) in (bool, int, float, complex)
+
+
 def not_an_array(name: str, value) -> str:
     """The message of an array argument given something else (a Python scalar, a list, ``None``)."""
     hint = (" (a Python scalar is not broadcast: pass an array of the argument's shape)"
-            if is_scalar(value) else "")
+            if _python_scalar(value) else "")
     return (f"argument {name!r} must be an array (NumPy, torch, JAX, CuPy or another array-API "
             f"library), got {type(value).__name__}{hint}")
 
@@ -181,22 +186,23 @@ def _is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def positive_param(xp, value, name, device, work):
-    """A positive float, or an array of them (values checked unless traced), in the work dtype."""
+def positive_param(xp, value, name, device, work, expected=None):
+    """A positive float, or an array of them (values checked unless traced), in the work dtype;
+    ``expected`` as in :func:`floating_param`."""
     if _is_number(value):
         return positive_real(value, name)
-    value = floating_param(xp, value, name, device, work)
+    value = floating_param(xp, value, name, device, work, expected)
     if holds_everywhere(xp, value, lambda ns, a: (a > 0) & ns.isfinite(a)) is False:
         raise ValueError(f"argument {name!r} must be positive and finite everywhere")
     return value
 
 
-def finite_param(xp, value, name, device, work):
+def finite_param(xp, value, name, device, work, expected=None):
     """A finite float, or an array of them (values checked unless traced), in the work dtype: the
     rule of :func:`slicedkern.kernels.finite_real` for a parameter given as an array."""
     if _is_number(value):
         return finite_real(value, name)
-    value = floating_param(xp, value, name, device, work)
+    value = floating_param(xp, value, name, device, work, expected)
     if holds_everywhere(xp, value, lambda ns, a: ns.isfinite(a)) is False:
         raise ValueError(f"argument {name!r} must be finite everywhere")
     return value
@@ -234,7 +240,8 @@ def hat_param(xp, value, name: str, device, work, batch, *, positive: bool, sing
     floats = hat_floats(value, name, positive=positive, single=single)
     if floats is not None:
         return floats, None
-    arr = (positive_param if positive else finite_param)(xp, value, name, device, work)
+    expected = "a number or an array" if single else "a sequence of numbers or an array of shape (..., K)"
+    arr = (positive_param if positive else finite_param)(xp, value, name, device, work, expected)
     if not single:
         if arr.ndim == 0:
             raise ValueError(f"argument {name!r} must have a last axis with one entry per hat, got "
@@ -244,8 +251,10 @@ def hat_param(xp, value, name: str, device, work, batch, *, positive: bool, sing
     return None, arr
 
 
-def floating_param(xp, value, name, device, work, expected="a number, a sequence of numbers or an array"):
-    """An array parameter checked against the namespace and device of the other arrays, and its dtype."""
+def floating_param(xp, value, name, device, work, expected=None):
+    """An array parameter checked against the namespace and device of the other arrays, and its
+    dtype; ``expected`` says what the argument takes, for the error of a non-array."""
+    expected = expected or "a number, a sequence of numbers or an array"
     try:
         space = array_namespace(value)
     except TypeError:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .._lib.namespace import array_device, shape_str
 from .._spec import OP_DEFAULTS, AttentionSpec, Normalizer, profile_of
-from ..backends import backend_of, without_gradient
+from ..backends import backend_of, is_array, without_gradient
 from ..engines import sweep
 from ..engines import triton as triton_engine
 from ..engines.scan._decode import Runs
@@ -21,15 +21,25 @@ _NO_GRADIENT = ("DecodeCache is inference-only: its outputs have no gradient. Ge
 _OPTIONS = {**OP_DEFAULTS, "hat_mixture": {"bandwidths": None, "weights": None, **OP_DEFAULTS["hat_mixture"]}}
 
 
+def _floats_or_array(value, name, *, positive, single):
+    """:func:`hat_floats`, with a ``TypeError`` at construction for what is neither numbers nor an
+    array (an array is checked at the first ``append``)."""
+    floats = hat_floats(value, name, positive=positive, single=single)
+    if floats is None and not is_array(value):
+        what = "a number" if single else "a sequence of numbers"
+        raise TypeError(f"argument {name!r} must be {what} or an array, got {type(value).__name__}")
+    return floats
+
+
 def _hat_floats(op, options) -> tuple | None:
     """The hat parameters of ``op`` as floats, checked as the ops check them (``(bandwidths,
     weights)``), or ``None`` when one of them is an array (per head, say): their profile is built
     at the first ``append``, when the batch shape and the library are known."""
     if op == "hat":
-        bandwidths = hat_floats(options["bandwidth"], "bandwidth", positive=True, single=True)
+        bandwidths = _floats_or_array(options["bandwidth"], "bandwidth", positive=True, single=True)
         return None if bandwidths is None else (bandwidths, (1.0,))
-    bandwidths = hat_floats(options["bandwidths"], "bandwidths", positive=True, single=False)
-    weights = hat_floats(options["weights"], "weights", positive=False, single=False)
+    bandwidths = _floats_or_array(options["bandwidths"], "bandwidths", positive=True, single=False)
+    weights = _floats_or_array(options["weights"], "weights", positive=False, single=False)
     if bandwidths is None or weights is None:
         return None
     if len(bandwidths) != len(weights):

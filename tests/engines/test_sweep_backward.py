@@ -215,6 +215,20 @@ def test_attention_vjp_value_gradients_leave_out_a_clamped_query_below_every_key
         np.testing.assert_allclose(dv[0, :, 0], expected, rtol=1e-15, atol=1e-15)
 
 
+def test_attention_vjp_of_a_slope_that_the_knots_cancel(rng):
+    """``f(r) = -r + ReLU(r) = ReLU(-r)``: the slope (-1) and the coefficients (1) add up to 0, with
+    no intercept and no knot moment, and no normaliser or centring: the preparation once skipped the
+    per-query terms, so ``dq`` lost the slope's ``-gnum_i . sum_j v_j`` (4.8 off here)."""
+    kernel = PiecewiseLinear(knots=(0.0,), coeffs=(1.0,), slope=-1.0)
+    q, k = rng.normal(size=(1, 4)), rng.normal(size=(1, 5))
+    v, g = rng.normal(size=(1, 5, 2)), rng.normal(size=(1, 4, 2))
+    dq, dk, dv, _, _ = attn_vjp(q, k, v, g, kernel, None, False, None)
+    loss = lambda a, b, c: _attention_loss(a, b, c, g, kernel, None, False, None)  # noqa: E731
+    close(dq, _fd(lambda a: loss(a, k, v), q), tol=1e-7)
+    close(dk, _fd(lambda a: loss(q, a, v), k), tol=1e-7)
+    close(dv, _fd(lambda a: loss(q, k, a), v), tol=1e-7)
+
+
 def test_attention_vjp_nan_policy(rng):
     q, k = rng.normal(size=(5, 6)), rng.normal(size=(5, 7))
     v, g = rng.normal(size=(5, 7, 2)), rng.normal(size=(5, 6, 2))

@@ -175,3 +175,26 @@ def test_example_is_the_hand_computed_one():
     np.testing.assert_array_equal(dv[..., 0], [[4.0, 1.0]])
     np.testing.assert_array_equal(dknots, [[-5.0]])      # -(g . sum H v) over both queries
     np.testing.assert_array_equal(dcoeffs, [[7.0]])      # the output's sum: 1 + 6
+
+
+@pytest.mark.parametrize("profile_name", list(PROFILES))
+@pytest.mark.parametrize("normalize", ["abs", None])
+def test_a_common_offset_is_shifted_away(rng, profile_name, normalize):
+    """Scores 2^26 from 0 (on a grid of 2^-20, so that adding the offset is exact): the sweep shifts
+    every score by one the target sees before it sums, so the differences it sums are those of the
+    scores near 0, bit for bit, forward and backward alike (the fused one, or the generic one where a
+    tie leaves a row to it); unshifted, ``x P0 - P1`` would lose about 2^26 ulps to cancellation."""
+    q, k, v, _ = _case(rng, 7, 7)
+    q, k = np.round(q * 2.0**20) / 2.0**20, np.round(k * 2.0**20) / 2.0**20
+    profile = Profile(**PROFILES[profile_name])
+    normalizer = Normalizer(normalize, 1e-6)
+    g = rng.normal(size=v.shape[:-2] + (7, v.shape[-1]))
+    results = []
+    for offset in (0.0, 2.0**26):
+        kw = dict(key_mask=None, center=True, normalizer=normalizer, xp=xp)
+        out, residuals = ENGINE.causal_attention(q + offset, k + offset, v, profile, **kw)
+        grads = ENGINE.causal_attention_vjp(q + offset, k + offset, v, profile, g, out, residuals, **kw)
+        params = [a for part in grads[3] for a in part if a is not None]    # knot and coefficient gradients
+        results.append([out, *grads[:3], *params])
+    for near, far in zip(*results):
+        np.testing.assert_array_equal(far, near)

@@ -236,7 +236,7 @@ class TritonEngine(Engine):
         v, up = value_scale(xp, q, k, v, profile)
         out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,
                                     xp=xp, levels=self._levels(runs, narrow=narrow))
-        out = scaled_up(xp, out, up)
+        out = scaled_up(xp, out, up, in_place=True)
         residuals = self.residuals_of(aux)
         # the combination's block carry of the running totals (n / 64 rows) goes to the backward's
         # row dots, and the levels' sorted runs (n elements each), when the levels sorted, to its

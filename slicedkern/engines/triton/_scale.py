@@ -27,11 +27,11 @@ __all__ = ["value_scale", "scaled_up", "scaled_grads"]
 LIMIT = 126
 
 
-def _finite_abs_max(xp, a, axes):
-    """The largest finite ``|a|`` over ``axes``, float64 (0 where none): for the scores, whose
+def _finite_abs_max(xp, a):
+    """The largest finite ``|a|`` over the last axis, float64 (0 where none): for the scores, whose
     non-finite entries the NaN policy screens one by one."""
-    size = xp.where(xp.isfinite(a), xp.abs(a), xp.zeros((), dtype=a.dtype, device=a.device))
-    return xp.astype(xp.max(size, axis=axes), xp.float64)
+    bottom, top = a.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).aminmax(dim=-1)      # one array of a's size
+    return xp.astype(xp.maximum(top, -bottom), xp.float64)
 
 
 def _abs_max(xp, v):
@@ -43,23 +43,32 @@ def _abs_max(xp, v):
     return xp.maximum(top, -xp.astype(xp.min(bottom, axis=-1), xp.float64))
 
 
-def _size(xp, p, dev):
-    """``|p|`` of a profile parameter (a number or a batch-shaped array) as a float64 array, 0 where
-    not finite."""
-    p = xp.abs(xp.asarray(p, dtype=xp.float64, device=dev) if is_fixed(p) else xp.astype(p, xp.float64))
-    return xp.where(xp.isfinite(p), p, xp.zeros((), dtype=xp.float64, device=dev))
+def _size(xp, p):
+    """``|p|`` of a profile parameter: a float for a number, else a float64 array of its batch shape,
+    0 where not finite (a fixed profile costs no array here: on a GPU at small L the host's operators
+    are the time)."""
+    if is_fixed(p):
+        p = abs(float(p))
+        return p if p < float("inf") else 0.0
+    p = xp.abs(xp.astype(p, xp.float64))
+    return xp.where(xp.isfinite(p), p, xp.zeros((), dtype=xp.float64, device=p.device))
 
 
-def _term_bound(xp, profile, scores, dev):
+def _larger(xp, a, b):
+    return max(a, b) if isinstance(a, float) and isinstance(b, float) else xp.maximum(
+        *(xp.asarray(x, dtype=xp.float64) if isinstance(x, float) else x for x in (a, b)))
+
+
+def _term_bound(xp, profile, scores):
     """A bound on ``|f(r)|`` and on the profile's pair terms ``|r - t|`` for every difference ``r`` of
     the scores (of size at most ``scores``): ``(1 + |slope| + sum |c|) (2 scores + max |t|) +
     |intercept|`` (the knots' coefficients are applied in float64; the terms they multiply, and
     the profile's value in causal attention's leaves, are rounded to float32)."""
-    reach, gain = _size(xp, 0.0, dev), 1.0 + _size(xp, profile.slope, dev)
+    reach, gain = 0.0, 1.0 + _size(xp, profile.slope)
     for t, c in zip(profile.knots, profile.coeffs):
-        reach = xp.maximum(reach, _size(xp, t, dev))
-        gain = gain + _size(xp, c, dev)
-    return gain * (2.0 * scores + reach) + _size(xp, profile.intercept, dev)
+        reach = _larger(xp, reach, _size(xp, t))
+        gain = gain + _size(xp, c)
+    return gain * (2.0 * scores + reach) + _size(xp, profile.intercept)
 
 
 def _power_of_two(xp, e, dtype):
@@ -80,11 +89,11 @@ def value_scale(xp, q, k, v, profile):
     if v.dtype == xp.float64 or lk == 0 or q.shape[-1] == 0 or v.shape[-1] == 0:
         return v, None
     dev = v.device
-    scores = xp.maximum(_finite_abs_max(xp, q, (-1,)), _finite_abs_max(xp, k, (-1,)))
+    scores = xp.maximum(_finite_abs_max(xp, q), _finite_abs_max(xp, k))
     # a value that is not finite gives no bound, and its row is not scaled: the NaN policy makes
     # the row NaN if its key takes part (a masked key's value is not read, but it still stops the
     # scaling: its row is then computed as without it)
-    bound = _term_bound(xp, profile, scores, dev) * _abs_max(xp, v) * float(lk)
+    bound = _term_bound(xp, profile, scores) * _abs_max(xp, v) * float(lk)
     bound = xp.where(xp.isfinite(bound), bound, xp.zeros((), dtype=xp.float64, device=dev))
     _, e = bound.frexp()                                    # bound < 2 ** e
     t = xp.clip(e - LIMIT, min=0, max=LIMIT)
@@ -95,14 +104,18 @@ def value_scale(xp, q, k, v, profile):
     return scaled, _power_of_two(xp, t, xp.float64)
 
 
-def scaled_up(xp, out, up):
-    """``out`` (..., Lq, Dv) times ``up`` (..., ) (:func:`value_scale`), in ``out``'s dtype (through
-    float32 for narrower ones, where ``up`` may not be a number)."""
+def scaled_up(xp, out, up, *, in_place: bool = False):
+    """``out`` (..., Lq, Dv) times ``up`` (..., ) (:func:`value_scale`), in ``out``'s dtype (float16
+    through float32, where ``up`` may not be a number); ``in_place``: into ``out`` (an output the
+    engine has just written), which is returned."""
     if up is None:
         return out
     factor = xp.astype(up, xp.float32)[..., None, None]
-    return out * factor if out.dtype == xp.float32 else xp.astype(xp.astype(out, xp.float32) * factor, out.dtype)
-
+    if out.dtype == xp.float16:
+        scaled = xp.astype(xp.astype(out, xp.float32) * factor, out.dtype)
+        return out.copy_(scaled) if in_place else scaled
+    factor = xp.astype(factor, out.dtype)
+    return out.mul_(factor) if in_place else out * factor
 
 
 def scaled_grads(xp, grads, up):

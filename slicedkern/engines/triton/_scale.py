@@ -1,14 +1,15 @@
-"""Values scaled by a power of two where their products with the scores could overflow float32.
+"""Values scaled by a power of two where their products with the scores could leave float32's range.
 
 The kernels sum float32 (or narrower) values in float32 over a tile span, and causal attention keeps
 its running sums on the positions in float32 (:func:`._causal.running_dtype`): a sum of ``f(q_i -
 k_j) v_j`` overflows there once ``|score| |value|`` nears 3.4e38, though the output, divided by a
-normaliser or a count, is finite (issue 49, item 2). Attention is linear in the values, the
-centring and the divisor included (every normaliser sums the scores alone, ``eps`` too), so the
-values of a batch row are scaled down by ``2 ** -t`` before the kernels and the output up by ``2 **
-t``, both exact: a row whose bound below is in range has ``t = 0`` and is computed as before, bit for
-bit, and a scaled row is rounded as the unscaled one would be, but for values pushed below float32's
-smallest normal number (``2 ** -126``, against a row maximum near ``2 ** -t`` of the bound).
+normaliser or a count, is finite (issue 49, item 2), and its terms vanish below 1e-38. Attention
+is linear in the values, the centring and the divisor included (every normaliser sums the scores
+alone, ``eps`` too), so the values of a batch row are scaled by ``2 ** -t`` before the kernels and
+the output by ``2 ** t``, both exact. A row whose bound (:func:`value_scale`) lies between ``2 **
+-LOW`` and ``2 ** LIMIT`` has ``t = 0`` and is computed as before, bit for bit; a scaled row is
+rounded as the unscaled one would be in a float32 of wider exponent range, but for values pushed
+below float32's smallest normal number (``2 ** -126``, far below the row's largest).
 
 The scores are not scaled: a hat's bandwidth and a normaliser's ``eps`` would have to scale with
 them. The sums of the scores alone (the ReLU count, a normaliser's sum in causal attention's
@@ -23,8 +24,10 @@ from ...kernels import is_fixed
 
 __all__ = ["value_scale", "scaled_up", "scaled_grads"]
 
-#: a row is scaled when its bound reaches ``2 ** LIMIT``: four times below float32's largest number
+#: a row is scaled down when its bound reaches ``2 ** LIMIT``, four times below float32's largest
+#: number, and up when it is below ``2 ** -LOW``
 LIMIT = 126
+LOW = 60
 
 
 def _finite_abs_max(xp, a):
@@ -81,8 +84,8 @@ def _power_of_two(xp, e, dtype):
 
 def value_scale(xp, q, k, v, profile):
     """``(v scaled, up)``: the values ``v`` (..., Lk, Dv), narrower than float64, times ``2 ** -t``
-    per batch row, and ``up = 2 ** t`` (..., ) float64 that the output is multiplied by (``t >= 0``,
-    0 where the row is in range; see the module's docstring), or ``(v, None)`` for float64 values
+    per batch row, and ``up = 2 ** t`` (..., ) float64 that the output is multiplied by (``t = 0``
+    where the row is in range; see the module's docstring), or ``(v, None)`` for float64 values
     and empty calls. ``q`` (..., Lq) and ``k`` (..., Lk) the scores, ``profile`` the value kernel.
     One array of ``v``'s size is made: the scaled values (several reductions, of the batch's size)."""
     lk = k.shape[-1]
@@ -93,10 +96,15 @@ def value_scale(xp, q, k, v, profile):
     # a value that is not finite gives no bound, and its row is not scaled: the NaN policy makes
     # the row NaN if its key takes part (a masked key's value is not read, but it still stops the
     # scaling: its row is then computed as without it)
-    bound = _term_bound(xp, profile, scores) * _abs_max(xp, v) * float(lk)
+    values = _abs_max(xp, v)
+    bound = _term_bound(xp, profile, scores) * values * float(lk)
     bound = xp.where(xp.isfinite(bound), bound, xp.zeros((), dtype=xp.float64, device=dev))
-    _, e = bound.frexp()                                    # bound < 2 ** e
-    t = xp.clip(e - LIMIT, min=0, max=LIMIT)
+    _, e = bound.frexp()                                    # bound < 2 ** e (e = 0 for a bound of 0)
+    _, ev = xp.where(xp.isfinite(values), values, xp.zeros((), dtype=xp.float64, device=dev)).frexp()
+    # down where the bound reaches 2 ** LIMIT; up to a bound of about 1 where it is below 2 ** -LOW
+    # (products below float32's normal range: 1e-30 by 1e-20 gave 0), the values staying below 2 ** 120
+    t = xp.where(e > LIMIT, xp.clip(e - LIMIT, max=LIMIT), xp.where(e < -LOW, xp.maximum(e, ev - 120), 0))
+    t = xp.clip(t, min=-LIMIT, max=LIMIT)
     down = _power_of_two(xp, -t, xp.float32)[..., None, None]
     # float16's exponents stop at 2 ** -24: its values are scaled through float32
     scaled = xp.astype(xp.astype(v, xp.float32) * down, v.dtype) if v.dtype == xp.float16 else \

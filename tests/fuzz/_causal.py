@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._cases import POSITIONAL, Arr, Case
-from ._oracle import UNIT, assert_within, evaluate, expected_output, forward_bound, loss_noise
+from ._oracle import assert_within, evaluate, expected_output, forward_bound, loss_noise
 
 __all__ = ["visible", "with_causal", "per_query_case", "causal_oracle", "causal_loss_noise",
            "assert_reference_agrees", "has_causal_mode"]
@@ -72,40 +72,14 @@ def per_query_case(case: Case) -> Case:
     return Case(case.op, tuple(args), kwargs)
 
 
-def causal_oracle(case: Case, *, row_shift: bool = False):
-    """``(expected, bound, judged)`` of the causal call ``case`` (shape ``(..., Lq, Dv)``).
-
-    ``row_shift``: for an engine that shifts every score of a batch row by one value taken among ALL
-    its valid keys (the causal sweep: the median key), so that a query's rounding scales with keys
-    it does not see -- a known defect, pinned by
-    ``test_fuzz_causal.test_causal_row_does_not_depend_on_unseen_keys``. A query is then judged only
-    where ``rho = (|q_i| + max_all |k|) / (|q_i| + max_seen |k|) <= 4`` (the keys it does not see are
-    at most 4 times its own scale), with its unit roundoff multiplied by ``rho``: every magnitude
-    of the bound (the terms and the normaliser's error) grows at most by that factor.
-    """
+def causal_oracle(case: Case):
+    """``(expected, bound, judged)`` of the causal call ``case`` (shape ``(..., Lq, Dv)``): every
+    query judged by the per-query bound of the keys it sees (no engine's rounding may depend on keys
+    a query does not see: ``test_fuzz_causal.test_causal_row_does_not_depend_on_unseen_keys``)."""
     per_query = per_query_case(case)
     expected = expected_output(per_query)
-    if not row_shift:
-        bound, judged = forward_bound(per_query, expected)
-    else:
-        rho = _unseen_key_ratio(case, per_query)
-        bound, judged = forward_bound(per_query, expected, unit=UNIT * np.minimum(rho, 4.0))
-        judged = judged & (rho <= 4.0)
+    bound, judged = forward_bound(per_query, expected)
     return expected[..., 0, :], bound[..., 0, :], judged[..., 0, :]
-
-
-def _unseen_key_ratio(case: Case, per_query: Case) -> np.ndarray:
-    """``(|q_i| + max_all |k|) / (|q_i| + max_seen |k|)`` (1 where both are 0, ``inf`` where only the
-    denominator is), shaped (..., Lq, 1, 1) like the per-query case's magnitudes."""
-    q = np.abs(per_query.args[0].values)[..., None]                              # (..., Lq, 1, 1)
-    k = np.abs(case.args[1].values)
-    valid = case.kwargs["key_mask"].values if "key_mask" in case.kwargs else np.ones(k.shape, bool)
-    kmax_all = np.max(np.where(valid, k, 0.0), axis=-1, initial=0.0)[..., None, None, None]
-    seen = per_query.kwargs["key_mask"].values
-    kmax_seen = np.max(np.where(seen, np.abs(per_query.args[1].values), 0.0), axis=-1, initial=0.0)[..., None, None]
-    num, den = q + kmax_all, q + kmax_seen
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(num <= den, 1.0, num / den)
 
 
 def causal_loss_noise(case: Case, cotangent: np.ndarray, position: int | None = None) -> float:

@@ -22,6 +22,7 @@ OPTIONAL_MODULES = {
     "slicedkern/nn/torch.py": ("torch",),
     "slicedkern/nn/_torch_generate.py": ("torch",),
     "slicedkern/nn/_torch_convert.py": ("torch",),
+    "slicedkern/nn/_torch_attention.py": ("torch",),
     "slicedkern/nn/flax.py": ("flax", "jax"),
     "slicedkern/engines/sweep/_causal_host.py": ("numba",),
     "slicedkern/engines/sweep/_convert.py": ("numba",),

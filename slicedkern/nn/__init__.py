@@ -237,6 +237,17 @@ def rope_positions(like, q_len: int, k_len: int, valid=None, start=None):
     return xp.concat((head, keys), axis=-1), keys
 
 
+def forward_positions(like, q_len: int, k_len: int, key_padding_mask=None, query_positions=None,
+                      key_positions=None):
+    """The RoPE positions of a forward call (no cache): the explicit ``query_positions`` /
+    ``key_positions`` (N, L) where given, else :func:`rope_positions` of the keys that are not
+    padding (``key_padding_mask`` (N, Lk), True = padding, or None). Returns ``(queries, keys)``."""
+    valid = None if key_padding_mask is None else ~key_padding_mask
+    q_pos, k_pos = rope_positions(like, q_len, k_len, valid)
+    return (q_pos if query_positions is None else query_positions,
+            k_pos if key_positions is None else key_positions)
+
+
 def check_positions(config: LayerConfig, name: str, shape: Sequence[int], is_integer: bool,
                     expected: tuple[int, ...], cached: bool) -> None:
     """Validate explicit RoPE positions (``query_positions`` / ``key_positions``) of a forward call:

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ..backends import learn_types
 from ..kernels import PiecewiseLinear
-from . import attend_heads, attention_op, check_bool, check_forward, check_positions, layer_config, rope_positions
+from . import attend_heads, attention_op, check_bool, check_forward, check_positions, forward_positions, layer_config
 from ._torch_convert import (
     boolean_padding,
     copy_projections,
@@ -307,9 +307,7 @@ class SlicedAttention(nn.Module):
         batch, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if cfg.rope:
-            q_pos, k_pos = rope_positions(q, q_len, k_len, None if key_padding_mask is None else ~key_padding_mask)
-            q_pos = q_pos if query_positions is None else query_positions
-            k_pos = k_pos if key_positions is None else key_positions
+            q_pos, k_pos = forward_positions(q, q_len, k_len, key_padding_mask, query_positions, key_positions)
             q, k = rotary_embedding(q, cfg.num_heads, q_pos), rotary_embedding(k, cfg.num_heads, k_pos)
         bandwidth = None if self.log_bandwidth is None else torch.exp(self.log_bandwidth)
         ctx = attend_heads(cfg, self._op, self.scores(q), self.scores(k), v, key_padding_mask, bandwidth,

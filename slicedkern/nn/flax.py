@@ -40,11 +40,11 @@ from . import (
     check_bool,
     check_forward,
     check_positions,
+    forward_positions,
     head_scores,
     head_values,
     layer_config,
     merge_heads,
-    rope_positions,
 )
 
 __all__ = ["SlicedAttention", "FixedBandwidth"]
@@ -336,9 +336,7 @@ class SlicedAttention(nnx.Module):
         batch, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if cfg.rope:
-            q_pos, k_pos = rope_positions(q, q_len, k_len, None if key_padding_mask is None else ~key_padding_mask)
-            q_pos = q_pos if query_positions is None else query_positions
-            k_pos = k_pos if key_positions is None else key_positions
+            q_pos, k_pos = forward_positions(q, q_len, k_len, key_padding_mask, query_positions, key_positions)
             q, k = rotary_embedding(q, cfg.num_heads, q_pos), rotary_embedding(k, cfg.num_heads, k_pos)
         bandwidth = None if self.log_bandwidth is None else jnp.exp(self.log_bandwidth[...])
         if isinstance(self.log_bandwidth, FixedBandwidth):

@@ -19,6 +19,8 @@
   each parametrised test function, a different one per function (a stable choice by the test's
   name), and the tests marked ``exhaustive`` (slow compiles, oversized cases) are left out, as are
   the JAX cases of the few functions in ``JAX_ONLY_EXHAUSTIVE`` (10-31 s of compiles each).
+  The tests of Triton's kernels under its interpreter (``INTERPRETED_TRITON``) run one case of each
+  parametrised function too.
   ``--exhaustive`` or ``SLICEDKERN_EXHAUSTIVE=1`` runs the whole matrix, and the fuzz suite's long
   profile (tests/fuzz/conftest.py) unless ``$SLICEDKERN_FUZZ`` names another. CI runs the default
   profile, then ``--exhaustive --rest`` (only what the default left out), then the fuzz suite with
@@ -96,8 +98,9 @@ def _jax_case(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The default profile (module docstring): one JAX case per test function, no ``exhaustive``;
-    with ``--exhaustive --rest``, only what the default profile leaves out."""
+    """The default profile (module docstring): one JAX case and one interpreted Triton case per test
+    function, no ``exhaustive``; with ``--exhaustive --rest``, only what the default profile leaves
+    out."""
     left_out = _left_out_by_default(items)
     if exhaustive(config):
         if not config.getoption("--rest"):
@@ -125,13 +128,25 @@ JAX_ONLY_EXHAUSTIVE = frozenset({
 })
 
 
+#: Test modules that run Triton's kernels under its interpreter (TRITON_INTERPRET=1): a launch is
+#: Python over every program of its grid, 10-39 s a case, and their cases together took 14 of the
+#: default profile's 30 minutes (issue 49, item 16). By default they run one case of each
+#: parametrised test function, as JAX does; --exhaustive runs every case.
+INTERPRETED_TRITON = ("tests/engines/test_triton.py", "tests/fuzz/test_fuzz_triton.py")
+
+
+def _interpreted_triton_case(item) -> bool:
+    """A case of a parametrised test function of :data:`INTERPRETED_TRITON`."""
+    return getattr(item, "callspec", None) is not None and item.nodeid.split("::")[0] in INTERPRETED_TRITON
+
+
 def _left_out_by_default(items) -> set:
     """``id()`` of the items the default profile leaves out."""
     left_out = {id(item) for item in items if item.get_closest_marker("exhaustive") is not None
                 or (_jax_case(item) and item.nodeid.split("[")[0] in JAX_ONLY_EXHAUSTIVE)}
     jax_cases: dict[str, list] = {}
     for item in items:
-        if id(item) not in left_out and _jax_case(item):
+        if id(item) not in left_out and (_jax_case(item) or _interpreted_triton_case(item)):
             jax_cases.setdefault(item.nodeid.split("[")[0], []).append(item)
     for function, cases in jax_cases.items():
         kept = cases[zlib.crc32(function.encode()) % len(cases)]

@@ -56,3 +56,28 @@ def test_the_flax_generation_snippet_runs_and_matches_the_full_forward():
     np.testing.assert_allclose(np.asarray(ns["out"]), np.asarray(full), rtol=1e-5, atol=1e-5)
     assert ns["token"].shape == (2, 1, 64)
     assert layer.cache.length == 15
+
+
+def _prose_lines(text: str) -> list[str]:
+    """The lines of an reST page that render as prose: literal and code blocks (the indented lines
+    after a ``::`` or a directive) and inline literals left out."""
+    lines, literal_indent = [], None
+    for line in text.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if literal_indent is not None:
+            if not line.strip() or indent > literal_indent:
+                continue
+            literal_indent = None
+        if line.rstrip().endswith("::") or line.lstrip().startswith(".. "):
+            literal_indent = indent
+            continue
+        lines.append(re.sub(r"``.*?``", "", line))
+    return lines
+
+
+@pytest.mark.parametrize("page", sorted(path.name for path in (ROOT / "docs").glob("*.rst")))
+def test_pages_link_other_pages_rather_than_naming_their_files(page):
+    """A page refers to another with ``:doc:`` (a link in the rendered site), not as ``docs/x.rst``
+    (issue 49, item 15: three such mentions had reached the changelog and the architecture page)."""
+    raw = [line for line in _prose_lines((ROOT / "docs" / page).read_text()) if re.search(r"docs/\w+\.rst", line)]
+    assert raw == []

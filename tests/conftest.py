@@ -13,8 +13,9 @@
 * JAX compiles every eager op once per input shape (seconds per new shape on CPU), so the suite
   shares a few canonical shapes (``_helpers.N, M, C``). Tests marked ``new_shapes`` use shapes of
   their own; JAX runs them only with ``--jax-all`` or ``SLICEDKERN_JAX_ALL=1``.
-* Profiles. The default run (the README's ``python -m pytest``) is sized to pass in about ten
-  minutes on two cores with torch and JAX installed: every test function runs on every backend and
+* Profiles. The default run (the README's ``python -m pytest``) is meant to pass in about ten
+  minutes on two cores with torch and JAX installed (it took 21 on 2026-12-02: the README's table
+  says where the time goes): every test function runs on every backend and
   engine, but JAX (60 % of the full suite's time, nearly all of it compiling) runs **one** case of
   each parametrised test function, a different one per function (a stable choice by the test's
   name), and the tests marked ``exhaustive`` (slow compiles, oversized cases) are left out, as are

@@ -17,7 +17,7 @@ For input tokens ``x`` (queries), ``y`` (keys) and ``z`` (values), with ``H`` he
 
 1. ``Q = W_q x``, ``K = W_k y``, ``V = W_v z`` (shape ``(..., L, embed_dim)``), optionally with
    rotary position embeddings applied to ``Q`` and ``K`` head by head (``rope=True``) at the
-   positions of :func:`rope_positions`: padding is no position (a key's position counts the valid
+   positions of ``rope_positions``: padding is no position (a key's position counts the valid
    keys before it), and query ``i`` takes the position of key ``i + Lk - Lq``, the token
    ``is_causal`` aligns it with;
 2. one score per head and token, ``s = Pi(Q)`` and ``t = Pi(K)`` of shape ``(..., L, H)``, with the
@@ -240,7 +240,7 @@ def rope_positions(like, q_len: int, k_len: int, valid=None, start=None):
 def forward_positions(like, q_len: int, k_len: int, key_padding_mask=None, query_positions=None,
                       key_positions=None):
     """The RoPE positions of a forward call (no cache): the explicit ``query_positions`` /
-    ``key_positions`` (N, L) where given, else :func:`rope_positions` of the keys that are not
+    ``key_positions`` (N, L) where given, else ``rope_positions`` of the keys that are not
     padding (``key_padding_mask`` (N, Lk), True = padding, or None). Returns ``(queries, keys)``."""
     valid = None if key_padding_mask is None else ~key_padding_mask
     q_pos, k_pos = rope_positions(like, q_len, k_len, valid)
@@ -302,7 +302,7 @@ class Generation:
             self.meta = meta
 
     def positions(self, like, valid):
-        """The RoPE positions of the new tokens, (N, T) (:func:`rope_positions` after the valid keys
+        """The RoPE positions of the new tokens, (N, T) (``rope_positions`` after the valid keys
         seen so far); ``like`` (N, T, ...) the new tokens, ``valid`` (N, T) bool or None."""
         length = like.shape[1]
         return rope_positions(like, length, length, valid, self.seen)[1]

@@ -20,7 +20,7 @@ def rotary_embedding(x: Tensor, num_heads: int, positions: Tensor) -> Tensor:
 
     Feature ``i`` of the first half of a head and feature ``i`` of its second half form a pair,
     rotated by the angle ``position * ROPE_BASE ** (-2 i / head_dim)``; ``positions`` (N, L) are the
-    tokens' positions (:func:`slicedkern.nn.rope_positions`).
+    tokens' positions (``slicedkern.nn.rope_positions``).
     """
     batch, length, embed_dim = x.shape
     half = embed_dim // num_heads // 2

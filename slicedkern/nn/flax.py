@@ -62,7 +62,7 @@ def rotary_embedding(x: jax.Array, num_heads: int, positions: jax.Array) -> jax.
     """Rotate each head's features of ``x`` (N, L, E) by position (RoPE, half-split layout).
 
     The same rotation as :func:`slicedkern.nn.torch.rotary_embedding`; ``positions`` (N, L) are the
-    tokens' positions (:func:`slicedkern.nn.rope_positions`).
+    tokens' positions (``slicedkern.nn.rope_positions``).
     """
     batch, length, embed_dim = x.shape
     half = embed_dim // num_heads // 2

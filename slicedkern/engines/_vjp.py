@@ -265,7 +265,7 @@ def sums_vjp(keys, profile: Profile, normalizer: Normalizer, gout, cot, silent, 
         # Rows whose normaliser sum is exactly 0 while the profile vanishes wherever it does (ReLU
         # attention; ties, a first key): their output is 0 and their value gradient exactly 0,
         # but g / eps times the rounding of the sums over the queries (|q| 2^-52 a pair) would
-        # reach dv: 1.7e10 for -0.9 at |q| = 1e20 (issue 23, item 10). Their cotangent goes
+        # reach dv: 1.7e10 for -0.9 at |q| = 1e20 (docs/changelog.rst). Their cotangent goes
         # through a copy of the value columns whose gradient is dropped: dq and dk keep its
         # tie-rule terms (H(0) = 1), dv gets none of it.
         gnum = gout * cot.scale

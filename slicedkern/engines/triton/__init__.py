@@ -100,7 +100,7 @@ __all__ = ["TritonEngine"]
 _RESIDUALS = ("take", "relu_count", "key_order", "key_perm", "query_order", "query_perm", "key_carry", "good",
               "row_ok", "den")
 #: Positions per dense leaf block of causal attention: the (64, 64) products of a block cost less on a
-#: GPU than the six levels of launches they replace (issue 26 asks for a 64-128 dense bottom chunk).
+#: GPU than the six levels of launches they replace (a dense bottom chunk of 64-128 keys is the aim).
 CAUSAL_LEAF = 64
 
 
@@ -190,12 +190,12 @@ class TritonEngine(Engine):
         # float64 sums cannot overflow, so the values' finiteness is read off the table's totals
         # (the NaN policy's deferred check) rather than from a pass over them
         narrow = v.dtype != xp.float64
-        # narrow values scaled where their sums with the scores could overflow (issue 49, item 2)
+        # narrow values scaled where their sums with the scores could overflow float32 (_scale's docstring)
         v, up = value_scale(xp, q, k, v, profile)
         sc = screen(xp, q, k, v, key_mask, defer=narrow and quiet_nonfinite(xp))
         table_take = None if sc.table_take is None else flat_rows(xp, sc.table_take, 1)
         if sc.deferred and max(lq, lk) <= _sums.SMALL_FUSED:
-            # short rows: sorts, both passes and the values' verdict in one launch (issue 26, item 3)
+            # short rows: sorts, both passes and the values' verdict in one launch: at small L the launches are the time
             out, relu_count, raw, table, xr = attend_small(
                 xp, flat_rows(xp, sc.y, 1), flat_rows(xp, sc.x, 1), row_view(xp, v, 2), table_take, profile,
                 normalizer, batch, center=center, factor=flat_rows(xp, _factor(xp, sc, row_ok, up), 1), dtype=v.dtype)

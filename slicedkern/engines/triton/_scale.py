@@ -3,7 +3,7 @@
 The kernels sum float32 (or narrower) values in float32 over a tile span, and causal attention keeps
 its running sums on the positions in float32 (:func:`._causal.running_dtype`): a sum of ``f(q_i -
 k_j) v_j`` overflows there once ``|score| |value|`` nears 3.4e38, though the output, divided by a
-normaliser or a count, is finite (issue 49, item 2), and its terms vanish below 1e-38. Attention
+normaliser or a count, is finite, and its terms vanish below 1e-38. Attention
 is linear in the values, the centring and the divisor included (every normaliser sums the scores
 alone, ``eps`` too), so the values of a batch row are scaled by ``2 ** -t`` before the kernels and
 the output by ``2 ** t``, both exact. A row whose bound (:func:`value_scale`) lies between ``2 **

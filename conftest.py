@@ -13,6 +13,7 @@ import importlib.util
 #: path (relative to the repository root) -> the top-level modules it needs
 OPTIONAL_MODULES = {
     "slicedkern/adapters/_torch.py": ("torch",),
+    "slicedkern/adapters/_torch_ops.py": ("torch",),
     "slicedkern/adapters/_jax.py": ("jax",),
     "slicedkern/backends/_torch.py": ("torch",),
     "slicedkern/backends/_jax.py": ("jax",),

@@ -8,13 +8,15 @@ layer. Engines turn a spec and its arrays into a :class:`~slicedkern.kernels.Pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 
+from . import kernels
 from ._lib.namespace import clamp_min
 from .kernels import Abs, PiecewiseLinear, Profile, ReLU, hat_profile, hat_pullback, is_fixed
 
 __all__ = ["KernelSumSpec", "AttentionSpec", "Normalizer", "NORMALIZERS", "OP_DEFAULTS", "unpack", "hats",
-           "profile_of", "param_grads", "sum_to", "bandwidth_ok"]
+           "profile_of", "param_grads", "sum_to", "bandwidth_ok", "spec_parts", "spec_from_parts"]
 
 #: The attention normalisers by the name users pass as ``normalize``: a profile summed over the
 #: valid keys (clamped below by ``eps``), the number of valid keys (``"count"``, at least 1), or none.
@@ -186,3 +188,77 @@ def bandwidth_ok(xp, spec: AttentionSpec, params):
         good = (a > 0) & xp.isfinite(a)
         ok = good if ok is None else ok & good
     return ok
+
+
+# -- a spec as text and numbers: what a registered torch operator takes (its schema holds no Python
+# objects); the numbers apart, so that torch.compile may pass them as symbolic floats
+#: decoded specs by (text, numbers), so that an operator called in a loop parses each spec once
+_DECODED: dict[tuple, KernelSumSpec | AttentionSpec] = {}
+
+
+def _json(value, numbers: list) -> str:
+    """A spec field as JSON text, each float replaced by ``{"n": i}`` and appended to ``numbers``.
+
+    Written by hand in plain Python (no ``json.dumps``, C code that ``torch.compile``'s tracer does
+    not follow: the text is made while it traces, where a float may be symbolic).
+    """
+    if isinstance(value, PiecewiseLinear):
+        # the class by name (ReLU, Hat, ...) and its state: an engine may read either
+        return '{"kernel":"' + type(value).__name__ + '","state":' + _json(value.__getstate__(), numbers) + "}"
+    if isinstance(value, Normalizer):
+        return '{"normalizer":' + _json(value.name, numbers) + ',"eps":' + _json(value.eps, numbers) + "}"
+    if isinstance(value, tuple):
+        return "[" + ",".join([_json(part, numbers) for part in value]) + "]"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value + '"'       # the specs' strings are names: no character to escape
+    numbers.append(value)
+    return '{"n":' + str(len(numbers) - 1) + "}"
+
+
+def _decode(value, numbers):
+    if isinstance(value, list):
+        return tuple(_decode(part, numbers) for part in value)
+    if not isinstance(value, dict):
+        return value
+    if "n" in value:
+        return float(numbers[value["n"]])
+    if "normalizer" in value:
+        return Normalizer(value["normalizer"], _decode(value["eps"], numbers))
+    cls = getattr(kernels, value["kernel"])
+    kernel = object.__new__(cls)      # the state as it was, past the constructor's checks (they passed)
+    kernel.__setstate__(tuple(_decode(part, numbers) for part in value["state"]))
+    return kernel
+
+
+def spec_parts(spec: KernelSumSpec | AttentionSpec) -> tuple[str, list]:
+    """``spec`` as a JSON text and its floats, which :func:`spec_from_parts` turns back into an equal
+    spec, floats bit for bit (the engines may read any field): the form in which a registered torch
+    operator receives it (slicedkern/adapters/_torch_ops.py).
+
+    Examples
+    --------
+    >>> spec = AttentionSpec(kernel=ReLU(), center=True, normalizer=Normalizer("abs", 1e-6))
+    >>> text, numbers = spec_parts(spec)
+    >>> numbers
+    [0.0, 1.0, 0.0, 0.0, 1e-06]
+    >>> spec_from_parts(text, numbers) == spec
+    True
+    """
+    numbers: list = []
+    body = ",".join(['"' + f.name + '":' + _json(getattr(spec, f.name), numbers) for f in fields(spec)])
+    return '{"spec":"' + type(spec).__name__ + '",' + body + "}", numbers
+
+
+def spec_from_parts(text: str, numbers) -> KernelSumSpec | AttentionSpec:
+    """The spec that :func:`spec_parts` wrote as ``text`` and ``numbers``."""
+    key = (text, tuple(numbers))
+    spec = _DECODED.get(key)
+    if spec is None:
+        body = json.loads(text)
+        cls = {"KernelSumSpec": KernelSumSpec, "AttentionSpec": AttentionSpec}[body.pop("spec")]
+        spec = _DECODED.setdefault(key, cls(**{name: _decode(value, numbers) for name, value in body.items()}))
+    return spec

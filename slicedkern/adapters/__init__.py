@@ -16,7 +16,7 @@ from typing import Any
 
 from ..backends import is_traced, ops_for
 
-__all__ = ["run", "Record", "recording"]
+__all__ = ["run", "Record", "recording", "register_torch_operators"]
 
 def _torch_apply():
     from ._torch import apply  # imports torch: only once a torch tensor has arrived
@@ -26,6 +26,13 @@ def _torch_apply():
 def _jax_apply():
     from ._jax import apply  # imports jax: only once a JAX array has arrived
     return apply
+
+
+def register_torch_operators() -> None:
+    """Register the ``slicedkern::*`` torch operators (done by the first op call on a torch tensor, and
+    by importing ``slicedkern.nn.torch``): a process that loads a ``torch.export``-ed program holding
+    them needs them before it runs it (docs/compile.rst)."""
+    _torch_apply()
 
 
 #: registry row's library -> loader of its adapter's ``apply``; other libraries have no autograd system.

@@ -10,11 +10,10 @@ from __future__ import annotations
 import array_api_compat.torch as xp
 import torch
 
-__all__ = ["apply", "SECOND_ORDER"]
+from ._torch_ops import SECOND_ORDER
+from ._torch_ops import apply as as_operator
 
-SECOND_ORDER = ("slicedkern's sort-scan ops are differentiable once: their gradient is piecewise "
-                "constant in the scores, with jumps at ties, so a second derivative (create_graph=True, "
-                "torch.func.hessian, double backward) is not supported")
+__all__ = ["apply", "SECOND_ORDER"]
 
 
 class SortScan(torch.autograd.Function):
@@ -73,7 +72,10 @@ class FirstOrderOnly(torch.autograd.Function):
 
 
 def apply(spec, engine, arrays, out_dtype):
-    """Run ``spec`` on torch tensors; an autograd node only when some input requires grad."""
+    """Run ``spec`` on torch tensors; an autograd node only when some input requires grad. Under
+    ``torch.compile`` an engine that cannot be traced runs as one operator node (:mod:`._torch_ops`)."""
+    if torch.compiler.is_compiling() and not engine.traceable:
+        return as_operator(spec, engine, arrays, out_dtype)
     if torch.is_grad_enabled() and any(a.requires_grad for a in arrays if a.is_floating_point()):
         return SortScan.apply(spec, engine, out_dtype, *arrays)[0]
     out, _ = engine.forward(spec, arrays, xp=xp)

@@ -94,6 +94,13 @@ class ArrayBackend:
         readable now, or (JAX) a host callback reaches it on the CPU, traced or not."""
         return self.host_readable(a)
 
+    def operator_device(self, a) -> str | None:
+        """The device type of ``a`` ("cpu", "cuda") when an op call on it runs as one registered
+        operator of its library, whose implementation sees real arrays again (torch under
+        ``torch.compile``: slicedkern/adapters/_torch_ops.py), so that an engine that cannot be traced
+        may still serve the call; None otherwise."""
+        return None
+
     def host_call(self, fn, results, *arrays):
         """``fn(*arrays)``, a tuple of host results, as arrays of this library.
 

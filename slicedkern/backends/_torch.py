@@ -277,6 +277,9 @@ class TorchBackend(ArrayBackend):
     def reads_context(self, a) -> bool:
         return not torch.compiler.is_compiling()
 
+    def operator_device(self, a) -> str | None:
+        return a.device.type if torch.compiler.is_compiling() else None
+
     def host_readable(self, a) -> bool:
         # torch.func transforms wrap tensors without storage: data_ptr() raises on them (public API,
         # unlike functorch's own predicate), and a compiled graph needs traceable ops anyway.

@@ -69,6 +69,9 @@ class Engine:
     folds_row_ok = False
     #: whether the engine's forward and backward run collectives: every rank must run the backward
     collective = False
+    #: whether ``torch.compile`` traces the engine's array code (the scan); otherwise a compiled call
+    #: runs it as one registered operator (slicedkern/adapters/_torch_ops.py, docs/compile.rst)
+    traceable = False
 
     def decline(self, spec, arrays, backend) -> str | None:
         """Why this engine cannot run ``spec`` on ``arrays`` (of registry row ``backend``), or None.
@@ -150,6 +153,21 @@ class Engine:
             nan = xp.asarray(float("nan"), dtype=out.dtype, device=array_device(out))
             out = xp.where(ok[..., None, None], out, nan)
         return out, residuals
+
+    def residual_layout(self, spec, arrays, *, xp) -> tuple | None:
+        """The ``(shape, dtype)`` of each residual :meth:`forward` with ``for_backward`` returns for
+        ``arrays`` (read for their shapes and dtypes only: a registered torch operator declares its
+        outputs before it runs, slicedkern/adapters/_torch_ops.py), or None where they depend on more
+        than shapes: a compiled call then keeps none, and the backward recomputes what it lacks.
+
+        The default is the per-query residuals ``(take, relu_count[, den])`` of the generic backward,
+        for attention (kernel sums keep none).
+        """
+        if isinstance(spec, KernelSumSpec):
+            return ()
+        q, k = arrays[0], arrays[1]
+        per_query = ((tuple(q.shape) + (1,), q.dtype),)
+        return (((tuple(k.shape), xp.bool),) + per_query * (2 if spec.normalizer.summed else 1))
 
     def backward(self, spec, arrays, out, residuals, g, *, xp):
         """Cotangents of every array of ``arrays`` (``None`` for the mask), given the forward's

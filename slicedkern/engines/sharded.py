@@ -149,6 +149,8 @@ class ShardedEngine(Engine):
     """
 
     collective = True
+    #: traced as it runs (its inner engine must be too: :meth:`decline`)
+    traceable = True
 
     def __init__(self, inner: Engine, comm):
         self.inner, self.comm = inner, comm
@@ -168,6 +170,10 @@ class ShardedEngine(Engine):
         if not isinstance(spec, AttentionSpec):
             return "the sharded engine computes attention only"
         reason = self.inner.decline(spec, arrays, backend)
+        if reason is None and not self.inner.traceable and backend.operator_device(arrays[0]) is not None:
+            # its collectives run between the inner engine's calls: no one operator holds the call
+            reason = (f"sequence-parallel attention does not run the {self.name!r} engine under torch.compile; "
+                      "use engine='scan'")
         if reason is None and getattr(spec, "causal", False) and not self.supports_causal:
             reason = (f"the {self.name!r} engine gives no causal partial sums, which sequence-parallel causal "
                       "attention adds across ranks; use engine='scan'")

@@ -31,10 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..adapters import register_torch_operators
 from ..kernels import PiecewiseLinear
 from . import check_bool
 from ._torch_attention import SlicedAttention, convert_attention
 from ._torch_generate import AttentionCache
+
+# a model of these layers may be exported (torch.export) and loaded where no op has run yet
+register_torch_operators()
 
 __all__ = ["SlicedAttention", "AttentionCache", "SlicedTransformerEncoderLayer", "SlicedTransformerEncoder",
            "convert_attention"]

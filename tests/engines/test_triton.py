@@ -1114,3 +1114,40 @@ def test_empty_axis_with_gradients(causal, lq, lk, kernel):
     for got, want, arg in zip(results[0], results[1], (None, q, k, v, *params)):
         assert got.shape == (want.shape if arg is None else arg.shape)
         assert (got == 0).all() and (want == 0).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_form_passes_opcheck_and_reads_nothing_back(causal):
+    """Under ``torch.compile`` a triton call is one ``slicedkern::attention`` operator node that keeps
+    no residuals (their shapes depend on more than the inputs': docs/compile.rst; the backward
+    operator runs the forward again for them): ``opcheck`` holds its fake and its autograd formula to
+    real runs, the gradients are eager's, and neither operator reads anything back to the host (a
+    device synchronisation, which CUDA graph capture refuses)."""
+    if DEVICE != "cpu":
+        pytest.skip("checked under the interpreter, on CPU tensors")
+    from slicedkern._spec import spec_parts
+    from slicedkern.adapters import _torch_ops
+    from slicedkern.ops.attention import _RELU, prepare
+
+    g = torch.Generator().manual_seed(0)
+    # float64, the work dtype: the op's inputs are the caller's tensors, and eager's call below is the same
+    q, k = torch.randn(SHAPE_Q, generator=g, dtype=torch.float64), torch.randn(SHAPE_K, generator=g, dtype=torch.float64)
+    v = torch.randn(SHAPE_K + (DV,), generator=g, dtype=torch.float64)
+    q, k, v = (a.requires_grad_() for a in (q, k, v))
+    call = prepare(q, k, v, None, kernel=_RELU, key_mask=None, center=True, normalize="abs", eps=1e-6,
+                   causal=causal, engine="triton", xp=None)
+    leaves = list(call.inputs)
+    args = (leaves, *spec_parts(call.spec), "triton", call.out_dtype, True)
+    torch.library.opcheck(_torch_ops.attention, args)
+    # the operators' implementations called as they are, so that the recorder sees every aten op
+    # inside them (a dispatch mode is suspended inside an operator it intercepts)
+    with _traffic().Recorder(1 << 30) as rec:
+        out, *residuals = _torch_ops._forward(*args)
+        grads = _torch_ops._backward([a.detach() for a in call.inputs], out.detach(), residuals,
+                                     torch.ones_like(out), *args[1:4])
+    assert residuals == [] and len(grads) == 3
+    assert rec.ops["_local_scalar_dense"] == 0, rec.ops
+    eager = slicedkern.relu_attention(*leaves, causal=causal, engine="triton")
+    expected = torch.autograd.grad(eager, leaves, torch.ones_like(eager))
+    for got, want in zip(grads, expected):
+        assert torch.equal(got, want)

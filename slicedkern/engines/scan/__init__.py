@@ -20,6 +20,7 @@ __all__ = ["ScanEngine"]
 class ScanEngine(Engine):
     name = "scan"
     supports_causal = True
+    traceable = True
     gives_causal_sums = True
 
     def serves(self, library: str) -> bool:

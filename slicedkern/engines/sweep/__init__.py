@@ -29,11 +29,13 @@ import numpy as np
 from array_api_compat import array_namespace
 
 from ..._lib.namespace import array_device, as_work
+from ..._spec import KernelSumSpec
 from ...backends import backend_of, compiled_threads, to_host
 from ...kernels import Profile, is_fixed
 from .. import _vjp
 from .._base import Engine
 from ..sortscan.pullback import ColumnSums, column_range
+from . import _layout
 
 __all__ = ["SweepEngine", "AVAILABLE", "host_runs"]
 
@@ -161,10 +163,10 @@ class SweepEngine(Engine):
             return reason
         if not self.installed():
             return "the 'sweep' engine needs numba (pip install numba)"
-        if not backend.host_callable(arrays[0]):
+        if not backend.host_callable(arrays[0]) and backend.operator_device(arrays[0]) != "cpu":
             a = arrays[0]
-            return (f"the 'sweep' engine runs on NumPy arrays and CPU torch tensors outside torch.compile "
-                    f"and torch.func transforms, and on JAX arrays on the CPU (jit and vmap included), not "
+            return (f"the 'sweep' engine runs on NumPy arrays and CPU torch tensors (torch.compile included, "
+                    f"torch.func transforms not), and on JAX arrays on the CPU (jit and vmap included), not "
                     f"on this {type(a).__module__}.{type(a).__name__}"
                     + _device_text(a))
         return None
@@ -203,6 +205,14 @@ class SweepEngine(Engine):
         # a host callback (JAX) declares its results up front, so it keeps none: the backward sorts again
         out = _call(compute, [(tuple(q.shape) + (v.shape[-1],), v.dtype)], q, k, v, *masks, *params)[0]
         return out, ()
+
+    def residual_layout(self, spec, arrays, *, xp):
+        if isinstance(spec, KernelSumSpec) or spec.causal:
+            return super().residual_layout(spec, arrays, xp=xp)
+        # non-causal: the host's sorted rows and per-query terms (attention above, keep=True)
+        q, k, v = arrays[:3]
+        return tuple((shape, getattr(xp, dtype)) for shape, dtype in
+                     _layout.attention_residuals(tuple(q.shape[:-1]), q.shape[-1], k.shape[-1], v.shape[-1]))
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
         params, build = _profile_args(profile, tuple(q.shape[:-1]), xp)

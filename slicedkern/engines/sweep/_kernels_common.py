@@ -25,7 +25,7 @@ Argument groups (plain tuples, unpacked at the top of each function):
     ``(n_chunks, chunk_width, n_workers)``: value columns are split in ``n_chunks`` chunks of
     ``chunk_width`` (one task per row and chunk).
 
-Results and work space are allocated by the caller (:func:`allocate_sorted`, NumPy's ``empty``):
+Results and work space are allocated by the caller (:func:`allocate_sorted`):
 NumPy backs large arrays with transparent huge pages, and first-touch page faults of a fresh
 numba allocation cost as much as the forward sweep itself (measured: 55 ms instead of 32 ms for
 8 rows of L = 16384, D = 64), more still when two threads fault at once.
@@ -43,6 +43,8 @@ from llvmlite import ir as llvm_ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from . import _layout
 
 __all__ = ["SumOptions", "BackwardOptions", "CausalOptions",
            "NORMALIZER_CODES", "NO_NORMALIZER", "ABS_NORMALIZER", "RELU_NORMALIZER", "COUNT_NORMALIZER",
@@ -408,16 +410,16 @@ def sort_row(b, scores, sorted_rows):
 
 
 def allocate_sorted(bsz, n, m):
-    """Work space for the ``sorted_rows`` group (see the module docstring) of ``bsz`` rows."""
-    return (np.empty((bsz, n)), np.empty((bsz, n), np.int64), np.empty((bsz, m)),
-            np.empty((bsz, m), np.int64), np.zeros((bsz, 3), np.int64), np.zeros(bsz))
+    """Work space for the ``sorted_rows`` group (see the module docstring) of ``bsz`` rows
+    (:func:`._layout.sorted_rows`), zeros: the entries past a row's counts (masked keys) are never
+    written, and as residuals of a registered operator they must not differ between two runs."""
+    return tuple(np.zeros(shape, dtype) for shape, dtype in _layout.sorted_rows(bsz, n, m))
 
 
 def allocate_saved(bsz, n, c, keep):
-    """The forward's ``saved`` group (:func:`._kernels_forward.forward_rows`): ``(scale, relu_sum
-    (bsz, n), unclamped (bsz, n) bool, totals (bsz, c), keep)``, zeros; (1, 1) dummies of the same
-    types (one compiled signature) when ``keep`` is False."""
+    """The forward's ``saved`` group (:func:`._kernels_forward.forward_rows`, :func:`._layout.saved`):
+    ``(scale, relu_sum (bsz, n), unclamped (bsz, n) bool, totals (bsz, c), keep)``, zeros; (1, 1)
+    dummies of the same types (one compiled signature) when ``keep`` is False."""
     if not keep:
         bsz, n, c = 1, 1, 1
-    return (np.zeros((bsz, n)), np.zeros((bsz, n)), np.zeros((bsz, n), np.bool_), np.zeros((bsz, c)),
-            bool(keep))
+    return tuple(np.zeros(shape, dtype) for shape, dtype in _layout.saved(bsz, n, c)) + (bool(keep),)

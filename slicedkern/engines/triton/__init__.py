@@ -148,15 +148,21 @@ class TritonEngine(Engine):
         reason = super().decline(spec, arrays, backend)
         if reason is not None:
             return reason
-        if backend.is_traced(a):
-            return "the 'triton' engine does not run under torch.compile: use engine='scan'"
-        try:
-            a.data_ptr()
-        except RuntimeError:
-            return "the 'triton' engine does not run under torch.func transforms: use engine='scan'"
+        if backend.operator_device(a) is None:
+            # under torch.compile the call is one operator node and the kernels see real tensors
+            # (slicedkern/adapters/_torch_ops.py); torch.func's wrapped tensors have no storage
+            try:
+                a.data_ptr()
+            except RuntimeError:
+                return "the 'triton' engine does not run under torch.func transforms: use engine='scan'"
         if a.device.type != "cuda" and not interpreted():
             return (f"the 'triton' engine runs on CUDA tensors, or on CPU tensors under Triton's interpreter "
                     f"(TRITON_INTERPRET=1); got a tensor on device {a.device}")
+        return None
+
+    def residual_layout(self, spec, arrays, *, xp):
+        # the causal residuals depend on whether the levels sorted, the tables' on the tile plan: a
+        # compiled call keeps none, and its backward sorts and sums again (docs/compile.rst)
         return None
 
     def automatic(self, arrays) -> bool:

@@ -15,7 +15,6 @@ import json
 import time
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from slicedkern.nn.flax import SlicedAttention

@@ -1131,8 +1131,7 @@ def test_compiled_form_passes_opcheck_and_reads_nothing_back(causal):
 
     g = torch.Generator().manual_seed(0)
     # float64, the work dtype: the op's inputs are the caller's tensors, and eager's call below is the same
-    q, k = torch.randn(SHAPE_Q, generator=g, dtype=torch.float64), torch.randn(SHAPE_K, generator=g, dtype=torch.float64)
-    v = torch.randn(SHAPE_K + (DV,), generator=g, dtype=torch.float64)
+    q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64) for shape in (SHAPE_Q, SHAPE_K, SHAPE_K + (DV,)))
     q, k, v = (a.requires_grad_() for a in (q, k, v))
     call = prepare(q, k, v, None, kernel=_RELU, key_mask=None, center=True, normalize="abs", eps=1e-6,
                    causal=causal, engine="triton", xp=None)

@@ -26,6 +26,7 @@ Run from the repository root::
     PYTHONPATH=. python scripts/char_lm.py --size ci        # a few minutes on CPU (the size of the gallery example)
     PYTHONPATH=. python scripts/char_lm.py --size full --seeds 0,1,2 --context 256
     PYTHONPATH=. python scripts/char_lm.py --size full --seeds 0,1,2 --context 2048
+    PYTHONPATH=. python scripts/char_lm.py --size full --context 2048 --steps 60 --models relu --compile
 """
 
 from __future__ import annotations
@@ -168,17 +169,21 @@ def ngram_bits(train_text: np.ndarray, val: np.ndarray, size: Size, order: int, 
     return float(-np.log2(p).mean())
 
 
-def train(attention: str, size: Size, seed: int, train_text: np.ndarray, val_text: np.ndarray) -> dict:
+def train(attention: str, size: Size, seed: int, train_text: np.ndarray, val_text: np.ndarray, *,
+          compile: bool = False) -> dict:
+    """Train one model; with ``compile`` its training forward (and so backward) under
+    ``torch.compile`` (the first tenth of the steps, the compile among them, is not timed)."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     model = CharLM(attention, size)
+    forward = torch.compile(model) if compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=size.lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=size.lr, total_steps=size.steps, pct_start=0.1)
     times = []
     for _ in range(size.steps):
         x, y = _windows(train_text, rng.integers(0, train_text.size - size.context - 2, size.batch), size.context)
         start = time.perf_counter()
-        loss = nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        loss = nn.functional.cross_entropy(forward(x).reshape(-1, VOCAB), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -216,17 +221,18 @@ def generate_and_check(model: CharLM, prompt: np.ndarray, steps: int) -> dict:
     return {"text": text, "max_logit_difference": diff, "same_tokens": same}
 
 
-def run(size: Size, seeds: list[int], models=MODELS, log=print) -> dict:
+def run(size: Size, seeds: list[int], models=MODELS, log=print, *, compile: bool = False) -> dict:
     train_text, val_text = stdlib_text(size.max_bytes)
     log(f"standard library text: {train_text.size} training and {val_text.size} validation characters; "
         f"width {size.width}, {size.heads} heads, {size.layers} layers, batch {size.batch}, context "
-        f"{size.context}, {size.steps} steps, torch {torch.__version__}, {torch.get_num_threads()} threads")
+        f"{size.context}, {size.steps} steps, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        + (", torch.compile" if compile else ""))
     baselines = ", ".join(f"{order}-gram {ngram_bits(train_text, val_text, size, order):.3f}" for order in (1, 2, 3))
     log(f"count n-gram models fit on the training text, on the same validation characters: {baselines} bits/char")
     results = {name: [] for name in models}
     for seed in seeds:
         for name in models:
-            r = train(name, size, seed, train_text, val_text)
+            r = train(name, size, seed, train_text, val_text, compile=compile)
             log(f"  seed {seed} {name:<8} validation {r['bpc']:.3f} bits/char, step {1e3 * r['step']:.1f} ms")
             results[name].append(r)
     prompt = val_text[: min(32, size.context // 2)]
@@ -260,6 +266,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--compile", action="store_true", help="train under torch.compile")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -268,7 +275,8 @@ def main() -> None:
         size = replace(size, context=args.context)
     if args.steps:
         size = replace(size, steps=args.steps)
-    results = run(size, [int(s) for s in args.seeds.split(",")], models=args.models.split(","))
+    results = run(size, [int(s) for s in args.seeds.split(",")], models=args.models.split(","),
+                  compile=args.compile)
     print(table(results))
 
 

@@ -10,12 +10,13 @@
 #      triton and scan engines and of SDPA, L = 1K ... 1M, bfloat16 and float32, causal rows (triton
 #      and scan), decoding per token (DecodeCache against a softmax KV cache, 1K ... 1M), peak
 #      memory, fraction of the bandwidth floor; bench.json rewritten after every row;
-#   3. a torch.profiler kernel table of one forward+backward at L = 64K;
-#   4. the triton engine's tests compiled on the GPU (TRITON_INTERPRET=0);
-#   5. the test subset on the GPU backends (torch on CUDA, CuPy, JAX on the GPU);
-#   6. the triton engine's short rows (L = 256, 1024) through the sorts and two passes against its
+#   3. torch.compile of the layer on triton against eager at L = 16384 (scripts/compile_bench.py, into bench.txt);
+#   4. a torch.profiler kernel table of one forward+backward at L = 64K;
+#   5. the triton engine's tests compiled on the GPU (TRITON_INTERPRET=0);
+#   6. the test subset on the GPU backends (torch on CUDA, CuPy, JAX on the GPU);
+#   7. the triton engine's short rows (L = 256, 1024) through the sorts and two passes against its
 #      one-launch forward (small_attend), for the threshold _sums.SMALL_FUSED;
-#   7. the triton engine at 16K with the kernels' shapes of 2026-11-27 (tiles of 64 keys, pass 2 on 4
+#   8. the triton engine at 16K with the kernels' shapes of 2026-11-27 (tiles of 64 keys, pass 2 on 4
 #      warps, which spilled registers) against today's (16 keys, 8 warps), for the A/B.
 # It writes eight files, the most a device call brings back: log.txt, card.txt, bench.json,
 # bench.txt, profile.txt, test_triton.txt, test_backends.txt, tiles.txt.
@@ -70,6 +71,14 @@ stamp "benchmark (budget 190 s)"
 boxed 250 python scripts/gpu_bench.py --engines triton,scan --causal-engines triton,scan --causal-lengths 1024,16384,65536 \
     --decode-lengths 1024,65536,1048576 \
     --budget 190 --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"
+
+# torch.compile of the layer on triton (one operator node per call; its backward makes the forward's
+# residuals again, docs/compile.rst) against eager, at L = 16384, appended to bench.txt
+stamp "compiled layer against eager, L = 16384"
+for causal in 0 1; do
+    boxed 60 python scripts/compile_bench.py --device cuda --length 16384 --causal $causal --repeats 5 \
+        2>&1 | tail -3 | tee -a "$out/bench.txt"
+done
 
 # the kernels compiled by the benchmark serve every length (the binary search's depth is an argument)
 stamp "kernel table at L = 65536"

@@ -153,11 +153,13 @@ class _Graphs:
                 if node.op == "call_function" and "slicedkern" in str(node.target)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("causal", [False, True])
-def test_compiled_op_runs_the_sweep_bit_for_bit(causal):
-    """One graph, the sweep in it, and eager's numbers exactly, forward and gradients."""
-    q, k, v = _data()
-    bandwidth = torch.tensor([0.6, 1.3, 0.9], dtype=torch.float64, requires_grad=True)
+def test_compiled_op_runs_the_sweep_bit_for_bit(causal, dtype):
+    """One graph, the sweep in it, and eager's numbers exactly, forward and gradients (float32 too:
+    the op computes in its work dtype and casts, the same way on both paths)."""
+    q, k, v = (a.detach().to(dtype).requires_grad_() for a in _data())
+    bandwidth = torch.tensor([0.6, 1.3, 0.9], dtype=dtype, requires_grad=True)
 
     def loss(q, k, v, bandwidth):
         relu = slicedkern.relu_attention(q, k, v, causal=causal)
@@ -315,3 +317,20 @@ def test_export_of_a_model_with_the_layer():
     for n in (9, 17):
         y = torch.randn(2, n, 16, dtype=torch.float64)
         torch.testing.assert_close(program.module()(y), model(y), rtol=0, atol=0)
+
+
+def test_layer_with_dynamic_lengths_compiles_once():
+    torch.manual_seed(0)
+    layer = SlicedAttention(16, 2, batch_first=True, dtype=torch.float64, rope=True)
+    counts = []
+
+    def backend(gm, example_inputs):
+        counts.append(gm)
+        return gm
+
+    compiled = torch.compile(lambda x: layer(x, x, x, is_causal=True)[0], fullgraph=True, dynamic=True,
+                             backend=backend)
+    for length in (9, 13, 21):
+        x = torch.randn(2, length, 16, dtype=torch.float64)
+        assert torch.equal(compiled(x), layer(x, x, x, is_causal=True)[0])
+    assert len(counts) == 1

@@ -7,10 +7,12 @@ framework or asks which framework an array belongs to (that is the backend regis
 from __future__ import annotations
 
 import math
+import sys
 
 import array_api_compat as compat
 
 __all__ = [
+    "torch_compiling",
     "array_device",
     "answer_device_directly",
     "is_scalar",
@@ -86,11 +88,22 @@ _REAL_FLOATING: dict = {}
 def _real_floating(xp, dtype) -> bool:
     """``xp.isdtype(dtype, "real floating")``, asked once per namespace and dtype."""
     # keyed by the namespace's name: torch.compile cannot hash a module inside a key
+    if torch_compiling():
+        # a memo read while dynamo traces becomes a guard on its contents, which the first run then
+        # changes: one needless recompile (docs/compile.rst); the question itself traces
+        return bool(xp.isdtype(dtype, "real floating"))
     key = (getattr(xp, "__name__", None) or id(xp), dtype)
     answer = _REAL_FLOATING.get(key)
     if answer is None:
         answer = _REAL_FLOATING[key] = bool(xp.isdtype(dtype, "real floating"))
     return answer
+
+
+def torch_compiling() -> bool:
+    """Whether ``torch.compile`` is tracing this call (False where torch was never imported): the
+    memos of the validation step aside then, so that dynamo puts no guard on what they hold."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
 
 
 def has_float64(xp, device) -> bool:

@@ -2,7 +2,8 @@
 
 ``forward`` is context-free and ``setup_context`` saves the inputs, the output and the engine's flat
 residuals, so the graph holds ``O(n Dv)`` memory like the inputs; ``backward`` calls the same
-engine's backward. Composes with ``torch.compile(fullgraph=True)`` and ``torch.func.grad``.
+engine's backward. Composes with ``torch.func.grad``; under ``torch.compile`` an engine dynamo cannot
+trace runs as a registered operator instead (:mod:`._torch_ops`, docs/compile.rst).
 """
 
 from __future__ import annotations

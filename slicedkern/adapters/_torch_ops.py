@@ -6,10 +6,9 @@ of the graph, ``slicedkern::attention`` (or ``slicedkern::kernel_sum``), whose r
 is the engine's forward on real tensors, and whose backward is a second operator,
 ``slicedkern::attention_backward``, the engine's backward (docs/compile.rst). The static part of the
 call (the spec) travels as text and numbers (:func:`slicedkern._spec.spec_parts`) and the engine by
-name; each
-operator has a fake implementation that declares the output and residual shapes from the inputs'
-alone (:meth:`slicedkern.engines._base.Engine.residual_layout`), without reading their data, so the
-graph traces with symbolic sequence lengths.
+name; each operator has a fake implementation that declares the output and residual shapes from the
+inputs' alone (:meth:`slicedkern.engines._base.Engine.residual_layout`), without reading their data,
+so the graph traces with symbolic sequence lengths.
 
 Eager calls keep :mod:`._torch`'s ``autograd.Function``: the same engine calls on the same tensors,
 so eager and compiled results agree bit for bit, without the dispatcher's per-call cost.

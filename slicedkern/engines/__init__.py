@@ -53,7 +53,7 @@ def use_engine(name: str):
     read once per op call, so a backward runs on the engine its forward ran on wherever it is
     called. An op's ``engine=`` argument wins over it. Under ``jax.jit`` it is read when the function
     is traced (a jitted function keeps the engine of its first trace, as with any Python state);
-    inside ``torch.compile`` it is not read, and the automatic rule chooses.
+    inside ``torch.compile`` it is not read, and the automatic rule chooses (docs/compile.rst).
 
     Examples
     --------
@@ -87,8 +87,8 @@ def select(spec, arrays, requested: str | None = None, *, wrap=None) -> Engine:
     """
     backend = backend_of(arrays[0])
     if requested is None:
-        # torch.compile cannot trace ContextVar.get: a compiled call uses the automatic rule (which
-        # picks the scan there, the one engine that traces); JAX reads the default at trace time
+        # torch.compile cannot trace ContextVar.get: a compiled call uses the automatic rule (the
+        # sweep or triton as a registered operator, docs/compile.rst); JAX reads it at trace time
         requested = _default.get() if backend.reads_context(arrays[0]) else "auto"
     _check_name(requested, "engine")
     candidates = {name: (e if wrap is None else wrap(e)) for name, e in _REGISTRY.items()}

@@ -19,6 +19,7 @@ from .._lib.namespace import (
     compute_dtypes,
     is_scalar,
     shape_str,
+    torch_compiling,
 )
 from .._spec import NORMALIZERS
 from ..backends import array_namespace, holds_everywhere, is_array, is_chunked, same_library
@@ -119,7 +120,8 @@ def _memo_key(named, xp, required, chunked):
     """What :func:`setup`'s answer depends on when every argument is a NumPy array or a plain torch
     tensor (of at least one dimension: no value-based promotion), a Python scalar or ``None``: the
     types, dtypes and (torch) devices, not the values. ``None`` for any other argument (a tensor
-    subclass, as tracers and parameters are), or a given ``xp``: no memo. Small calls in a loop
+    subclass, as tracers and parameters are), a tensor inside ``torch.compile``, or a given ``xp``:
+    no memo. Small calls in a loop
     (decoding) pay microseconds for the answer, not the tens of a full check."""
     if xp is not None:
         return None
@@ -129,6 +131,8 @@ def _memo_key(named, xp, required, chunked):
         if kind is np.ndarray and a.ndim:
             parts.append((name, a.dtype))
         elif kind.__name__ == "Tensor" and kind.__module__ == "torch" and a.ndim:
+            if torch_compiling():
+                return None      # no memo read for dynamo to guard on (namespace.torch_compiling)
             parts.append((name, "torch", a.dtype, a.device))
         elif a is None or kind in (int, float, bool):
             parts.append((name, kind))

@@ -95,7 +95,7 @@ def _namespace_key(xp):
 #: ``type(a) -> (registry row, array-API namespace or None)``, filled on first sight of a type. A plain
 #: dict on purpose: array-api-compat memoises its type tests with ``functools.lru_cache``, and
 #: ``torch.compile`` warns once per such cache it traces through (92 lines in a user's log from one
-#: compiled layer: issue 23, item 5); a dict lookup it traces silently. Both answers depend on the
+#: compiled layer); a dict lookup it traces silently. Both answers depend on the
 #: type alone.
 _BY_TYPE: dict[type, tuple] = {}
 

@@ -263,7 +263,7 @@ class TorchBackend(ArrayBackend):
     def cpu_threads(self) -> int:
         # torch's own count, which follows torch.set_num_threads and OMP_NUM_THREADS: a training
         # step that asks torch for one thread gets one numba thread too (two numba threads beside
-        # torch's on 2 cores made a step 5-10x slower under load: issue 23, item 6)
+        # torch's on 2 cores made a step 5-10x slower under load: oversubscription)
         return torch.get_num_threads()
 
     def without_gradient(self, a, message: str):
@@ -337,7 +337,7 @@ class TorchBackend(ArrayBackend):
     def energy_distance_rows(self, xp, x, y, a, b, batch):
         # The NumPy row's compiled merge, on float64 copies of CPU tensors that record no gradient: the
         # array-API formulation (sort the pooled sample, gather, running sums) took 3.6x NumPy's time
-        # for the sliced energy distance at n = 20000, d = 10, P = 256 (issue 23, item 16)
+        # for the sliced energy distance at n = 20000, d = 10, P = 256 (docs/backends.rst)
         arrays = [v for v in (x, y, a, b) if v is not None]
         if not self.compiled_energy_pairs(arrays):
             return None

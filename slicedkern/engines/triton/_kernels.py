@@ -314,7 +314,7 @@ def _eval_block(row, i, cl, cb, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_p
         acc = _attention_epilogue(acc, relu_count, valid, t0[None, :], raw, eps, CENTER, NORM)
     elif ADD:
         if NORM == 2:
-            # a causal level: the normaliser's sums ride the values' launch (issue 26, item 4)
+            # a causal level: the normaliser's sums ride the values' launch (one launch per level, not two)
             if cb == 0:
                 den = _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry_ptr, nknots_ptr,
                                          ncoeffs_ptr, nlin_ptr, row, m, sk_r, C, c, nb, log_m, KN, STRICT, HAS_TAKE,

@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _layout
 from ._causal_host import causal_attention, causal_attention_vjp, causal_profile_vjp
 from ._convert import (
     F64,
@@ -192,7 +193,7 @@ def attention(q: Array, k: Array, v: Array, key_mask: Array | None = None, knots
     code = normalizer_code(normalizer)
     q, k, v, tdt, batch, dt, out_dt = attention_inputs(q, k, v)
     lq, lk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
-    if lq == 0 or lk == 0 or dv == 0 or 0 in batch:
+    if _layout.empty_call(batch, lq, lk, dv):
         out = wrap(np.zeros(batch + (lq, dv), out_dt), tdt, narrow=True)
         return (out, ()) if keep else out
     bsz = math.prod(batch)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["sorted_rows", "saved", "attention_residuals"]
+__all__ = ["sorted_rows", "saved", "empty_call", "attention_residuals"]
 
 
 def sorted_rows(bsz: int, n: int, m: int) -> tuple:
@@ -25,10 +25,15 @@ def saved(bsz: int, n: int, c: int) -> tuple:
     return ((bsz, n), "float64"), ((bsz, n), "float64"), ((bsz, n), "bool"), ((bsz, c), "float64")
 
 
+def empty_call(batch: tuple, lq: int, lk: int, dv: int) -> bool:
+    """Whether attention has nothing to sweep (:func:`._host.attention` returns zeros and no residuals)."""
+    return lq == 0 or lk == 0 or dv == 0 or 0 in batch
+
+
 def attention_residuals(batch: tuple, lq: int, lk: int, dv: int) -> tuple:
     """What :func:`._host.attention` with ``keep=True`` returns besides the output: both groups,
     or nothing for an empty call."""
-    if lq == 0 or lk == 0 or dv == 0 or 0 in batch:
+    if empty_call(batch, lq, lk, dv):
         return ()
     bsz = math.prod(batch)
     return sorted_rows(bsz, lq, lk) + saved(bsz, lq, dv)

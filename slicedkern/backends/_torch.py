@@ -194,7 +194,7 @@ answer_device_directly(torch.Tensor, torch.nn.Parameter)
 def _allow_pure_caches(dynamo_utils) -> None:
     """Tell ``torch.compile`` that array-api-compat's memoised type tests (``functools.lru_cache``s of
     pure functions of a type) may be traced through: dynamo otherwise prints a warning per cache it
-    meets, ours (through array-api-compat's wrappers) included, in the user's log (issue 23, item 5).
+    meets, ours (through array-api-compat's wrappers) included, in the user's log.
     torch does the same for einops; a torch without the hook changes nothing."""
     allow = getattr(dynamo_utils, "allow_lru_cache_wrapper_trace_without_warning", None)
     if allow is None:

@@ -118,7 +118,7 @@ def screen_causal(xp, grid: CausalGrid, q, k, v, key_mask, *, zero_values: bool 
     finite; the queries whose positions are at or past a bad key's position see it and are NaN.
     Everything is replaced by finite numbers before any arithmetic, so that no backend warns; with
     ``zero_values`` False, the values are returned as given, for kernels that read a value only
-    where ``take`` is True (no copy of them: issue 26, item 5).
+    where ``take`` is True (no copy of them).
     """
     q_ok = finite(xp, q)
     bad = ~(finite(xp, k) & finite_keys(xp, v))

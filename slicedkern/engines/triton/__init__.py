@@ -33,7 +33,7 @@ Rows of at most :data:`._sums.SMALL_FUSED` queries and keys (float32 or narrower
 forward in one launch instead (:func:`._sums.attend_small`: each program sorts its row, sums the
 tiles of every column, takes the values' NaN verdict off the totals and evaluates its queries with
 pass 2's code), where the launches and the host's operators of the sorts and two passes would be
-the time (issue 26, item 3); its residuals are the same, and so is its backward.
+the time; its residuals are the same, and so is its backward.
 
 Causal attention is the scan's divide and conquer over positions (:mod:`..scan._causal`) with these
 kernels at every level, its dense leaves (sums and pull-back) and its combination (:mod:`._causal`):

@@ -75,7 +75,7 @@ def level_sums_into(xp, qs, keys, vals, kept, profiles, accs, orders=None):
     (..., n, c_p) array per profile, on the positions, in :func:`running_dtype`;
     :attr:`~slicedkern.engines.scan._causal.Levels.sums_into`): pass 2 adds each right block's sums
     into its rows in float64 and rounds once, so no level's sums are written apart and no running
-    sums are copied (issue 26, item 4). A profile over the indicator alone (attention's summed
+    sums are copied. A profile over the indicator alone (attention's summed
     normaliser) after one over the values rides that one's launch. Returns the arrays."""
     batch, s, c = tuple(qs.shape[:-1]), qs.shape[-1], vals.shape[-1]
     table, xr = level_table(xp, qs, keys, vals, kept, orders)
@@ -152,7 +152,7 @@ def level_sums(xp, ar, qs, keys, vals, kept, profiles, orders=None):
 
 def level_orders(xp, x, y, leaf: int, runs: dict | None = None, narrow: bool = False):
     """The sorted orders of every level of causal attention from one bottom-up merge sort per score
-    array (:attr:`~slicedkern.engines.scan._causal.Levels.orders`; issue 26, item 4).
+    array (:attr:`~slicedkern.engines.scan._causal.Levels.orders`).
 
     ``x`` and ``y`` (..., n), the queries and keys on the positions, ``n`` a power of two: sorted
     once in runs of ``leaf`` positions (one segmented sort each), then per level the left blocks'

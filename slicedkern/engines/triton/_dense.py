@@ -31,7 +31,7 @@ def leaf_eval(x_ptr, y_ptr, w_ptr, take_ptr, knots_ptr, coeffs_ptr, lin_ptr, out
     over the columns ``col0 .. col0 + width`` (column ``c`` the indicator), (R, n, width) in ``out``'s dtype.
     ``f`` (knots, coefficients, slope and intercept per row, as :func:`merge_eval` reads them) is
     formed pair by pair in float64 and rounded once to ACC for the product with the weights, in
-    sub-tiles of ``SUB`` keys (issue 26, item 4: no (positions, leaf) array in memory)."""
+    sub-tiles of ``SUB`` keys (no (positions, leaf) array in memory)."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * LEAF + tl.arange(0, LEAF)
     cols = col0 + tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -80,7 +80,7 @@ def leaf_pullback(x_ptr, y_ptr, w_ptr, take_ptr, g_ptr, scale_ptr, vscale_ptr, k
 
     Every pair of a block is inside the block, so a program owns the rows it adds to: no atomics.
     The pairs' terms are formed in float64 in registers, ``SUB`` keys at a time, and no (positions,
-    leaf) array is written (issue 26, item 4)."""
+    leaf) array is written."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     i = blk * LEAF + tl.arange(0, LEAF)
@@ -165,8 +165,7 @@ def _running_totals(w_ptr, take_ptr, carry_ptr, carry_rows, row, p0, cols, n, c,
     position 0), from ``carry`` (R, carry_rows, c + 1) float64 (``carry_rows`` at least ``nb + 1``: a
     forward's carry over more positions serves its backward), the exclusive prefix of the sums of
     blocks of ``BLOCK_N`` positions (:func:`position_sums`), the rows of the block that holds ``p0``
-    before it, and a running sum in registers of the rows from ``p0``: no (n, c) array of the totals
-    (issue 26, item 5)."""
+    before it, and a running sum in registers of the rows from ``p0``: no (n, c) array of the totals."""
     start = tl.maximum(p0, 0)
     first = start // BLOCK_N
     a = first * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -1,7 +1,7 @@
 """The triton engine's sorting kernels: the small-L sort of a row of scores in one program, the
 small-L forward of attention in one launch that starts with those sorts, and one step of the
-bottom-up merge sort that gives causal attention's levels their sorted blocks (issue 26, items 3
-and 4; docs/architecture.rst, "Engines").
+bottom-up merge sort that gives causal attention's levels their sorted blocks
+(docs/architecture.rst, "Engines").
 
 Imports Triton at its top, as :mod:`._kernels` does, which jits these functions in its ``build``
 (they are launched as attributes of that module, so that one patch point counts every launch) and
@@ -45,7 +45,7 @@ def _sort_row(a_ptr, values_ptr, perm_ptr, row, n, BLOCK: tl.constexpr):
 
 def sort_rows(a_ptr, values_ptr, perm_ptr, n, BLOCK: tl.constexpr):
     """Rows of ``n <= BLOCK`` float32 numbers sorted, one program a row (:func:`_sort_row`): the
-    small-L sort (issue 26, item 3), one launch instead of ``torch.sort`` and its casts."""
+    small-L sort, one launch instead of ``torch.sort`` and its casts."""
     _sort_row(a_ptr, values_ptr, perm_ptr, tl.program_id(0).to(tl.int64), n, BLOCK)
 
 
@@ -55,7 +55,7 @@ def small_attend(y_ptr, x_ptr, keys_ptr, perm_ptr, xs_ptr, xperm_ptr, shift_ptr,
                  K: tl.constexpr, HAS_TAKE: tl.constexpr, ACC: tl.constexpr, CENTER: tl.constexpr,
                  NORM: tl.constexpr, KN: tl.constexpr, SORT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Attention's forward on short rows in one launch (issue 26, item 3): one program per row,
+    """Attention's forward on short rows in one launch: one program per row,
     slice of ``per_program`` blocks of sorted queries and block of output columns.
 
     Each program sorts its row's keys ``y`` and queries ``x`` (:func:`_sort_row`, ``SORT`` at least

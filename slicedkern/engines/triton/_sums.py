@@ -474,8 +474,8 @@ SMALL_BLOCKS = 2
 
 
 def attend_small(xp, y, x, w, take, profile: Profile, normalizer, batch, *, center: bool, factor, dtype):
-    """Attention's forward on short rows in one launch (:func:`._order.small_attend`; issue 26, item
-    3): ``(out, relu_count, raw, table, queries)``, the first three as :func:`attend` returns them and
+    """Attention's forward on short rows in one launch (:func:`._order.small_attend`):
+    ``(out, relu_count, raw, table, queries)``, the first three as :func:`attend` returns them and
     the last two what :func:`build_table` (``ones=True``, ``narrow=True``) and :func:`sort_queries`
     (``narrow=True``) would give, the backward's residuals. ``y`` (R, m) and ``x`` (R, n) float32
     numbers (in any float dtype), each at most :data:`SMALL_FUSED`; ``w`` (R, m, c) narrower than

@@ -92,7 +92,7 @@ class CausalKeys(KernelRows, SeenKeys):
     with the cotangent read by the kernels (:class:`KernelRows`) and ``dv`` finished in one launch
     (:func:`._causal.causal_dv`): the centring mean's cotangent is handed from :meth:`to_keys` to
     :meth:`finish_dv` unevaluated, so that neither its reverse running sum nor ``dv - sub`` is an
-    (lk, dv) array (issue 26, item 5). ``runs``: the forward's sorted runs of the levels (its
+    (lk, dv) array. ``runs``: the forward's sorted runs of the levels (its
     residuals, :func:`._causal.level_orders`), or None: the levels' pull-backs merge from them and
     sort nothing; ``carry``: the forward's block carry of the running totals
     (:func:`._causal.position_carry`), or None: the row dots sum from it, not summing the values
@@ -145,7 +145,7 @@ class SortedKeys(KernelRows, AllKeys):
     """Every key of the row (:class:`~slicedkern.engines._vjp.AllKeys`), pulled back over the
     forward's residuals: its sorted orders, table of keys and NaN policy's verdicts, so that the
     backward of attention on the triton engine sorts and screens nothing, and allocates nothing of
-    ``(n, dv)`` but ``dv`` itself (issue 26, item 2).
+    ``(n, dv)`` but ``dv`` itself.
 
     ``q`` and ``k`` are the unscreened scores, read for their shapes only; ``raw_v`` the values,
     read by kernels that skip the keys that take no part. The pull-back is the engine's

@@ -41,7 +41,7 @@ from ..sortscan.sums import profile_sums, queries, sort_keys
 from ..sortscan.wide import Pair, Plain, arithmetic
 from ._compose import _power_of_two_scaled, _unscaled
 from ._compose import attention as noncausal_attention
-from ._leaf import leaf_sums, leaf_vjp
+from ._leaf import blocks, leaf_sums, leaf_vjp, unblock
 
 __all__ = ["Levels", "SCAN_LEVELS", "causal_attention", "causal_profile_sums", "causal_profiles_vjp", "each"]
 
@@ -155,20 +155,6 @@ def _halves(xp, a, size: int, core: int):
     return paired[(..., 0) + index], paired[(..., 1) + index]
 
 
-def _blocks(xp, a, size: int, core: int):
-    """(..., n, *core) -> (..., n / size, size, *core): the positions in blocks."""
-    lead = tuple(a.shape[:a.ndim - 1 - core])
-    n = a.shape[a.ndim - 1 - core]
-    return xp.reshape(a, lead + (n // size, size) + tuple(a.shape[a.ndim - core:]))
-
-
-def _unblocked(xp, a, core: int):
-    """(..., blocks, size, *core) -> (..., blocks * size, *core)."""
-    lead = tuple(a.shape[:a.ndim - 2 - core])
-    rows = a.shape[a.ndim - 2 - core] * a.shape[a.ndim - 1 - core]
-    return xp.reshape(a, lead + (rows,) + tuple(a.shape[a.ndim - core:]))
-
-
 def _add_level(xp, ar, acc, part, core: int, right: bool):
     """Add a level's sums to the running sums of its blocks, and join the blocks in pairs.
 
@@ -264,11 +250,11 @@ def causal_sums(xp, ar, x, y, w, take, profiles, levels: Levels = SCAN_LEVELS):
         for size in _block_sizes(n, leaf):
             leaves = levels.sums_into(xp, *_level_inputs(xp, x, y, w, take, size), blocked, leaves, **next(orders))
         return [ar.lift(acc) for acc in leaves]
-    sums = [ar.lift(_blocks(xp, s, leaf, 1)) for s in leaves]
+    sums = [ar.lift(blocks(xp, s, leaf, 1)) for s in leaves]
     for size in _block_sizes(n, leaf):
         level = levels.sums(xp, ar, *_level_inputs(xp, x, y, w, take, size), blocked, **next(orders))
         sums = [_add_level(xp, ar, acc, part, 1, right=True) for acc, part in zip(sums, level)]
-    return [each(ar, lambda a: _unblocked(xp, a, 1), acc) for acc in sums]
+    return [each(ar, lambda a: unblock(xp, a, 1), acc) for acc in sums]
 
 
 def _running_totals(xp, ar, w, take, work):
@@ -401,7 +387,7 @@ def causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True, 
     dx, dy, dw, params = pullback(xp, xq, yk, wk, profiles, gq, leaf, param_grads=param_grads)
     mutable = levels.mutable and not ar.wide
     if not mutable:
-        dx, dy, dw = _blocks(xp, dx, leaf, 0), _blocks(xp, dy, leaf, 0), _blocks(xp, dw, leaf, 1)
+        dx, dy, dw = blocks(xp, dx, leaf, 0), blocks(xp, dy, leaf, 0), blocks(xp, dw, leaf, 1)
     params = _add_params(None, params, lambda a: a)
     expand = _per_block({})
     blocked = [expand(p) for p in profiles]
@@ -426,5 +412,5 @@ def causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True, 
             dw = _add_level(xp, plain, dw, pdw, 1, right=False)
         params = _add_params(params, pparams, lambda a: xp.sum(a, axis=-1))
     if not mutable:
-        dx, dy, dw = _unblocked(xp, dx, 0), _unblocked(xp, dy, 0), _unblocked(xp, dw, 1)
+        dx, dy, dw = unblock(xp, dx, 0), unblock(xp, dy, 0), unblock(xp, dw, 1)
     return (grid.at_queries(xp, dx), dy[..., :lk], dw[..., :lk, :], params)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..._lib.namespace import array_device
 from ...kernels import Profile, is_fixed
 
-__all__ = ["leaf_sums", "leaf_vjp"]
+__all__ = ["blocks", "unblock", "leaf_sums", "leaf_vjp"]
 
 
 def _lift(value):
@@ -22,14 +22,14 @@ def _lift(value):
     return value if is_fixed(value) else value[..., None, None, None]
 
 
-def _blocks(xp, a, size: int, core: int):
-    """(..., n, *core) -> (..., n / size, size, *core)."""
+def blocks(xp, a, size: int, core: int):
+    """(..., n, *core) -> (..., n / size, size, *core): the positions in blocks of ``size``."""
     lead = tuple(a.shape[:a.ndim - 1 - core])
     n = a.shape[a.ndim - 1 - core]
     return xp.reshape(a, lead + (n // size, size) + tuple(a.shape[a.ndim - core:]))
 
 
-def _unblock(xp, a, core: int):
+def unblock(xp, a, core: int):
     """(..., blocks, size, *core) -> (..., blocks * size, *core)."""
     lead = tuple(a.shape[:a.ndim - 2 - core])
     rows = a.shape[a.ndim - 2 - core] * a.shape[a.ndim - 1 - core]
@@ -38,7 +38,7 @@ def _unblock(xp, a, core: int):
 
 def _differences(xp, x, y, size):
     """``r[..., b, i, j] = x_i - y_j`` within block ``b``, and the lower triangle ``j <= i``."""
-    xb, yb = _blocks(xp, x, size, 0), _blocks(xp, y, size, 0)
+    xb, yb = blocks(xp, x, size, 0), blocks(xp, y, size, 0)
     r = xb[..., :, None] - yb[..., None, :]
     idx = xp.arange(size, device=array_device(x))
     return r, idx[:, None] >= idx[None, :]
@@ -66,9 +66,9 @@ def leaf_sums(xp, x, y, w, profiles, size: int):
     zero on the keys that take no part; returns one (..., n, c_p) array per profile (its columns).
     """
     r, tri = _differences(xp, x, y, size)
-    wb = _blocks(xp, w, size, 1)
+    wb = blocks(xp, w, size, 1)
     zero = xp.zeros((), dtype=r.dtype, device=array_device(r))
-    return [_unblock(xp, xp.where(tri, _value(p, r, xp), zero) @ wb[..., p.columns], 1) for p in profiles]
+    return [unblock(xp, xp.where(tri, _value(p, r, xp), zero) @ wb[..., p.columns], 1) for p in profiles]
 
 
 def leaf_vjp(xp, x, y, w, profiles, cotangents, size: int, *, param_grads: bool):
@@ -79,7 +79,7 @@ def leaf_vjp(xp, x, y, w, profiles, cotangents, size: int, *, param_grads: bool)
     ``-c_m sum H(r - t_m) A`` / ``sum ReLU(r - t_m) A`` (docs/mathematics.rst, "The backward pass").
     """
     r, tri = _differences(xp, x, y, size)
-    wb = _blocks(xp, w, size, 1)
+    wb = blocks(xp, w, size, 1)
     zero = xp.zeros((), dtype=r.dtype, device=array_device(r))
     c = w.shape[-1]
     dx = dy = None
@@ -87,7 +87,7 @@ def leaf_vjp(xp, x, y, w, profiles, cotangents, size: int, *, param_grads: bool)
     params = []
     for p, g in zip(profiles, cotangents):
         cols = range(c)[p.columns]
-        gb = _blocks(xp, g, size, 1)
+        gb = blocks(xp, g, size, 1)
         a = xp.where(tri, gb @ xp.matrix_transpose(wb[..., cols.start:cols.stop]), zero)
         da = _derivative(p, r, xp) * a
         dx = xp.sum(da, axis=-1) if dx is None else dx + xp.sum(da, axis=-1)
@@ -106,4 +106,4 @@ def leaf_vjp(xp, x, y, w, profiles, cotangents, size: int, *, param_grads: bool)
             dknots.append(None if is_fixed(t) else -coeff * xp.sum(step * a, axis=(-3, -2, -1)))
             dcoeffs.append(None if is_fixed(coeff) else xp.sum(xp.clip(shifted, min=0.0) * a, axis=(-3, -2, -1)))
         params.append((tuple(dknots), tuple(dcoeffs)))
-    return _unblock(xp, dx, 0), _unblock(xp, dy, 0), _unblock(xp, dw, 1), params
+    return unblock(xp, dx, 0), unblock(xp, dy, 0), unblock(xp, dw, 1), params

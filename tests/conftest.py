@@ -23,10 +23,11 @@
   The tests of Triton's kernels under its interpreter (``INTERPRETED_TRITON``) run one case of each
   parametrised function too.
   ``--exhaustive`` or ``SLICEDKERN_EXHAUSTIVE=1`` runs the whole matrix, and the fuzz suite's long
-  profile (tests/fuzz/conftest.py) unless ``$SLICEDKERN_FUZZ`` names another. CI runs the default
-  profile, then ``--exhaustive --rest`` (only what the default left out), then the fuzz suite with
-  the long profile, time-boxed (``$SLICEDKERN_FUZZ``) and with a fixed seed so that a red run
-  reproduces (``--hypothesis-seed``).
+  profile (tests/fuzz/conftest.py) unless ``$SLICEDKERN_FUZZ`` names another. CI (``.ci/run``) runs
+  the default profile; ``.ci/exhaustive``, run when an engine or a backend's dispatch changes, runs
+  ``--exhaustive --rest`` (only what the default left out), then the fuzz suite with the long
+  profile, time-boxed (``$SLICEDKERN_FUZZ``) and with a fixed seed so that a red run reproduces
+  (``--hypothesis-seed``).
 """
 
 from __future__ import annotations

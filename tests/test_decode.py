@@ -72,6 +72,26 @@ def test_chunks_and_blocks_of_queries(xp, rng, case):
         assert_close(got, expected, rtol=1e-10, atol=1e-10 * max(np.abs(expected).max(), 1.0))
 
 
+def test_use_engine_chooses_the_runs(rng):
+    """Decoding is chosen through the engine registry: under ``use_engine("scan")`` the cache keeps
+    the array-API runs (not the sweep's compiled ones) and answers as the causal op does; an engine
+    that cannot hold the keys is refused by name."""
+    from slicedkern.engines import decoder
+    q, k, v = _data(rng, 12)
+    expected = to_numpy(reference.relu_attention(q, k, v, causal=True))[..., -1:, :]
+    for name in ("auto", "scan"):
+        with slicedkern.use_engine(name):
+            cache = slicedkern.DecodeCache("relu")
+            cache.append(k, v)
+            assert_close(to_numpy(cache.attend(q[..., -1:])), expected, rtol=1e-10, atol=1e-10)
+        assert cache._runs.compiled is (name == "auto" and "sweep" in slicedkern.engines.available("numpy"))
+    assert decoder(k).name == ("sweep" if "sweep" in slicedkern.engines.available("numpy") else "scan")
+    if slicedkern.engines.get("triton").installed():
+        with slicedkern.use_engine("triton"):
+            with pytest.raises(ValueError, match="'triton' engine .* does not decode numpy.ndarray"):
+                slicedkern.DecodeCache("relu").append(k, v)
+
+
 def test_empty_cache_and_no_key_yet(rng):
     cache = slicedkern.DecodeCache("hat", bandwidth=1.0)
     with pytest.raises(ValueError, match="'q'"):

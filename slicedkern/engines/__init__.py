@@ -23,7 +23,8 @@ from .sharded import ShardedEngine
 from .sweep import SweepEngine
 from .triton import TritonEngine
 
-__all__ = ["Engine", "ShardedEngine", "ENGINE_NAMES", "use_engine", "engine_for", "select", "get", "available"]
+__all__ = ["Engine", "ShardedEngine", "ENGINE_NAMES", "use_engine", "engine_for", "select", "decoder", "get",
+           "available"]
 
 #: Engines in order of preference for the automatic rule, by the names their classes give.
 _REGISTRY: dict[str, Engine] = {cls.name: cls() for cls in (TritonEngine, SweepEngine, ScanEngine)}
@@ -51,7 +52,7 @@ def use_engine(name: str):
 
     The default belongs to the calling thread (and asyncio task): other threads keep theirs. It is
     read once per op call, so a backward runs on the engine its forward ran on wherever it is
-    called. An op's ``engine=`` argument wins over it. Under ``jax.jit`` it is read when the function
+    called, and by a ``DecodeCache`` at its first ``append``, which chooses the runs it keeps. An op's ``engine=`` argument wins over it. Under ``jax.jit`` it is read when the function
     is traced (a jitted function keeps the engine of its first trace, as with any Python state);
     inside ``torch.compile`` it is not read, and the automatic rule chooses (docs/compile.rst).
 
@@ -102,6 +103,23 @@ def select(spec, arrays, requested: str | None = None, *, wrap=None) -> Engine:
         if engine.automatic(arrays) and engine.decline(spec, arrays, backend) is None:
             return engine
     raise ValueError("no engine serves these arrays")    # the scan serves every namespace
+
+
+def decoder(k) -> Engine:
+    """The engine whose runs hold a ``DecodeCache`` over keys like ``k``: the context's default
+    (:func:`use_engine`), else the first of the registry that decodes them (triton for CUDA tensors,
+    the sweep for host-readable arrays, the scan for every other namespace).
+
+    Raises ``ValueError`` naming the engine when the default one cannot hold these keys.
+    """
+    requested = _default.get() if backend_of(k).reads_context(k) else "auto"
+    if requested != "auto":
+        engine = _REGISTRY[requested]
+        if not engine.decodes(k):
+            raise ValueError(f"the {requested!r} engine (slicedkern.use_engine) does not decode "
+                             f"{type(k).__module__}.{type(k).__name__} keys; use 'auto' or 'scan'")
+        return engine
+    return next(engine for engine in _REGISTRY.values() if engine.decodes(k))
 
 
 def engine_for(array) -> str:

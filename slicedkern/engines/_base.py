@@ -93,7 +93,7 @@ class Engine:
 
     # -- the primitives (docstring of this module); tests/test_architecture.py checks each engine has them
     #: the primitives of every engine, and of an engine with ``supports_causal``
-    PRIMITIVES = ("kernel_sum", "attention", "profiles_vjp", "indicator_sums")
+    PRIMITIVES = ("kernel_sum", "attention", "profiles_vjp", "indicator_sums", "decode_runs")
     CAUSAL_PRIMITIVES = ("causal_attention", "causal_profiles_vjp")
 
     def _missing(self, primitive: str):
@@ -126,6 +126,18 @@ class Engine:
     def causal_profile_sums(self, x, y, w, profiles, *, xp):
         """The forward of :meth:`causal_profiles_vjp`, uncombined (``gives_causal_sums``)."""
         raise self._missing("causal_profile_sums")
+
+    def decodes(self, k) -> bool:
+        """Whether :meth:`decode_runs` can hold a ``DecodeCache`` whose keys are like ``k``."""
+        return False
+
+    def decode_runs(self, xp, work, profile, *, center: bool, normalizer, dv: int):
+        """The runs of a ``DecodeCache`` (docs/mathematics.rst, "Decoding"): an object with
+        ``append(k, v, key_mask)``, ``attend(q, ...)`` and ``length``, for the op of ``profile``
+        (array parameters of ``xp``) and its options, over ``dv`` value columns. Its ``compiled``
+        attribute says whether it reads any float dtype and writes the output dtype it is given
+        (``attend(q, dtype)``), or takes the work dtype ``work`` and a boolean key mask."""
+        raise self._missing("decode_runs")
 
     # -- what the adapters call ---------------------------------------------------------------
     def forward(self, spec, arrays, *, xp, for_backward=False):

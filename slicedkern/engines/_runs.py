@@ -19,6 +19,9 @@ __all__ = ["RunCounter"]
 class RunCounter:
     """Which positions form the runs; the storage and the kernels are the subclass's."""
 
+    #: Engine.decode_runs: reads any float dtype (in float64) and writes the dtype ``attend`` is given
+    compiled = True
+
     def __init__(self) -> None:
         # the runs as [start, end) position ranges, sizes decreasing: starts in bounds[0, :n_runs],
         # ends in bounds[1, :n_runs] (at most 64: a binary counter of positions < 2^64)

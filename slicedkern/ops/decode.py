@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from .._lib.namespace import array_device, shape_str
 from .._spec import OP_DEFAULTS, AttentionSpec, Normalizer, profile_of
-from ..backends import backend_of, is_array, without_gradient
-from ..engines import sweep
-from ..engines import triton as triton_engine
-from ..engines.scan._decode import Runs
+from ..backends import is_array, without_gradient
+from ..engines import decoder
 from ..kernels import Hat, HatMixture, PiecewiseLinear, Profile, ReLU
 from ._validate import check_bool, check_eps, check_normalize, hat_floats, setup
 from .attention import hat_spec, nan_rows_without_keys
@@ -72,18 +70,6 @@ def _array_profile(hats, xp, work, k) -> Profile:
     return profile_of(spec, params)
 
 
-def _runs(xp, work, k, profile, *, center, normalizer, dv):
-    """The runs of a cache: compiled on the host (:class:`slicedkern.engines.sweep._decode.HostRuns`)
-    for NumPy arrays and CPU torch tensors where numba is installed, on the GPU with one Triton launch
-    per attend (:class:`slicedkern.engines.triton._decode.DeviceRuns`) for CUDA torch tensors where
-    Triton is installed, else the array-API runs."""
-    if sweep.AVAILABLE and backend_of(k).host_readable(k):
-        return sweep.host_runs(profile, center=center, normalizer=normalizer, dv=dv, xp=xp)
-    if triton_engine.decodes(k):
-        return triton_engine.device_runs(profile, center=center, normalizer=normalizer, dv=dv, xp=xp)
-    return Runs(xp, work, profile, center=center, normalizer=normalizer, dv=dv)
-
-
 def _gradient_guard(guard, *arrays):
     """A zero that depends on every array here that records a gradient (marked by
     :func:`without_gradient`): added to the host runs' outputs, which read the arrays' memory and so
@@ -115,7 +101,10 @@ class DecodeCache:
     output (torch ``backward``, ``jax.grad``) through the cache's keys, values or queries raises
     (``RuntimeError`` on torch, ``TypeError`` on JAX) rather than leaving their gradients silently
     empty; generate under ``torch.no_grad()``. Padding is a ``key_mask`` of :meth:`append`, as the
-    ops' (a left-padded prompt's pad keys count nowhere); any array-API backend.
+    ops' (a left-padded prompt's pad keys count nowhere); any array-API backend. The first
+    :meth:`append` chooses where the runs live, through the engines (:func:`~slicedkern.use_engine`
+    applies): compiled on the host for NumPy arrays and CPU torch tensors (the sweep), on the GPU
+    for CUDA torch tensors (triton), as array-API code elsewhere (the scan).
 
     Parameters
     ----------
@@ -207,8 +196,8 @@ class DecodeCache:
             if self._hats is not None:
                 self._profile = _array_profile(self._hats, xp, work, k)
             self._shape = (tuple(k.shape[:-1]), v.shape[-1], xp, work, out_dtype)
-            self._runs = _runs(xp, work, k, self._profile, center=self._center, normalizer=self._normalizer,
-                               dv=v.shape[-1])
+            self._runs = decoder(k).decode_runs(xp, work, self._profile, center=self._center,
+                                                normalizer=self._normalizer, dv=v.shape[-1])
         batch, dv, xp0, work0, _ = self._shape
         if xp is not xp0 or tuple(k.shape[:-1]) != batch or v.shape[-1] != dv:
             raise ValueError(f"arguments 'k' and 'v' must continue the cache's rows: batch shape {batch}, "
@@ -217,7 +206,7 @@ class DecodeCache:
             return
         # the runs keep no autograd history: an output that depends on k or v raises when differentiated
         k, v = without_gradient(k, _NO_GRADIENT), without_gradient(v, _NO_GRADIENT)
-        if isinstance(self._runs, Runs):
+        if not self._runs.compiled:
             if key_mask is None:
                 key_mask = xp.ones(tuple(k.shape), dtype=xp.bool, device=array_device(k))
             k = xp.astype(k, work0)
@@ -265,7 +254,7 @@ class DecodeCache:
             return nan_rows_without_keys(xp, q, q[..., :0], empty)
         q = without_gradient(q, _NO_GRADIENT)
         dtype = xp.result_type(out_dtype, q_dtype)
-        if isinstance(self._runs, Runs):
+        if not self._runs.compiled:
             out = self._runs.attend(xp.astype(q, work))
         else:                                     # written in the output dtype where the kernel can
             out = self._runs.attend(q, dtype)

@@ -15,14 +15,19 @@ from _helpers import DECODE_CHUNKS, decode_data, poison_decode_data  # noqa: E40
 
 import slicedkern  # noqa: E402
 from slicedkern._spec import Normalizer  # noqa: E402
+from slicedkern.engines import get as engine  # noqa: E402
 from slicedkern.engines.scan._decode import Runs  # noqa: E402
 from slicedkern.engines.sweep import _decode as decode_module  # noqa: E402
-from slicedkern.engines.sweep import host_runs  # noqa: E402
 from slicedkern.engines.sweep._decode import HostRuns  # noqa: E402
 from slicedkern.kernels import Hat, Profile, ReLU  # noqa: E402
 
 CHUNKS = DECODE_CHUNKS
 _data = decode_data
+
+
+def host_runs(profile, *, xp, **options):
+    """The sweep's decoding runs, as ``DecodeCache`` asks the engine for them."""
+    return engine("sweep").decode_runs(xp, xp.float64, profile, **options)
 
 
 @pytest.fixture

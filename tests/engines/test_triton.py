@@ -604,8 +604,8 @@ def test_device_runs_nan_rule_growth_and_per_head_bandwidths(rng):
 
 def test_decode_cache_keeps_cuda_runs_on_the_device():
     """DecodeCache picks the device runs for CUDA tensors only (CPU tensors: the host's compiled runs)."""
-    from slicedkern.engines import triton as engine
-    assert not engine.decodes(torch.zeros(2))
+    from slicedkern.engines import get
+    assert not get("triton").decodes(torch.zeros(2))
     if DEVICE == "cuda":
         from slicedkern.engines.triton._decode import DeviceRuns
         cache = slicedkern.DecodeCache("relu")

@@ -13,6 +13,7 @@ from .._base import Engine
 from ..sortscan.pullback import indicator_sums, profiles_vjp
 from ._causal import causal_attention, causal_profile_sums, causal_profiles_vjp
 from ._compose import attention, kernel_sum
+from ._decode import Runs
 
 __all__ = ["ScanEngine"]
 
@@ -25,6 +26,12 @@ class ScanEngine(Engine):
 
     def serves(self, library: str) -> bool:
         return True
+
+    def decodes(self, k) -> bool:
+        return True
+
+    def decode_runs(self, xp, work, profile, *, center, normalizer, dv):
+        return Runs(xp, work, profile, center=center, normalizer=normalizer, dv=dv)
 
     def kernel_sum(self, x, y, w, profile, *, xp):
         return kernel_sum(x, y, w, profile, xp=xp)

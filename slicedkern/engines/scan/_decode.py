@@ -64,6 +64,9 @@ class Runs:
         Value columns.
     """
 
+    #: Engine.decode_runs: takes the work dtype and a boolean key mask
+    compiled = False
+
     def __init__(self, xp, work, profile: Profile, *, center: bool, normalizer: Normalizer, dv: int):
         self.xp, self.work = xp, work
         self.ar = ar = arithmetic(xp, work)

@@ -37,7 +37,7 @@ from .._base import Engine
 from ..sortscan.pullback import ColumnSums, column_range
 from . import _layout
 
-__all__ = ["SweepEngine", "AVAILABLE", "host_runs"]
+__all__ = ["SweepEngine", "AVAILABLE"]
 
 _F64 = np.dtype(np.float64)
 
@@ -86,14 +86,6 @@ def _host_profile(profile, batch, xp) -> dict:
     """The kernels' profile arguments read directly from host-readable arrays (the causal mode)."""
     params, build = _profile_args(profile, batch, xp)
     return build(params)
-
-
-def host_runs(profile, *, center: bool, normalizer, dv: int, xp):
-    """Decoding runs compiled on the host (:class:`._decode.HostRuns`; numba imported on first use)
-    for ``profile``, whose array parameters come from ``xp``."""
-    from . import _decode as decode
-    return decode.HostRuns(lambda batch: _host_profile(profile, batch, xp), center=center, normalizer=normalizer,
-                           dv=dv)
 
 
 def _host_profile_of(profile, host: dict):
@@ -170,6 +162,15 @@ class SweepEngine(Engine):
                     f"on this {type(a).__module__}.{type(a).__name__}"
                     + _device_text(a))
         return None
+
+    def decodes(self, k) -> bool:
+        return self.installed() and backend_of(k).host_readable(k)
+
+    def decode_runs(self, xp, work, profile, *, center, normalizer, dv):
+        # compiled on the host (numba imported on first use); read in float64 whatever ``work`` is
+        from . import _decode as decode
+        return decode.HostRuns(lambda batch: _host_profile(profile, batch, xp), center=center,
+                               normalizer=normalizer, dv=dv)
 
     # -- forward primitives ---------------------------------------------------------------------
     # Each call goes to the host through the backend row (_call): directly for NumPy and CPU torch, by

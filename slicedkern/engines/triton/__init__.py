@@ -104,18 +104,6 @@ _RESIDUALS = ("take", "relu_count", "key_order", "key_perm", "query_order", "que
 CAUSAL_LEAF = 64
 
 
-def decodes(k) -> bool:
-    """Whether ``DecodeCache`` keeps the runs of the keys ``k`` on their GPU (:func:`device_runs`):
-    CUDA torch tensors, Triton installed."""
-    device = getattr(k, "device", None)
-    return getattr(device, "type", None) == "cuda" and TritonEngine.installed()
-
-
-def device_runs(profile, *, center: bool, normalizer, dv: int, xp):
-    """Decoding runs on the device, attended in one launch (:class:`._decode.DeviceRuns`)."""
-    return DeviceRuns(xp, profile, center=center, normalizer=normalizer, dv=dv)
-
-
 def _factor(xp, sc, row_ok, up=None):
     """The output rows' factor: 1, or NaN where the NaN policy says (``sc``'s verdicts so far) and on
     the batch rows whose bandwidths are bad (``row_ok``, or None: :meth:`Engine.forward`); times
@@ -169,6 +157,14 @@ class TritonEngine(Engine):
         # CPU tensors run under the interpreter only, far slower than the sweep or the scan
         device = getattr(arrays[0], "device", None)
         return getattr(device, "type", None) == "cuda"
+
+    def decodes(self, k) -> bool:
+        # the runs stay on the GPU, attended in one launch; CUDA torch tensors only
+        device = getattr(k, "device", None)
+        return getattr(device, "type", None) == "cuda" and self.installed()
+
+    def decode_runs(self, xp, work, profile, *, center, normalizer, dv):
+        return DeviceRuns(xp, profile, center=center, normalizer=normalizer, dv=dv)
 
     # -- primitives -----------------------------------------------------------------------------
     def kernel_sum(self, x, y, w, profile, *, xp):

@@ -15,8 +15,8 @@ from . import kernels
 from ._lib.namespace import clamp_min
 from .kernels import Abs, PiecewiseLinear, Profile, ReLU, hat_profile, hat_pullback, is_fixed
 
-__all__ = ["KernelSumSpec", "AttentionSpec", "Normalizer", "NORMALIZERS", "OP_DEFAULTS", "unpack", "hats",
-           "profile_of", "param_grads", "sum_to", "bandwidth_ok", "spec_parts", "spec_from_parts"]
+__all__ = ["KernelSumSpec", "AttentionSpec", "Normalizer", "NORMALIZERS", "NORMALIZER_CODES", "OP_DEFAULTS",
+           "unpack", "hats", "profile_of", "param_grads", "sum_to", "bandwidth_ok", "spec_parts", "spec_from_parts"]
 
 #: The attention normalisers by the name users pass as ``normalize``: a profile summed over the
 #: valid keys (clamped below by ``eps``), the number of valid keys (``"count"``, at least 1), or none.
@@ -25,6 +25,9 @@ NORMALIZERS = {"abs": Abs(), "relu": ReLU(), "count": None, None: None}
 #: Their profiles, built once (a property that builds them would cost every call, and torch.compile
 #: does not trace ``functools.cached_property``).
 _PROFILES = {name: Profile.of(kernel) if kernel is not None else None for name, kernel in NORMALIZERS.items()}
+#: The normalisers as the compiled kernels receive them (numba's and Triton's), the one coding:
+#: 1 and 2 are the summed ones. The sweep's cached compiles hold these values, so they stay fixed.
+NORMALIZER_CODES = {None: 0, "abs": 1, "relu": 2, "count": 3}
 
 
 #: Each attention op's options and their defaults: the one table. ``slicedkern.DecodeCache`` and the
@@ -65,6 +68,11 @@ class Normalizer:
     def profile(self) -> Profile | None:
         """The profile summed over the valid-key indicator ("abs", "relu"), or None."""
         return _PROFILES[self.name]
+
+    @property
+    def code(self) -> int:
+        """The normaliser as the compiled kernels receive it (:data:`NORMALIZER_CODES`)."""
+        return NORMALIZER_CODES[self.name]
 
     @property
     def summed(self) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import array_api_compat as compat
 
+from ._lib.causal import causal_visible
 from ._lib.namespace import array_device, compute_dtypes
 from .kernels import Abs, HatMixture, ReLU, hat_profile
 
@@ -63,10 +64,7 @@ def _visible(xp, q, k, valid, causal):
     ``j <= i + Lk - Lq`` (bottom-right aligned; docs/mathematics.rst, "Causal attention")."""
     keep = valid[..., None, :] != 0
     if causal:
-        lq, lk = q.shape[-1], k.shape[-1]
-        i = xp.arange(lq, device=array_device(q))[:, None]
-        j = xp.arange(lk, device=array_device(q))[None, :]
-        keep = keep & (j <= i + (lk - lq))
+        keep = keep & causal_visible(xp, q.shape[-1], k.shape[-1], array_device(q))
     return keep
 
 

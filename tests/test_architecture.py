@@ -12,8 +12,10 @@ framework checks (``array_api_compat.is_*``) live in ``backends/`` and ``adapter
 from __future__ import annotations
 
 import ast
+import io
 import pathlib
 import re
+import tokenize
 
 import pytest
 
@@ -184,16 +186,51 @@ def test_modules_needing_a_framework_are_skipped_where_it_is_missing():
     assert not missing, f"add to OPTIONAL_MODULES in conftest.py: {missing}"
 
 
+def _code(path: pathlib.Path) -> str:
+    """A module's source without its comments and strings (docstrings state the rules they follow)."""
+    tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+    return tokenize.untokenize((t.type, t.string) for t in tokens if t.type not in (tokenize.COMMENT, tokenize.STRING))
+
+
 def test_the_divisor_rule_is_written_once():
     """The normaliser's clamp (``max(den, eps)``, 1 where no key is seen) lives in
     :meth:`slicedkern._spec.Normalizer.divisor`; engines, decoding and the sharded engine call it
-    (issue 24: it was in six modules). The triton engine's pass-2 kernel applies it in its epilogue,
-    in registers (a kernel cannot call Python); tests/engines/test_triton.py holds it to the
-    reference for every normaliser."""
+    (it was once in six modules). Each compiled language has its twin: the sweep's numba
+    ``divisor_of`` (which its ``normaliser_scale`` calls) and the triton engine's pass-2 epilogue,
+    in registers (a kernel cannot call Python); tests/engines/ hold them to the reference for every
+    normaliser."""
+    spellings = r"clamp_min\s*\([^()]*eps\s*\)|maximum\s*\([^()]*eps\b|\bif +\w+ *> *eps +else +eps\b|\bden *= *eps\b"
     writers = sorted(name for name, path in MODULES.items()
-                     if re.search(r"clamp_min\([^()]*eps\)|maximum\([^()]*eps\b", path.read_text())
+                     if re.search(spellings, _code(path))
                      and name not in ("slicedkern.reference", "slicedkern.engines.triton._kernels"))
+    assert writers == ["slicedkern._spec", "slicedkern.engines.sweep._kernels_common"], writers
+
+
+def test_the_normaliser_coding_is_written_once():
+    """The integer codes the compiled kernels receive for ``normalize`` (numba's options, Triton's
+    ``NORM``) are :data:`slicedkern._spec.NORMALIZER_CODES`: no other module maps the names to
+    integers, and the sweep's named constants are read from it."""
+    pairs = r"""["'](abs|relu|count)["'] *: *\d"""
+    writers = sorted(name for name, path in MODULES.items() if re.search(pairs, path.read_text()))
     assert writers == ["slicedkern._spec"], writers
+    pytest.importorskip("numba")
+    from slicedkern._spec import Normalizer
+    from slicedkern.engines.sweep import _kernels_common as sweep
+
+    codes = [Normalizer(name).code for name in (None, "abs", "relu", "count")]
+    assert codes == [sweep.NO_NORMALIZER, sweep.ABS_NORMALIZER, sweep.RELU_NORMALIZER, sweep.COUNT_NORMALIZER]
+    assert len(set(codes)) == 4
+
+
+def test_the_causal_alignment_is_written_once():
+    """Query ``i`` sees the keys ``j <= i + Lk - Lq``: the offset and the comparison live in
+    :mod:`slicedkern._lib.causal`, which the reference, the causal grid of the engines, the layers'
+    masks and positions and the triton host read; the compiled kernels take the offset as an
+    argument."""
+    difference = re.compile(r"\b(lk|k_len|n_keys)\s*-\s*(lq|q_len|n_queries)\b"
+                            r"|\b(lq|q_len|n_queries)\s*-\s*(lk|k_len|n_keys)\b", re.IGNORECASE)
+    writers = sorted(name for name, path in MODULES.items() if difference.search(_code(path)))
+    assert writers == ["slicedkern._lib.causal"], writers
 
 
 def test_the_quotient_rule_is_written_once():
@@ -212,6 +249,15 @@ def test_distributed_imports_no_engine_internals():
     private = sorted({(name, target) for name in MODULES if _group(name) == "distributed"
                       for target, _, _ in _imports(name, MODULES[name])
                       if target.startswith("slicedkern.engines.") or target.startswith("slicedkern.adapters.")})
+    assert private == [], private
+
+
+def test_the_layers_above_the_engines_reach_them_through_the_registry():
+    """The adapters, ops, layers and sequence parallelism reach the engines through
+    ``slicedkern.engines`` (``select``, ``decoder``, ``get``), never a module of one engine: decoding
+    too is chosen there, so ``use_engine`` applies to it."""
+    private = sorted({(name, target) for name in MODULES if LAYERS[_group(name)] > LAYERS["engines"]
+                      for target, _, _ in _imports(name, MODULES[name]) if target.startswith("slicedkern.engines.")})
     assert private == [], private
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from .._lib.causal import key_offset
 from .._lib.namespace import array_device, ceil_log2, clamp_min
 from ..backends import finite, finite_keys
 
@@ -67,8 +68,8 @@ class CausalGrid:
     def __init__(self, lq: int, lk: int):
         self.lq, self.lk = lq, lk
         self.n = 1 << ceil_log2(max(lk, 1))
-        self.before = max(lk - lq, 0)
-        self.blind = max(lq - lk, 0)
+        self.before = max(key_offset(lq, lk), 0)
+        self.blind = max(-key_offset(lq, lk), 0)
 
     def keys(self, xp, a, fill, axis: int = -1):
         """Keys (..., lk, ...) laid on the positions: (..., n, ...), padded at the end with ``fill``."""

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .. import DecodeCache, hat_attention, hat_mixture_attention, kernel_attention, relu_attention
+from .._lib.causal import key_offset
 from .._lib.namespace import array_device
 from .._spec import NORMALIZERS, OP_DEFAULTS
 from ..backends import array_namespace
@@ -229,11 +230,12 @@ def rope_positions(like, q_len: int, k_len: int, valid=None, start=None):
     keys = counts - xp.astype(valid, counts.dtype)        # valid keys before each key
     if start is not None:
         keys = keys + xp.astype(start, counts.dtype)[:, None]
-    if q_len <= k_len:
-        return keys[:, k_len - q_len:], keys
-    before = xp.arange(k_len - q_len, 0, dtype=counts.dtype, device=device)
+    offset = key_offset(q_len, k_len)
+    if offset >= 0:
+        return keys[:, offset:], keys
+    before = xp.arange(offset, 0, dtype=counts.dtype, device=device)
     first = xp.zeros_like(keys[:, :1]) if start is None else xp.astype(start, counts.dtype)[:, None]
-    head = xp.broadcast_to(before[None, :] + first, (keys.shape[0], q_len - k_len))
+    head = xp.broadcast_to(before[None, :] + first, (keys.shape[0], -offset))
     return xp.concat((head, keys), axis=-1), keys
 
 

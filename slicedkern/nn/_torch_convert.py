@@ -11,6 +11,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from .._lib.causal import aligned_keys
+
 __all__ = ["taken_arguments", "copy_projections", "replace_attention", "boolean_padding", "is_square_causal",
            "has_keys"]
 
@@ -115,7 +117,7 @@ def visible_rows(q_len: int, k_len: int, device) -> tuple[Tensor, Tensor]:
 
     Returns the last visible key of each query, clamped to ``[0, Lk)``, and whether it sees any key.
     """
-    last = torch.arange(q_len, device=device) + (k_len - q_len)
+    last = aligned_keys(torch, q_len, k_len, device)
     return torch.clamp(last, min=0, max=k_len - 1), last >= 0
 
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .._lib.causal import aligned_keys
 from ..kernels import PiecewiseLinear
 from . import (
     ROPE_BASE,
@@ -357,7 +358,7 @@ def _visible_rows(q_len, k_len):
 
     Static NumPy: the last visible key of each query clamped to ``[0, Lk)``, and whether it sees any.
     """
-    last = np.arange(q_len) + (k_len - q_len)
+    last = aligned_keys(np, q_len, k_len)
     return np.clip(last, 0, k_len - 1), last >= 0
 
 

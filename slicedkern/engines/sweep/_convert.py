@@ -14,7 +14,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from ._kernels_common import NORMALIZER_CODES
+from ..._spec import NORMALIZER_CODES
 
 #: Normaliser names of the attention functions (those the kernels have codes for).
 NORMALIZERS = tuple(NORMALIZER_CODES)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..._spec import Normalizer
 from .._runs import RunCounter
-from ._convert import NORMALIZER_CODES, host_view, sweep_profile, wrap
+from ._convert import host_view, sweep_profile, wrap
 from ._kernels_decode import admit, attend_rows, build_run
 
 __all__ = ["HostRuns"]
@@ -91,7 +91,7 @@ class HostRuns(RunCounter):
         rows, self._zero_knot, _ = sweep_profile(p["knots"], p["coeffs"], p["slope"], p["intercept"], batch, bsz,
                                                  self.normalizer.name)
         self._rows = rows[:4]
-        self._options = (bool(self.center), NORMALIZER_CODES[self.normalizer.name], self._zero_knot,
+        self._options = (bool(self.center), self.normalizer.code, self._zero_knot,
                          float(self.normalizer.eps))
         self._batch, self._bsz = batch, bsz
         self.totals = np.zeros((bsz, self.dv + 1))

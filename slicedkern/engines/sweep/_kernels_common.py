@@ -44,18 +44,19 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..._spec import NORMALIZER_CODES
 from . import _layout
 
 __all__ = ["SumOptions", "BackwardOptions", "CausalOptions",
-           "NORMALIZER_CODES", "NO_NORMALIZER", "ABS_NORMALIZER", "RELU_NORMALIZER", "COUNT_NORMALIZER",
+           "NO_NORMALIZER", "ABS_NORMALIZER", "RELU_NORMALIZER", "COUNT_NORMALIZER",
            "JIT", "INLINE", "PARALLEL", "PREFETCH_AHEAD", "allocate_sorted", "allocate_saved", "sort_row", "fetch_row",
            "exact_sum", "below", "dot", "dot_pair", "claim", "divisor_of", "normaliser_scale", "strict_rank",
            "value_totals"]
 
-#: Normaliser codes as the compiled code receives them (``normalizer`` of the attention options).
-NO_NORMALIZER, ABS_NORMALIZER, RELU_NORMALIZER, COUNT_NORMALIZER = 0, 1, 2, 3
-NORMALIZER_CODES = {None: NO_NORMALIZER, "abs": ABS_NORMALIZER, "relu": RELU_NORMALIZER,
-                    "count": COUNT_NORMALIZER}
+#: Normaliser codes as the compiled code receives them (``normalizer`` of the attention options):
+#: the one coding of slicedkern._spec, which the Triton kernels read too.
+NO_NORMALIZER, ABS_NORMALIZER, RELU_NORMALIZER, COUNT_NORMALIZER = (NORMALIZER_CODES[name]
+                                                                    for name in (None, "abs", "relu", "count"))
 
 
 
@@ -247,23 +248,18 @@ def divisor_of(normalizer, count, den, eps):
 
 @njit(**INLINE)
 def normaliser_scale(normalizer, x, zero_count, zero_sum, n_keys, key_sum, eps):
-    """``(1 / D_i, unclamped D_i >= eps)`` for a query ``x`` (shifted), docs "Attention".
+    """``(1 / D_i, unclamped D_i >= eps)`` for a query ``x`` (shifted) that sees all ``n_keys``
+    valid keys, docs "Attention"; the divisor is :func:`divisor_of`'s.
 
     ``zero_count`` / ``zero_sum``: count and sum (shifted) of the keys strictly below ``x``;
     ``key_sum``: sum of all valid keys (shifted). ``|r| = 2 ReLU(r) - r`` gives the "abs" sum.
     """
-    if normalizer == ABS_NORMALIZER or normalizer == RELU_NORMALIZER:
-        den = x * zero_count - zero_sum
-        if normalizer == ABS_NORMALIZER:
-            den = 2.0 * den - (x * n_keys - key_sum)
-        unclamped_ok = den >= eps
-        if not unclamped_ok:
-            den = eps
-        # eps = 0 and an empty sum: the attention of an empty key set is 0, not 0 / 0
-        return (1.0 / den if den > 0.0 else 1.0), unclamped_ok
-    if normalizer == COUNT_NORMALIZER:
-        return 1.0 / (n_keys if n_keys > 1.0 else 1.0), True
-    return 1.0, True
+    if normalizer != ABS_NORMALIZER and normalizer != RELU_NORMALIZER:
+        return 1.0 / divisor_of(normalizer, n_keys, 0.0, eps), True
+    den = x * zero_count - zero_sum
+    if normalizer == ABS_NORMALIZER:
+        den = 2.0 * den - (x * n_keys - key_sum)
+    return 1.0 / divisor_of(normalizer, n_keys, den, eps), den >= eps
 
 
 @njit(**JIT)

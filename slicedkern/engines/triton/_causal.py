@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 
+from ..._lib.causal import key_offset
 from ..._lib.namespace import as_work
 from ...kernels import Profile, is_fixed
 from .._columns import MaskedValues
@@ -33,7 +34,6 @@ from ._sums import (
     cotangent_rows,
     flat_rows,
     loaded,
-    norm_code,
     profile_sum,
     profile_sum_into,
     row_view,
@@ -216,7 +216,7 @@ def causal_epilogue(xp, num, den, w, take, good, offset: int, carry, *, center: 
         loaded().causal_epilogue[(rows, triton_cdiv(lq, BLOCK_ROWS), triton_cdiv(dv, BLOCK_COLS))](
             num, den if den is not None else num, w, take, carry, carry.shape[1], xp.astype(good, xp.int8), out, n, lq,
             dv, offset, float(normalizer.eps), w.stride(0), w.stride(1), w.stride(2), CENTER=bool(center),
-            NORM=norm_code(normalizer), BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=8)
+            NORM=normalizer.code, BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=8)
     return out
 
 
@@ -383,6 +383,6 @@ def causal_dv(xp, dw, g, weights, factor, dtype):
         weights = xp.astype(weights, xp.float64).contiguous() if sub else factor
         g = g if sub else dw                              # not read without SUB
         loaded().causal_dv[(rows, triton_cdiv(d, BLOCK_COLS))](
-            dw, g, weights, factor, out, lq, lk, d, lq - lk, dw.stride(0), dw.stride(1), dw.stride(2), g.stride(0),
-            g.stride(1), g.stride(2), SUB=sub, BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS, num_warps=8)
+            dw, g, weights, factor, out, lq, lk, d, -key_offset(lq, lk), dw.stride(0), dw.stride(1), dw.stride(2),
+            g.stride(0), g.stride(1), g.stride(2), SUB=sub, BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS, num_warps=8)
     return out

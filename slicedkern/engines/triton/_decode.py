@@ -18,7 +18,7 @@ from ..._spec import Normalizer
 from ...backends import finite, finite_keys
 from ...kernels import Profile
 from .._runs import RunCounter
-from ._sums import _profile_args, loaded, norm_code
+from ._sums import _profile_args, loaded
 
 __all__ = ["DeviceRuns"]
 
@@ -133,7 +133,7 @@ class DeviceRuns(RunCounter):
                 self.sorted_keys, self.prefix, self.shifts, self.totals, xp.astype(self.bad, xp.int8),
                 knots, coeffs, lin, nknots, ncoeffs, nlin, out,
                 m, self.capacity, self.dv, float(self.normalizer.eps), max(1, math.ceil(math.log2(self.capacity + 1))),
-                K=K, KN=KN, CENTER=bool(self.center), NORM=norm_code(self.normalizer), BLOCK_Q=BLOCK_Q,
+                K=K, KN=KN, CENTER=bool(self.center), NORM=self.normalizer.code, BLOCK_Q=BLOCK_Q,
                 BLOCK_W=max(2, 1 << self.dv.bit_length()))      # a power of two >= dv + 1
         out = xp.reshape(out, self._batch + (m, self.dv))
         return out if dtype is None else xp.astype(out, dtype)

@@ -218,7 +218,7 @@ def causal_epilogue(num_ptr, den_ptr, w_ptr, take_ptr, carry_ptr, carry_rows, go
     """Causal attention's output from its running sums, in one pass (the arithmetic of
     :func:`._kernels._attention_epilogue`): query ``i`` of a row sits at position ``i + offset``
     (none before 0: a query that sees no key) and reads there ``num`` (R, n, dv + 1) float64, the
-    profile sums of the values and of the indicator (its ReLU count), and with NORM 2 the
+    profile sums of the values and of the indicator (its ReLU count), and with a summed NORM the
     normaliser sums ``den`` (R, n) float64; the totals of the values and the count it sees are
     summed here from the values ``w`` (R, n, dv) (own dtype and strides), ``take`` (R, n) int8 and
     their blocks' ``carry`` (:func:`_running_totals`); ``good`` (R, lq) int8 False makes its row NaN
@@ -242,8 +242,8 @@ def causal_epilogue(num_ptr, den_ptr, w_ptr, take_ptr, carry_ptr, carry_rows, go
     # the count is the indicator's column dv (the pair's second column is past the carry: zero)
     count = tl.sum(_running_totals(w_ptr, take_ptr, carry_ptr, carry_rows, row, i0 + offset, dv + tl.arange(0, 2), n,
                                    dv, sw_r, sw_n, sw_c, BLOCK_N), 1)
-    den = relu_count                          # read by the epilogue only when NORM == 2
-    if NORM == 2:
+    den = relu_count                          # read by the epilogue only for a summed normaliser
+    if NORM == 1 or NORM == 2:
         den = tl.load(den_ptr + row * n + p, mask=seen, other=0.0).to(tl.float64)
     acc = _attention_epilogue(acc, relu_count, count, totals, den, eps, CENTER, NORM)
     good = tl.load(good_ptr + row * lq + i, mask=i < lq, other=0) != 0

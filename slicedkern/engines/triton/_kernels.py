@@ -219,15 +219,16 @@ def _attention_epilogue(acc, relu_count, count, totals, den, eps, CENTER: tl.con
     """Attention's arithmetic on a block of profile sums ``acc`` (queries, columns), the compiled twin
     of :func:`slicedkern.engines._combine.combine`: CENTER subtracts ``relu_count`` (queries,) times
     the mean value ``totals / count`` (``totals`` (1 or queries, columns): the row's, or each
-    query's own in causal attention); the divisor is NORM's (0 none, 1 the ``count`` of valid keys
-    (a scalar, or (queries,)), at least 1, 2 the normaliser sums ``den`` (queries,) floored at
-    ``eps``, and 1 for a query that sees no key: Normalizer.divisor)."""
+    query's own in causal attention); the divisor is NORM's (``Normalizer.code``: 0 none, 3 the
+    ``count`` of valid keys (a scalar, or (queries,)), at least 1, 1 or 2 (a summed normaliser) the
+    normaliser sums ``den`` (queries,) floored at ``eps``, and 1 for a query that sees no key:
+    Normalizer.divisor)."""
     count = count + tl.zeros_like(relu_count)
     if CENTER:
         acc = acc - (relu_count / tl.maximum(count, 1.0))[:, None] * totals
-    if NORM == 1:
+    if NORM == 3:
         acc = acc / tl.maximum(count, 1.0)[:, None]
-    if NORM == 2:
+    if NORM == 1 or NORM == 2:
         acc = acc / tl.where(count > 0, tl.maximum(den, eps), 1.0)[:, None]
     return acc
 
@@ -304,8 +305,8 @@ def _eval_block(row, i, cl, cb, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_p
         first_block = cb == 0
         if first_block:
             tl.store(count_ptr + row * n + dest, relu_count, mask=nm)
-        raw = relu_count                  # read by _attention_epilogue only when NORM == 2
-        if NORM == 2:
+        raw = relu_count                  # read by _attention_epilogue only for a summed normaliser
+        if NORM == 1 or NORM == 2:
             raw = _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry_ptr, nknots_ptr,
                                      ncoeffs_ptr, nlin_ptr, row, m, sk_r, C, c, nb, log_m, KN, STRICT, HAS_TAKE, ACC,
                                      BLOCK_M)
@@ -313,7 +314,7 @@ def _eval_block(row, i, cl, cb, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_p
                 tl.store(raw_ptr + row * n + dest, raw, mask=nm)
         acc = _attention_epilogue(acc, relu_count, valid, t0[None, :], raw, eps, CENTER, NORM)
     elif ADD:
-        if NORM == 2:
+        if NORM == 1 or NORM == 2:
             # a causal level: the normaliser's sums ride the values' launch (one launch per level, not two)
             if cb == 0:
                 den = _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry_ptr, nknots_ptr,
@@ -374,7 +375,8 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     ATTN (attention's epilogue, one launch for the whole forward; the table carries the indicator
     in column ``c``): the same profile over the indicator, summed in the same tile loop, is the
     query's ``relu_count``; CENTER adds ``-relu_count / count`` times the totals; the divisor is
-    NORM's (0 none, 1 the count of valid keys, 2 the normaliser profile ``nknots``, ``ncoeffs``,
+    NORM's (``Normalizer.code``: 0 none, 3 the count of valid keys, 1 or 2 the normaliser profile
+    ``nknots``, ``ncoeffs``,
     ``nlin`` (KN knots) over the indicator, floored at ``eps``, 1 for a query that sees no key;
     docs/mathematics.rst, "Attention"). The first column block writes ``relu_count`` and the
     normaliser's sum (R, n), float64 in the queries' original order: the backward's residuals.
@@ -387,7 +389,7 @@ def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr
     width``, ``out_off = 0``, ``out_qs = width`` for an (R, n, width) array); ADD adds them, in
     float64, to what ``out`` (float32 or float64) holds there, rounding once: a causal level's sums
     into the running sums of its right blocks, and its pull-back's value gradients into the
-    leaves' of its left blocks, in place. ADD with NORM == 2 (ATTN off): the first column block
+    leaves' of its left blocks, in place. ADD with a summed NORM (ATTN off): the first column block
     also adds the profile ``nknots``, ``ncoeffs``, ``nlin`` over the indicator (column ``c``) to
     ``raw``, the normaliser's running sums, query ``i`` at ``raw[(out_off + row out_rs) / out_qs + i]``.
 
@@ -454,7 +456,7 @@ def decode_attend(q_ptr, bounds_ptr, n_runs, keys_ptr, prefix_ptr, shifts_ptr, t
     1``), ``shifts`` the run's median key at its first position; ``bounds`` (2, n_runs) int64 the
     runs' ``[start, end)``; ``totals`` (B, cw) the values' sum and the count of the keys taken;
     ``bad`` (B,) int8 a row that took a non-finite key. Per query the profile sums over the runs
-    (values and indicator: ``knots``, ``coeffs``, ``lin``), NORM's divisor (0 none, 1 the count, 2 the
+    (values and indicator: ``knots``, ``coeffs``, ``lin``), NORM's divisor (0 none, 3 the count, 1 or 2 the
     normaliser profile ``nknots``... over the indicator, floored at ``eps``, 1 for a query that sees
     no key), CENTER's running mean, and NaN for a non-finite query or a ``bad`` row: the arithmetic
     of :func:`slicedkern.engines._combine.combine`. ``out`` (B, M, dv) float64.
@@ -478,7 +480,7 @@ def decode_attend(q_ptr, bounds_ptr, n_runs, keys_ptr, prefix_ptr, shifts_ptr, t
         xs = x - tl.load(shifts_ptr + run_base)
         sums += _run_profile(x, xs, qm, keys_ptr, prefix_ptr, run_base, size, knots_ptr, coeffs_ptr, lin_ptr, b,
                              w, wm, cw, log_cap, K)
-        if NORM == 2:
+        if NORM == 1 or NORM == 2:
             nsums = _run_profile(x, xs, qm, keys_ptr, prefix_ptr, run_base, size, nknots_ptr, ncoeffs_ptr,
                                  nlin_ptr, b, w, wm, cw, log_cap, KN)
             den += tl.sum(tl.where((w == dv)[None, :], nsums, 0.0), 1)

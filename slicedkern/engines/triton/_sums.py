@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any, NamedTuple
 
+from ..._spec import NORMALIZER_CODES
 from ...kernels import Profile, is_fixed
 from .._columns import ScaledRows
 
@@ -278,18 +279,12 @@ def _build_profile_args(xp, pairs, slope, intercept, batch, rows: int, dev):
     return knots, coeffs, lin, len(pairs)
 
 
-def norm_code(normalizer) -> int:
-    """The kernels' NORM: 0 for no divisor, 1 for the count of valid keys, 2 for a summed normaliser
-    (:func:`._kernels._attention_epilogue`)."""
-    return 2 if normalizer.summed else (1 if normalizer.name == "count" else 0)
-
-
 def _normaliser_args(xp, normalizer, batch, rows: int, dev, fill: tuple):
     """Attention's divisor as pass 2's epilogue reads it: ``(nknots, ncoeffs, nlin, KN, NORM, eps)``,
-    NORM from :func:`norm_code` (a summed normaliser's profile arguments; otherwise ``fill``, any
+    NORM its ``code`` (a summed normaliser's profile arguments; otherwise ``fill``, any
     three float64 arrays, stands in for them)."""
     args = _profile_args(xp, normalizer.profile, batch, rows, dev) if normalizer.summed else (*fill, 0)
-    return (*args, norm_code(normalizer), float(normalizer.eps))
+    return (*args, normalizer.code, float(normalizer.eps))
 
 
 def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, out, *, strict: bool,
@@ -314,14 +309,14 @@ def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols:
     width = len(cols)
     knots, coeffs, lin, K = _profile_args(xp, profile, batch, rows, dev)
     center, count, raw = False, x, x
-    nknots, ncoeffs, nlin, kn, norm, eps = knots, coeffs, lin, 0, 0, 0.0
+    nknots, ncoeffs, nlin, kn, norm, eps = knots, coeffs, lin, 0, NORMALIZER_CODES[None], 0.0
     if attention is not None:
         center, normalizer, count, raw = attention
         nknots, ncoeffs, nlin, kn, norm, eps = _normaliser_args(xp, normalizer, batch, rows, dev, (knots, coeffs, lin))
     elif norm_into is not None:
         nprofile, raw = norm_into
         nknots, ncoeffs, nlin, kn = _profile_args(xp, nprofile, batch, rows, dev)
-        norm = 2
+        norm = NORMALIZER_CODES["relu"]     # any summed code: the kernel sums the profile it is given
     nb = table.carry.shape[1] - 1
     w = table.w
     c = w.shape[-1]

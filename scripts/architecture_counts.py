@@ -1,6 +1,8 @@
-"""Counts of issue 24's closing note, on a source tree: the copies of the divisor rule and of the
-quotient-rule backward, the engine internals ``distributed/`` imports, and the functions over 8
-parameters (the sweep's numba kernels aside).
+"""The architecture's counts on a source tree: executable copies of the rules that should have one
+owner (the divisor, the quotient-rule backward, the causal alignment, the normaliser's integer
+coding), imports of one engine's modules from the layers above the engines, and the functions over
+8 parameters (the sweep's numba kernels aside). tests/test_architecture.py asserts the rules; this
+prints the counts, for a before / after of a redesign.
 
 Usage: ``python scripts/architecture_counts.py [PACKAGE_DIR]`` (default: ``slicedkern`` here).
 """
@@ -8,14 +10,30 @@ Usage: ``python scripts/architecture_counts.py [PACKAGE_DIR]`` (default: ``slice
 from __future__ import annotations
 
 import ast
+import io
 import pathlib
 import re
 import sys
+import tokenize
 
-#: a profile normaliser's clamp at eps; the quotient rule's test that the normaliser is not clamped
-DIVISOR = re.compile(r"clamp_min\([^()]*eps\)")
+#: every spelling of a profile normaliser's clamp at eps (array API, numba, Triton)
+DIVISOR = re.compile(r"clamp_min\s*\([^()]*eps\s*\)|maximum\s*\([^()]*eps\b|\bif +\w+ *> *eps +else +eps\b"
+                     r"|\bden *= *eps\b")
+#: the quotient rule's test that the normaliser is not clamped
 QUOTIENT = re.compile(r">= *(normalizer\.|spec\.)?eps")
-ENGINE_IMPORT = re.compile(r"from \.\.engines\.[a-z_]+")
+#: the causal alignment's offset, Lk - Lq, in any of its names
+ALIGNMENT = re.compile(r"\b(lk|k_len|n_keys)\s*-\s*(lq|q_len|n_queries)\b"
+                       r"|\b(lq|q_len|n_queries)\s*-\s*(lk|k_len|n_keys)\b", re.IGNORECASE)
+#: a table or function that maps the normalisers to integers, or a literal code
+CODING = re.compile(r"def norm_code\b|NORMALIZER_CODES *=|\bnorm *= *[0-9]\b")
+ENGINE_MODULE = re.compile(r"from \.\.engines\.[a-z_]+|from \.\.engines import (?:scan|sweep|triton)\b")
+ABOVE_ENGINES = ("adapters", "ops", "sliced", "nn", "distributed", "bench")
+
+
+def _code(path: pathlib.Path) -> str:
+    """The source without comments and strings (docstrings state the rules they follow)."""
+    tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+    return tokenize.untokenize((t.type, t.string) for t in tokens if t.type not in (tokenize.COMMENT, tokenize.STRING))
 
 
 def _parameters(node) -> int:
@@ -25,15 +43,21 @@ def _parameters(node) -> int:
 
 
 def main(root: pathlib.Path) -> None:
-    files = sorted(p for p in root.rglob("*.py") if "_kernels_" not in p.name)
-    def where(pattern):
-        return [str(p.relative_to(root.parent)) for p in files if pattern.search(p.read_text())]
-    print("divisor rule:", where(DIVISOR))
-    print("quotient rule:", where(QUOTIENT))
-    print("distributed/ imports of engine submodules:",
-          [f"{p.name}: {m}" for p in files if p.parent.name == "distributed"
-           for m in ENGINE_IMPORT.findall(p.read_text())])
-    wide = [f"{p.relative_to(root.parent)}:{node.name}" for p in files
+    every = sorted(root.rglob("*.py"))
+
+    def copies(pattern, files=every, text=_code):
+        found = [(str(p.relative_to(root.parent)), len(pattern.findall(text(p)))) for p in files]
+        return [f"{name} ({n})" for name, n in found if n]
+
+    print("divisor rule:", copies(DIVISOR))
+    print("quotient rule (numba kernels aside):", copies(QUOTIENT, [p for p in every if "_kernels_" not in p.name],
+                                                             pathlib.Path.read_text))
+    print("causal alignment:", copies(ALIGNMENT))
+    print("normaliser codings:", copies(CODING))
+    print("engine modules imported above the engines:",
+          [f"{p.relative_to(root)}: {m}" for p in every if p.relative_to(root).parts[0] in ABOVE_ENGINES
+           for m in ENGINE_MODULE.findall(p.read_text())])
+    wide = [f"{p.relative_to(root.parent)}:{node.name}" for p in every if "_kernels_" not in p.name
             for node in ast.walk(ast.parse(p.read_text()))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _parameters(node) > 8]
     print("functions over 8 parameters (numba kernels aside):", len(wide))

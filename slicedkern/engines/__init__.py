@@ -52,9 +52,10 @@ def use_engine(name: str):
 
     The default belongs to the calling thread (and asyncio task): other threads keep theirs. It is
     read once per op call, so a backward runs on the engine its forward ran on wherever it is
-    called, and by a ``DecodeCache`` at its first ``append``, which chooses the runs it keeps. An op's ``engine=`` argument wins over it. Under ``jax.jit`` it is read when the function
-    is traced (a jitted function keeps the engine of its first trace, as with any Python state);
-    inside ``torch.compile`` it is not read, and the automatic rule chooses (docs/compile.rst).
+    called, and by a ``DecodeCache`` at its first ``append``, which chooses the runs it keeps. An
+    op's ``engine=`` argument wins over it. Under ``jax.jit`` it is read when the function is traced
+    (a jitted function keeps the engine of its first trace, as with any Python state); inside
+    ``torch.compile`` it is not read, and the automatic rule chooses (docs/compile.rst).
 
     Examples
     --------

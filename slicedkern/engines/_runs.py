@@ -1,6 +1,8 @@
-"""The binary counter of sorted runs over preallocated per-row storage: the bookkeeping that the
-compiled decoding runs share (:class:`slicedkern.engines.sweep._decode.HostRuns` on the host,
-:class:`slicedkern.engines.triton._decode.DeviceRuns` on a GPU).
+"""The binary counter of sorted runs over per-row storage: the bookkeeping of every engine's decoding
+runs (:class:`slicedkern.engines.sweep._decode.HostRuns` on the host and
+:class:`slicedkern.engines.triton._decode.DeviceRuns` on a GPU, over preallocated storage; the
+array-API :class:`slicedkern.engines.scan._decode.Runs`, whose runs are arrays of their own, reads
+which appends merge from it).
 
 docs/mathematics.rst, "Decoding". The keys appended so far occupy positions ``0..n-1`` of each row's
 storage; a run is a range ``[s, e)`` of positions whose keys are kept sorted with their prefix table.

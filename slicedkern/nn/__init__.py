@@ -209,6 +209,35 @@ def attention_op(config: LayerConfig) -> Callable:
             "custom": kernel_attention}[config.kernel_name]
 
 
+def rotary_embedding(x, num_heads: int, positions):
+    """Rotate each head's features of ``x`` (N, L, E) by position (RoPE, half-split layout).
+
+    Feature ``i`` of the first half of a head and feature ``i`` of its second half form a pair,
+    rotated by the angle ``position * ROPE_BASE ** (-2 i / head_dim)``; ``positions`` (N, L) are the
+    tokens' positions (:func:`rope_positions`). Any array-API namespace: the torch and the Flax
+    layers both call it. Returns an array of ``x``'s shape and dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.array([[[1.0, 0.0]]])            # one head of 2 features: one pair
+    >>> np.round(rotary_embedding(x, 1, np.array([[np.pi / 2]])), 12)
+    array([[[0., 1.]]])
+    """
+    xp = array_namespace(x)
+    batch, length, embed_dim = x.shape
+    half = embed_dim // num_heads // 2
+    heads = xp.reshape(x, (batch, length, num_heads, 2, half))
+    # Angles in float32 at least: positions past 256 are not even integers in bfloat16.
+    dtype = xp.result_type(x.dtype, xp.float32)
+    frequency = ROPE_BASE ** (-xp.arange(half, dtype=dtype, device=array_device(x)) / half)
+    angle = (xp.astype(positions, dtype)[..., None] * frequency)[:, :, None, :]     # (N, L, 1, half)
+    cos, sin = xp.cos(angle), xp.sin(angle)
+    first, second = heads[..., 0, :], heads[..., 1, :]
+    rotated = xp.stack((first * cos - second * sin, first * sin + second * cos), axis=-2)
+    return xp.astype(xp.reshape(rotated, (batch, length, embed_dim)), x.dtype, copy=False)
+
+
 def rope_positions(like, q_len: int, k_len: int, valid=None, start=None):
     """The RoPE positions of a layer's queries and keys: padding is no position.
 

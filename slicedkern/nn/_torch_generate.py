@@ -10,29 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from . import ROPE_BASE, Generation, head_scores, head_values, merge_heads
+from . import Generation, head_scores, head_values, merge_heads, rotary_embedding
 
 __all__ = ["AttentionCache", "generate_step", "rotary_embedding"]
-
-
-def rotary_embedding(x: Tensor, num_heads: int, positions: Tensor) -> Tensor:
-    """Rotate each head's features of ``x`` (N, L, E) by position (RoPE, half-split layout).
-
-    Feature ``i`` of the first half of a head and feature ``i`` of its second half form a pair,
-    rotated by the angle ``position * ROPE_BASE ** (-2 i / head_dim)``; ``positions`` (N, L) are the
-    tokens' positions (``slicedkern.nn.rope_positions``).
-    """
-    batch, length, embed_dim = x.shape
-    half = embed_dim // num_heads // 2
-    heads = x.reshape(batch, length, num_heads, 2, half)
-    # Angles in float32 at least: positions past 256 are not even integers in bfloat16.
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    frequency = ROPE_BASE ** (-torch.arange(half, device=x.device, dtype=dtype) / half)
-    angle = (positions.to(dtype)[..., None] * frequency)[:, :, None, :]     # (N, L, 1, half)
-    cos, sin = torch.cos(angle), torch.sin(angle)
-    first, second = heads[..., 0, :], heads[..., 1, :]
-    rotated = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-2)
-    return rotated.reshape(batch, length, embed_dim).to(x.dtype)
 
 
 class AttentionCache(Generation):

@@ -34,7 +34,6 @@ from flax import nnx
 from .._lib.causal import aligned_keys
 from ..kernels import PiecewiseLinear
 from . import (
-    ROPE_BASE,
     Generation,
     attend_heads,
     attention_op,
@@ -46,6 +45,7 @@ from . import (
     head_values,
     layer_config,
     merge_heads,
+    rotary_embedding,
 )
 
 __all__ = ["SlicedAttention", "FixedBandwidth"]
@@ -57,25 +57,6 @@ _TORCH_LINEAR = jax.nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "unifo
 
 class FixedBandwidth(nnx.Variable):
     """The log-bandwidths of a layer built with ``learn_bandwidth=False``: state, not a parameter."""
-
-
-def rotary_embedding(x: jax.Array, num_heads: int, positions: jax.Array) -> jax.Array:
-    """Rotate each head's features of ``x`` (N, L, E) by position (RoPE, half-split layout).
-
-    The same rotation as :func:`slicedkern.nn.torch.rotary_embedding`; ``positions`` (N, L) are the
-    tokens' positions (``slicedkern.nn.rope_positions``).
-    """
-    batch, length, embed_dim = x.shape
-    half = embed_dim // num_heads // 2
-    heads = x.reshape(batch, length, num_heads, 2, half)
-    # Angles in float32 at least: positions past 256 are not even integers in bfloat16.
-    dtype = jnp.promote_types(x.dtype, jnp.float32)
-    frequency = ROPE_BASE ** (-jnp.arange(half, dtype=dtype) / half)
-    angle = (positions.astype(dtype)[..., None] * frequency)[:, :, None, :]   # (N, L, 1, half)
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
-    first, second = heads[..., 0, :], heads[..., 1, :]
-    rotated = jnp.stack((first * cos - second * sin, first * sin + second * cos), axis=-2)
-    return rotated.reshape(batch, length, embed_dim).astype(x.dtype)
 
 
 class SlicedAttention(nnx.Module):

@@ -21,6 +21,7 @@ from ..._spec import Normalizer
 from ...backends import finite, finite_keys, ops_for
 from ...kernels import Profile
 from .._combine import combine
+from .._runs import RunCounter
 from ..sortscan.sums import SortedKeys, profile_sums, queries, sort_keys
 from ..sortscan.wide import Pair, arithmetic
 
@@ -71,6 +72,7 @@ class Runs:
         self.xp, self.work = xp, work
         self.ar = ar = arithmetic(xp, work)
         self.runs: list[_Run] = []
+        self._counter = RunCounter()        # which appends merge: the compiled runs' binary counter
         self.totals = None          # (..., 1, dv + 1): the values' sum and the count of the keys taken
         self.bad = None             # (...): some appended key or value was not finite
         profiles = [profile.with_(columns=slice(0, dv + 1))]
@@ -110,7 +112,7 @@ class Runs:
 
     @property
     def length(self) -> int:
-        return sum(r.size for r in self.runs)
+        return self._counter.length
 
     def append(self, k, v, mask):
         """Append keys ``k`` (..., t) in the work dtype and values ``v`` (..., t, dv), in position order;
@@ -119,7 +121,8 @@ class Runs:
         y, w, take, total, bad = self._admit(k, v, mask)   # non-finite keys: zeroed, flagged (the NaN rule)
         self.bad = bad if self.bad is None else self.bad | bad
         self.totals = total if self.totals is None else self.totals + total
-        while self.runs and self.runs[-1].size <= y.shape[-1]:
+        self._counter.push(y.shape[-1])
+        while len(self.runs) >= self._counter.n_runs:      # the runs the new one carried into
             last = self.runs.pop()
             y = xp.concat([last.y, y], axis=-1)
             w = xp.concat([last.w, w], axis=-2)

@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .. import DecodeCache, hat_attention, hat_mixture_attention, kernel_attention, relu_attention
-from .._lib.causal import key_offset
+from .._lib.causal import aligned_keys, key_offset
 from .._lib.namespace import array_device
 from .._spec import NORMALIZERS, OP_DEFAULTS
 from ..backends import array_namespace
@@ -236,6 +236,24 @@ def rotary_embedding(x, num_heads: int, positions):
     first, second = heads[..., 0, :], heads[..., 1, :]
     rotated = xp.stack((first * cos - second * sin, first * sin + second * cos), axis=-2)
     return xp.astype(xp.reshape(rotated, (batch, length, embed_dim)), x.dtype, copy=False)
+
+
+def sees_keys(key_mask, like, batch: int, q_len: int, k_len: int, causal: bool):
+    """Whether a query sees a valid key: (N, 1, 1), or per query (N, Lq, 1) if ``causal``.
+
+    ``key_mask``: (N, 1, Lk) bool, True = a valid key, or None (all valid; only when ``causal``);
+    ``like``: an array of the namespace and device to answer in. The layers zero the rows of the
+    queries that see none (the bias of ``out_proj`` would be left there otherwise).
+    """
+    xp = array_namespace(like)
+    if not causal:
+        return xp.any(key_mask, axis=-1)[..., None]
+    last = aligned_keys(xp, q_len, k_len, array_device(like))
+    sees = last >= 0
+    if key_mask is None:
+        return xp.broadcast_to(sees, (batch, q_len))[..., None]
+    counts = xp.take(xp.cumulative_sum(key_mask, axis=-1), xp.clip(last, 0, k_len - 1), axis=-1)[:, 0]   # (N, Lq)
+    return ((counts > 0) & sees)[..., None]
 
 
 def rope_positions(like, q_len: int, k_len: int, valid=None, start=None):

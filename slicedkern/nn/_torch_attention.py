@@ -11,11 +11,19 @@ from torch import Tensor, nn
 
 from ..backends import learn_types
 from ..kernels import PiecewiseLinear
-from . import attend_heads, attention_op, check_bool, check_forward, check_positions, forward_positions, layer_config
+from . import (
+    attend_heads,
+    attention_op,
+    check_bool,
+    check_forward,
+    check_positions,
+    forward_positions,
+    layer_config,
+    sees_keys,
+)
 from ._torch_convert import (
     boolean_padding,
     copy_projections,
-    has_keys,
     is_square_causal,
     replace_attention,
     taken_arguments,
@@ -316,7 +324,7 @@ class SlicedAttention(nn.Module):
         out = self.out_proj(self.attention_dropout(ctx))
         if key_mask is not None or (causal and q_len > k_len):
             # Zeros where a query sees no key (the bias of out_proj would be left otherwise).
-            out = torch.where(has_keys(key_mask, batch, q_len, k_len, causal, out.device), out,
+            out = torch.where(sees_keys(key_mask, out, batch, q_len, k_len, causal), out,
                               torch.zeros((), dtype=out.dtype, device=out.device))
         return out
 

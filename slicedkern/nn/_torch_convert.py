@@ -11,10 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from .._lib.causal import aligned_keys
-
-__all__ = ["taken_arguments", "copy_projections", "replace_attention", "boolean_padding", "is_square_causal",
-           "has_keys"]
+__all__ = ["taken_arguments", "copy_projections", "replace_attention", "boolean_padding", "is_square_causal"]
 
 #: Arguments of SlicedAttention that convert_attention takes from each nn.MultiheadAttention.
 TAKEN_FROM_ATTENTION = ("embed_dim", "num_heads", "dropout", "bias", "kdim", "vdim", "batch_first", "device",
@@ -110,23 +107,3 @@ def is_square_causal(mask: Tensor, q_len: int, k_len: int) -> bool:
         return False
     expected = torch.zeros((q_len, q_len), dtype=mask.dtype, device=mask.device).masked_fill(above, -math.inf)
     return bool((mask == expected).all())
-
-
-def visible_rows(q_len: int, k_len: int, device) -> tuple[Tensor, Tensor]:
-    """Causal query ``i`` sees keys ``j <= i + Lk - Lq`` (bottom-right aligned, as the ops' ``causal``).
-
-    Returns the last visible key of each query, clamped to ``[0, Lk)``, and whether it sees any key.
-    """
-    last = aligned_keys(torch, q_len, k_len, device)
-    return torch.clamp(last, min=0, max=k_len - 1), last >= 0
-
-
-def has_keys(key_mask: Tensor | None, batch: int, q_len: int, k_len: int, causal: bool, device) -> Tensor:
-    """Whether a query sees a valid key: (N, 1, 1), or per query (N, Lq, 1) if causal."""
-    if not causal:
-        return key_mask.any(dim=-1)[..., None]
-    rows, sees = visible_rows(q_len, k_len, device)
-    if key_mask is None:
-        return sees.expand(batch, q_len)[..., None]
-    counts = key_mask.cumsum(dim=-1).index_select(-1, rows)[:, 0]             # (N, Lq)
-    return ((counts > 0) & sees)[..., None]

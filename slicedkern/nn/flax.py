@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .._lib.causal import aligned_keys
 from ..kernels import PiecewiseLinear
 from . import (
     Generation,
@@ -46,6 +45,7 @@ from . import (
     layer_config,
     merge_heads,
     rotary_embedding,
+    sees_keys,
 )
 
 __all__ = ["SlicedAttention", "FixedBandwidth"]
@@ -330,28 +330,8 @@ class SlicedAttention(nnx.Module):
         out = self.out_proj(self.attention_dropout(ctx, deterministic=deterministic, rngs=rngs))
         if key_mask is not None or (causal and q_len > k_len):
             # Zeros where a query sees no key (the bias of out_proj would be left otherwise).
-            out = jnp.where(_has_keys(key_mask, batch, q_len, k_len, causal), out, jnp.zeros((), dtype=out.dtype))
+            out = jnp.where(sees_keys(key_mask, out, batch, q_len, k_len, causal), out, jnp.zeros((), dtype=out.dtype))
         return out
-
-
-def _visible_rows(q_len, k_len):
-    """Causal query ``i`` sees keys ``j <= i + Lk - Lq`` (bottom-right aligned, as the ops' ``causal``).
-
-    Static NumPy: the last visible key of each query clamped to ``[0, Lk)``, and whether it sees any.
-    """
-    last = aligned_keys(np, q_len, k_len)
-    return np.clip(last, 0, k_len - 1), last >= 0
-
-
-def _has_keys(key_mask, batch, q_len, k_len, causal):
-    """Whether a query sees a valid key: (N, 1, 1), or per query (N, Lq, 1) if causal."""
-    if not causal:
-        return jnp.any(key_mask, axis=-1)[..., None]
-    rows, sees = _visible_rows(q_len, k_len)
-    if key_mask is None:
-        return jnp.broadcast_to(jnp.asarray(sees), (batch, q_len))[..., None]
-    counts = jnp.cumsum(key_mask, axis=-1)[..., rows][:, 0]                      # (N, Lq)
-    return ((counts > 0) & sees)[..., None]
 
 
 def _constructor_signature(cls) -> inspect.Signature:

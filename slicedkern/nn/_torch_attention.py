@@ -17,10 +17,9 @@ from . import (
     check_bool,
     check_forward,
     check_positions,
-    forward_positions,
     layer_config,
-    sees_keys,
 )
+from ._positions import forward_positions, sees_keys
 from ._torch_convert import (
     boolean_padding,
     copy_projections,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from . import Generation, head_scores, head_values, merge_heads, rotary_embedding
+from . import Generation, head_scores, head_values, merge_heads
+from ._positions import rotary_embedding
 
 __all__ = ["AttentionCache", "generate_step", "rotary_embedding"]
 

@@ -39,14 +39,12 @@ from . import (
     check_bool,
     check_forward,
     check_positions,
-    forward_positions,
     head_scores,
     head_values,
     layer_config,
     merge_heads,
-    rotary_embedding,
-    sees_keys,
 )
+from ._positions import forward_positions, rotary_embedding, sees_keys
 
 __all__ = ["SlicedAttention", "FixedBandwidth"]
 

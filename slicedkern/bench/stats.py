@@ -10,7 +10,7 @@
   statistic from SciPy's ``cdist`` (``n m`` memory).
 * The sliced energy distance in R^10 with ``P = 256`` fixed directions, the same data on NumPy
   (float64) and torch (float32 and float64, CPU), where torch is installed: the time of each and its
-  ratio to NumPy's (issue 23 found torch 5-6x NumPy's time here).
+  ratio to NumPy's (where torch had once been measured at 5-6x NumPy's time).
 
 Times are the best of ``repeats`` calls, the methods interleaved in each repeat (fair on a busy
 machine). SciPy is optional: its rows are left out without it.

@@ -6,7 +6,7 @@ scale`` (the quotient rule's factor per query). Formed as arrays they are two ``
 the work dtype (float64 for float32 values) that every level of causal attention then reads. An
 engine whose kernels read the values where the keys take part, and scale the cotangent rows as they
 read them, takes them as these descriptions instead (``lazy_columns`` of the view of the keys): the
-values and the cotangent in their own dtype and strides (docs/architecture.rst, "Engines"; issue 26).
+values and the cotangent in their own dtype and strides (docs/architecture.rst, "Engines").
 
 The causal decomposition pads and halves them part by part (:func:`map_parts`).
 """

@@ -9,7 +9,7 @@ merge launch per level (:func:`level_orders`). The pairs inside the leaves are s
 pulled back, by one launch per profile each (:func:`dense_leaves`, :func:`dense_leaves_vjp`), and
 the output is combined from the running sums by one more (:func:`combine_output`). The backward is
 the same levels' pull-backs over the same merges, on the engine's general pull-back (knot
-gradients included). Issue 26, item 4; docs/architecture.rst, "Engines".
+gradients included). docs/architecture.rst, "Engines".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The triton engine's dense kernels, no sort involved: the dense leaves of causal attention's
-divide and conquer, and the backward's row dots and column sums of the quotient rule (issue 26,
-items 2 and 4; docs/architecture.rst, "Engines").
+divide and conquer, and the backward's row dots and column sums of the quotient rule
+(docs/architecture.rst, "Engines").
 
 Imports Triton at its top, as :mod:`._kernels` does, which jits these functions in its ``build``
 (they are launched as attributes of that module) and gives them its jitted ``_below_sum``.

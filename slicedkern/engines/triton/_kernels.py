@@ -1,5 +1,5 @@
 """The Triton kernels of the triton engine: two passes over the sorted keys, nothing stored per key
-between them (issue 26's design; docs/architecture.rst, "Engines").
+between them (docs/architecture.rst, "Engines").
 
 This module imports Triton at its top: the engine loads it on the first call that runs on it, so
 ``import slicedkern`` never imports Triton (docs/architecture.rst, "Engines"). The functions are

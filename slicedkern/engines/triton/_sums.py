@@ -140,10 +140,10 @@ def _sort(xp, a, narrow: bool = False):
     """Sorted values (float32 for float32 / half inputs, float64 for float64) and an int32 permutation.
 
     ``narrow``: ``a`` is float64 holding float32 numbers (scores lifted to the work dtype from
-    float32 or narrower): sorted as float32, which is exact and moves half the bytes (issue 26,
-    item 1). A number that is not one (the NaN policy's fill of masked keys, a mean) is rounded
-    first; the kernels then read that rounded key, so its place and its value agree (and a masked
-    key weighs nothing)."""
+    float32 or narrower): sorted as float32, which is exact and moves half the bytes. A number
+    that is not one (the NaN policy's fill of masked keys, a mean) is rounded first; the kernels
+    then read that rounded key, so its place and its value agree (and a masked key weighs
+    nothing)."""
     return _sorted(xp, a, xp.float64 if a.dtype == xp.float64 and not narrow else xp.float32)
 
 

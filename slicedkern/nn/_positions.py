@@ -8,7 +8,8 @@ from .._lib.causal import aligned_keys, key_offset
 from .._lib.namespace import array_device
 from ..backends import array_namespace
 
-__all__ = ["ROPE_BASE", "rotary_embedding", "rope_positions", "forward_positions", "sees_keys"]
+__all__ = ["ROPE_BASE", "rotary_embedding", "rope_positions", "forward_positions", "rotate_forward", "sees_keys",
+           "zero_unseen"]
 
 #: Base of the rotary embedding's frequencies (RoFormer's value).
 ROPE_BASE = 10000.0
@@ -100,3 +101,23 @@ def forward_positions(like, q_len: int, k_len: int, key_padding_mask=None, query
     q_pos, k_pos = rope_positions(like, q_len, k_len, valid)
     return (q_pos if query_positions is None else query_positions,
             k_pos if key_positions is None else key_positions)
+
+
+def rotate_forward(q, k, num_heads: int, key_padding_mask=None, query_positions=None, key_positions=None):
+    """The projected queries (N, Lq, E) and keys (N, Lk, E) of a forward call (no cache) rotated at
+    their :func:`forward_positions`: a layer's ``rope=True``."""
+    q_pos, k_pos = forward_positions(q, q.shape[1], k.shape[1], key_padding_mask, query_positions, key_positions)
+    return rotary_embedding(q, num_heads, q_pos), rotary_embedding(k, num_heads, k_pos)
+
+
+def zero_unseen(out, key_padding_mask, k_len: int, causal: bool):
+    """A layer's output (N, Lq, E) with zeros on the rows of the queries that see no valid key
+    (:func:`sees_keys`; ``key_padding_mask`` (N, Lk), True = padding, or None): the bias of
+    ``out_proj`` would be left there otherwise, where the attention gave zeros."""
+    batch, q_len = out.shape[0], out.shape[1]
+    if key_padding_mask is None and not (causal and q_len > k_len):
+        return out
+    xp = array_namespace(out)
+    key_mask = None if key_padding_mask is None else ~key_padding_mask[:, None, :]        # (N, 1, Lk)
+    zero = xp.zeros((), dtype=out.dtype, device=array_device(out))
+    return xp.where(sees_keys(key_mask, out, batch, q_len, k_len, causal), out, zero)

@@ -19,7 +19,7 @@ from . import (
     check_positions,
     layer_config,
 )
-from ._positions import forward_positions, sees_keys
+from ._positions import rotate_forward, zero_unseen
 from ._torch_convert import (
     boolean_padding,
     copy_projections,
@@ -27,7 +27,7 @@ from ._torch_convert import (
     replace_attention,
     taken_arguments,
 )
-from ._torch_generate import AttentionCache, generate_step, rotary_embedding
+from ._torch_generate import AttentionCache, generate_step
 
 __all__ = ["SlicedAttention", "convert_attention"]
 
@@ -311,21 +311,13 @@ class SlicedAttention(nn.Module):
         """The batch-first computation: (N, Lq, E), (N, Lk, kdim), (N, Lk, vdim) to (N, Lq, E);
         positions (N, L) or None (the layer's rule)."""
         cfg = self.config
-        batch, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if cfg.rope:
-            q_pos, k_pos = forward_positions(q, q_len, k_len, key_padding_mask, query_positions, key_positions)
-            q, k = rotary_embedding(q, cfg.num_heads, q_pos), rotary_embedding(k, cfg.num_heads, k_pos)
+            q, k = rotate_forward(q, k, cfg.num_heads, key_padding_mask, query_positions, key_positions)
         bandwidth = None if self.log_bandwidth is None else torch.exp(self.log_bandwidth)
         ctx = attend_heads(cfg, self._op, self.scores(q), self.scores(k), v, key_padding_mask, bandwidth,
                            self.mixture_weight, causal)                    # (N, Lq, E)
-        key_mask = None if key_padding_mask is None else ~key_padding_mask[:, None, :]   # (N, 1, Lk)
-        out = self.out_proj(self.attention_dropout(ctx))
-        if key_mask is not None or (causal and q_len > k_len):
-            # Zeros where a query sees no key (the bias of out_proj would be left otherwise).
-            out = torch.where(sees_keys(key_mask, out, batch, q_len, k_len, causal), out,
-                              torch.zeros((), dtype=out.dtype, device=out.device))
-        return out
+        return zero_unseen(self.out_proj(self.attention_dropout(ctx)), key_padding_mask, key.shape[1], causal)
 
 
 def convert_attention(model: nn.Module, **options) -> nn.Module:

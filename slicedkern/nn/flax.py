@@ -44,7 +44,7 @@ from . import (
     layer_config,
     merge_heads,
 )
-from ._positions import forward_positions, rotary_embedding, sees_keys
+from ._positions import rotary_embedding, rotate_forward, zero_unseen
 
 __all__ = ["SlicedAttention", "FixedBandwidth"]
 
@@ -313,23 +313,17 @@ class SlicedAttention(nnx.Module):
         """The batch-first computation: (N, Lq, E), (N, Lk, kdim), (N, Lk, vdim) to (N, Lq, E);
         positions (N, L) or None (the layer's rule)."""
         cfg = self.config
-        batch, q_len, k_len = query.shape[0], query.shape[1], key.shape[1]
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if cfg.rope:
-            q_pos, k_pos = forward_positions(q, q_len, k_len, key_padding_mask, query_positions, key_positions)
-            q, k = rotary_embedding(q, cfg.num_heads, q_pos), rotary_embedding(k, cfg.num_heads, k_pos)
+            q, k = rotate_forward(q, k, cfg.num_heads, key_padding_mask, query_positions, key_positions)
         bandwidth = None if self.log_bandwidth is None else jnp.exp(self.log_bandwidth[...])
         if isinstance(self.log_bandwidth, FixedBandwidth):
             bandwidth = jax.lax.stop_gradient(bandwidth)
         weight = None if self.mixture_weight is None else self.mixture_weight[...]
         ctx = attend_heads(cfg, self._op, self.scores(q), self.scores(k), v, key_padding_mask, bandwidth, weight,
                            causal)                                             # (N, Lq, E)
-        key_mask = None if key_padding_mask is None else ~key_padding_mask[:, None, :]   # (N, 1, Lk)
         out = self.out_proj(self.attention_dropout(ctx, deterministic=deterministic, rngs=rngs))
-        if key_mask is not None or (causal and q_len > k_len):
-            # Zeros where a query sees no key (the bias of out_proj would be left otherwise).
-            out = jnp.where(sees_keys(key_mask, out, batch, q_len, k_len, causal), out, jnp.zeros((), dtype=out.dtype))
-        return out
+        return zero_unseen(out, key_padding_mask, key.shape[1], causal)
 
 
 def _constructor_signature(cls) -> inspect.Signature:

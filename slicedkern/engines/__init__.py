@@ -108,18 +108,23 @@ def select(spec, arrays, requested: str | None = None, *, wrap=None) -> Engine:
 
 def decoder(k) -> Engine:
     """The engine whose runs hold a ``DecodeCache`` over keys like ``k``: the context's default
-    (:func:`use_engine`), else the first of the registry that decodes them (triton for CUDA tensors,
-    the sweep for host-readable arrays, the scan for every other namespace).
+    (:func:`use_engine`) where it decodes them, else the first of the registry that does (triton
+    for CUDA tensors, the sweep for host-readable arrays, the scan for every other namespace).
 
-    Raises ``ValueError`` naming the engine when the default one cannot hold these keys.
+    The default engine may run the ops on these arrays and yet keep no runs of them (the sweep on
+    JAX arrays, which it reaches through a host callback): the automatic rule then chooses, as it
+    did before decoding went through the registry. Raises ``ValueError`` naming the engine when the
+    default one would not run the ops on these arrays either (triton for NumPy arrays, say).
     """
-    requested = _default.get() if backend_of(k).reads_context(k) else "auto"
+    backend = backend_of(k)
+    requested = _default.get() if backend.reads_context(k) else "auto"
     if requested != "auto":
         engine = _REGISTRY[requested]
-        if not engine.decodes(k):
-            raise ValueError(f"the {requested!r} engine (slicedkern.use_engine) does not decode "
-                             f"{type(k).__module__}.{type(k).__name__} keys; use 'auto' or 'scan'")
-        return engine
+        if engine.decodes(k):
+            return engine
+        reason = engine.decline(None, (k,), backend)
+        if reason is not None:
+            raise ValueError(f"the {requested!r} engine of slicedkern.use_engine cannot decode these keys: {reason}")
     return next(engine for engine in _REGISTRY.values() if engine.decodes(k))
 
 

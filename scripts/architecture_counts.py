@@ -24,13 +24,13 @@ QUOTIENT = re.compile(r">= *(normalizer\.|spec\.)?eps")
 #: the causal alignment's offset, Lk - Lq, in any of its names
 ALIGNMENT = re.compile(r"\b(lk|k_len|n_keys)\s*-\s*(lq|q_len|n_queries)\b"
                        r"|\b(lq|q_len|n_queries)\s*-\s*(lk|k_len|n_keys)\b", re.IGNORECASE)
-#: a table or function that maps the normalisers to integers, or a literal code
-CODING = re.compile(r"def norm_code\b|NORMALIZER_CODES *=|\bnorm *= *[0-9]\b")
+#: a table or function that maps the normalisers to integers, or a literal code (executable code)
+CODING = re.compile(r"def norm_code\b|\bNORMALIZER_CODES *=|\bnorm *= *[0-9]\b|\bNORM *= *[0-9]\b")
 ENGINE_MODULE = re.compile(r"from \.\.engines\.[a-z_]+|from \.\.engines import (?:scan|sweep|triton)\b")
 ABOVE_ENGINES = ("adapters", "ops", "sliced", "nn", "distributed", "bench")
 
 
-def _code(path: pathlib.Path) -> str:
+def code_of(path: pathlib.Path) -> str:
     """The source without comments and strings (docstrings state the rules they follow)."""
     tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
     return tokenize.untokenize((t.type, t.string) for t in tokens if t.type not in (tokenize.COMMENT, tokenize.STRING))
@@ -45,7 +45,7 @@ def _parameters(node) -> int:
 def main(root: pathlib.Path) -> None:
     every = sorted(root.rglob("*.py"))
 
-    def copies(pattern, files=every, text=_code):
+    def copies(pattern, files=every, text=code_of):
         found = [(str(p.relative_to(root.parent)), len(pattern.findall(text(p)))) for p in files]
         return [f"{name} ({n})" for name, n in found if n]
 

@@ -12,10 +12,9 @@ framework checks (``array_api_compat.is_*``) live in ``backends/`` and ``adapter
 from __future__ import annotations
 
 import ast
-import io
+import importlib.util
 import pathlib
 import re
-import tokenize
 
 import pytest
 
@@ -186,10 +185,22 @@ def test_modules_needing_a_framework_are_skipped_where_it_is_missing():
     assert not missing, f"add to OPTIONAL_MODULES in conftest.py: {missing}"
 
 
-def _code(path: pathlib.Path) -> str:
-    """A module's source without its comments and strings (docstrings state the rules they follow)."""
-    tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
-    return tokenize.untokenize((t.type, t.string) for t in tokens if t.type not in (tokenize.COMMENT, tokenize.STRING))
+def _load_counts():
+    """scripts/architecture_counts.py: the spellings of the rules with one owner, which its counts
+    and these tests read alike."""
+    path = ROOT.parent / "scripts" / "architecture_counts.py"
+    spec = importlib.util.spec_from_file_location("architecture_counts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+COUNTS = _load_counts()
+
+
+def _writers(pattern) -> list[str]:
+    """The package modules whose executable code (comments and strings aside) matches ``pattern``."""
+    return sorted(name for name, path in MODULES.items() if pattern.search(COUNTS.code_of(path)))
 
 
 def test_the_divisor_rule_is_written_once():
@@ -199,20 +210,19 @@ def test_the_divisor_rule_is_written_once():
     ``divisor_of`` (which its ``normaliser_scale`` calls) and the triton engine's pass-2 epilogue,
     in registers (a kernel cannot call Python); tests/engines/ hold them to the reference for every
     normaliser."""
-    spellings = r"clamp_min\s*\([^()]*eps\s*\)|maximum\s*\([^()]*eps\b|\bif +\w+ *> *eps +else +eps\b|\bden *= *eps\b"
-    writers = sorted(name for name, path in MODULES.items()
-                     if re.search(spellings, _code(path))
-                     and name not in ("slicedkern.reference", "slicedkern.engines.triton._kernels"))
-    assert writers == ["slicedkern._spec", "slicedkern.engines.sweep._kernels_common"], writers
+    spellings = {name: len(COUNTS.DIVISOR.findall(COUNTS.code_of(MODULES[name]))) for name in _writers(COUNTS.DIVISOR)
+                 if name not in ("slicedkern.reference", "slicedkern.engines.triton._kernels")}
+    assert spellings == {"slicedkern._spec": 1, "slicedkern.engines.sweep._kernels_common": 1}, spellings
 
 
 def test_the_normaliser_coding_is_written_once():
     """The integer codes the compiled kernels receive for ``normalize`` (numba's options, Triton's
-    ``NORM``) are :data:`slicedkern._spec.NORMALIZER_CODES`: no other module maps the names to
-    integers, and the sweep's named constants are read from it."""
+    ``NORM``) are :data:`slicedkern._spec.NORMALIZER_CODES`: no other module defines a table or a
+    function of them or passes a literal code, no dict literal maps the names to integers, and the
+    sweep's named constants are read from it."""
+    assert _writers(COUNTS.CODING) == ["slicedkern._spec"]
     pairs = r"""["'](abs|relu|count)["'] *: *\d"""
-    writers = sorted(name for name, path in MODULES.items() if re.search(pairs, path.read_text()))
-    assert writers == ["slicedkern._spec"], writers
+    assert sorted(name for name, path in MODULES.items() if re.search(pairs, path.read_text())) == ["slicedkern._spec"]
     pytest.importorskip("numba")
     from slicedkern._spec import Normalizer
     from slicedkern.engines.sweep import _kernels_common as sweep
@@ -227,10 +237,7 @@ def test_the_causal_alignment_is_written_once():
     :mod:`slicedkern._lib.causal`, which the reference, the causal grid of the engines, the layers'
     masks and positions and the triton host read; the compiled kernels take the offset as an
     argument."""
-    difference = re.compile(r"\b(lk|k_len|n_keys)\s*-\s*(lq|q_len|n_queries)\b"
-                            r"|\b(lq|q_len|n_queries)\s*-\s*(lk|k_len|n_keys)\b", re.IGNORECASE)
-    writers = sorted(name for name, path in MODULES.items() if difference.search(_code(path)))
-    assert writers == ["slicedkern._lib.causal"], writers
+    assert _writers(COUNTS.ALIGNMENT) == ["slicedkern._lib.causal"]
 
 
 def test_the_quotient_rule_is_written_once():

@@ -1,7 +1,7 @@
 """The architecture's counts on a source tree: executable copies of the rules that should have one
 owner (the divisor, the quotient-rule backward, the causal alignment, the normaliser's integer
-coding), imports of one engine's modules from the layers above the engines, and the functions over
-8 parameters (the sweep's numba kernels aside). tests/test_architecture.py asserts the rules; this
+coding), imports of one engine's modules from the layers above the engines, the functions over
+8 parameters (the sweep's numba kernels aside) and the backward's overridable hooks. tests/test_architecture.py asserts the rules; this
 prints the counts, for a before / after of a redesign.
 
 Usage: ``python scripts/architecture_counts.py [PACKAGE_DIR]`` (default: ``slicedkern`` here).
@@ -42,6 +42,26 @@ def _parameters(node) -> int:
     return n - (1 if a.args and a.args[0].arg in ("self", "cls") else 0)
 
 
+def backward_hooks(root: pathlib.Path) -> list[str]:
+    """The methods of the generic backward's classes (``engines/_vjp.py``, NamedTuple records aside)
+    and of the engines' subclasses of them: the hooks an engine's backward overrides."""
+    def classes(path):
+        return [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)]
+
+    def methods(node):
+        return [m.name for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+    generic = {c.name for c in classes(root / "engines" / "_vjp.py")
+               if not any(getattr(b, "id", None) == "NamedTuple" for b in c.bases)}
+    found = []
+    for path in sorted((root / "engines").rglob("*.py")):
+        for c in classes(path):
+            bases = {getattr(b, "id", None) or getattr(b, "attr", None) for b in c.bases}
+            if c.name in generic or bases & generic:
+                found += [f"{c.name}.{m}" for m in methods(c)]
+    return found
+
+
 def main(root: pathlib.Path) -> None:
     every = sorted(root.rglob("*.py"))
 
@@ -61,6 +81,8 @@ def main(root: pathlib.Path) -> None:
             for node in ast.walk(ast.parse(p.read_text()))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _parameters(node) > 8]
     print("functions over 8 parameters (numba kernels aside):", len(wide))
+    print("backward hooks (methods of the generic backward's classes and their subclasses):",
+          len(backward_hooks(root)))
 
 
 if __name__ == "__main__":

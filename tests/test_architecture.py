@@ -250,6 +250,27 @@ def test_the_quotient_rule_is_written_once():
     assert writers == ["slicedkern.engines._combine"], writers
 
 
+def test_the_backward_has_no_hooks():
+    """The backward is straight functions (``engines/_vjp.py``'s ``attention_bwd`` and ``causal_bwd``,
+    the triton and sharded engines' own pairs) over named records: no class of the generic backward
+    has methods for an engine to override (there were 37 such methods on the key views), and no
+    engine subclasses one."""
+    assert COUNTS.backward_hooks(ROOT) == []
+    from slicedkern.engines import _vjp
+    for name in ("attention_bwd", "causal_bwd", "sums_vjp", "silent_rows", "nan_scores"):
+        assert callable(getattr(_vjp, name))
+
+
+def test_the_backward_hooks_are_counted(tmp_path):
+    """The hook count sees a class of the generic backward with a method, and an engine's subclass."""
+    engines = tmp_path / "engines"
+    engines.mkdir()
+    (engines / "_vjp.py").write_text("class Keys:\n    def seen(self):\n        pass\n")
+    (engines / "mine.py").write_text("from ._vjp import Keys\nclass MyKeys(Keys):\n    def seen(self):\n"
+                                     "        pass\n    def to_keys(self):\n        pass\n")
+    assert sorted(COUNTS.backward_hooks(tmp_path)) == ["Keys.seen", "MyKeys.seen", "MyKeys.to_keys"]
+
+
 def test_distributed_imports_no_engine_internals():
     """Sequence parallelism is an engine wrapper (:class:`slicedkern.engines.ShardedEngine`) run by
     the adapters; ``distributed/`` reaches the engines through their package only."""

@@ -29,9 +29,11 @@ through is :mod:`._combine`, written once;
 and :class:`Engine` turns them into ``forward(spec, arrays)`` / ``backward(spec, arrays, out,
 residuals, g)``, the two calls the adapters make.
 
-The backward goes through two hooks, :meth:`Engine.kernel_sum_vjp` and :meth:`Engine.attention_vjp`,
-whose default is the backward written once over the primitives (:mod:`._vjp`); an engine with a
-fused backward of its own (the sweep) overrides them and returns the same gradients.
+The backward is one method per job, :meth:`Engine.kernel_sum_vjp`, :meth:`Engine.attention_vjp` and
+:meth:`Engine.causal_attention_vjp`, whose default is the generic straight backward over the
+primitives (:func:`._vjp.attention_bwd`, :func:`._vjp.causal_bwd`); an engine with a backward of its
+own (the sweep's fused one, triton's over its forward's residuals, the sharded engine's collectives)
+overrides them, written from the same pieces of :mod:`._vjp`, and returns the same gradients.
 """
 
 from __future__ import annotations
@@ -200,7 +202,7 @@ class Engine:
             grads += list(param_grads(xp, spec, params, dknots, dcoeffs))
         return tuple(grads)
 
-    # -- the backward hooks: the generic backward over the primitives unless an engine fuses it ----
+    # -- the backward: the generic one over the primitives unless an engine writes its own ---------
     def kernel_sum_vjp(self, x, y, w, profile, g, *, xp):
         """``(dx, dy, dw, (dknots, dcoeffs))`` of a kernel sum with cotangent ``g`` (any float dtype)."""
         return _vjp.kernel_sum_vjp(self, x, y, w, profile, as_work(xp, g, x.dtype), xp=xp)
@@ -208,20 +210,16 @@ class Engine:
     def attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
         """``(dq, dk, dv, (dknots, dcoeffs))`` of attention with cotangent ``g`` (any float dtype), given
         the forward's ``out`` and ``residuals``; knot / coefficient gradients are aligned with
-        ``profile.knots`` / ``profile.coeffs`` (``None`` for float parameters)."""
-        return _vjp.attention_vjp(self, q, k, v, profile, g, out, self.aux_of(residuals),
-                                  key_mask=key_mask, center=center, normalizer=normalizer, causal=False, xp=xp)
+        ``profile.knots`` / ``profile.coeffs`` (``None`` for float parameters). The default is the
+        generic backward over this engine's profile-sum VJP (:func:`._vjp.attention_bwd`)."""
+        return _vjp.attention_bwd(self, _vjp.Inputs(q, k, v, key_mask), _vjp.Form(profile, normalizer, center), g,
+                                  out, self.aux_of(residuals), xp=xp)
 
     def causal_attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
-        """:meth:`attention_vjp` of :meth:`causal_attention` (engines with ``supports_causal``)."""
-        return _vjp.attention_vjp(self, q, k, v, profile, g, out, self.aux_of(residuals),
-                                  key_mask=key_mask, center=center, normalizer=normalizer, causal=True, xp=xp)
-
-    def key_view(self, q, k, v, key_mask, aux, *, causal: bool, xp):
-        """The keys each query sees, as the backward reads them (:class:`._vjp.AllKeys`, or
-        :class:`._vjp.SeenKeys` when ``causal``): the NaN rule's screening, the sums over those keys,
-        their adjoint and the profile-sum VJP over them. ``aux``: the forward's residuals."""
-        return (_vjp.SeenKeys if causal else _vjp.AllKeys)(self, q, k, v, key_mask, xp)
+        """:meth:`attention_vjp` of :meth:`causal_attention` (engines with ``supports_causal``):
+        :func:`._vjp.causal_bwd` by default."""
+        return _vjp.causal_bwd(self, _vjp.Inputs(q, k, v, key_mask), _vjp.Form(profile, normalizer, center), g,
+                               out, self.aux_of(residuals), xp=xp)
 
     def aux_of(self, residuals):
         """The per-query residuals of :meth:`attention` as the backward reads them (``None``: recompute)."""

@@ -5,7 +5,7 @@ valid-key indicator appended, ``[v * take | take]``, and pulls back the cotangen
 scale`` (the quotient rule's factor per query). Formed as arrays they are two ``(n, D)`` copies in
 the work dtype (float64 for float32 values) that every level of causal attention then reads. An
 engine whose kernels read the values where the keys take part, and scale the cotangent rows as they
-read them, takes them as these descriptions instead (``lazy_columns`` of the view of the keys): the
+read them, takes them as these descriptions instead (the triton engine: :func:`.triton._backward.lazy_terms`): the
 values and the cotangent in their own dtype and strides (docs/architecture.rst, "Engines").
 
 The causal decomposition pads and halves them part by part (:func:`map_parts`).
@@ -24,7 +24,7 @@ class ScaledRows(NamedTuple):
     ``rows`` (..., n, c) in any float dtype and strides; ``scale`` (..., n, 1) in the work dtype;
     ``value_scale`` (..., n, 1) or None: the factor of the rows' share that reaches the values'
     gradient, where it differs from ``scale`` (attention's silent rows, whose share is 0 there but
-    not in the scores' gradients: :func:`._vjp._silent_rows`).
+    not in the scores' gradients: :func:`._vjp.silent_rows`).
     """
 
     rows: Any

@@ -81,7 +81,7 @@ def row_dot(xp, a, b):
 
 
 def pullback(xp, gout, out, *, relu_count, den, count, value_sums, good, center: bool,
-             normalizer: Normalizer, dot=None) -> Cotangents:
+             normalizer: Normalizer, dot=None, value_dots=None) -> Cotangents:
     """The quotient rule of :func:`combine` (docs/mathematics.rst, "The backward pass").
 
     ``gout`` and ``out`` (..., lq, dv); ``relu_count`` and ``den`` (..., lq, 1) the
@@ -92,6 +92,8 @@ def pullback(xp, gout, out, *, relu_count, den, count, value_sums, good, center:
     no cotangent reaches ``D`` there. ``dot(a, b)``: the row dots, (..., lq, 1) in the work dtype
     (``count``'s), :func:`row_dot` by default (``gout`` then in the work dtype); an engine passes
     its own to read ``gout`` and ``out`` in their dtypes (the triton engine's kernel).
+    ``value_dots`` (..., lq, 1): ``dot(gout, value_sums)`` where an engine sums them as it reads the
+    values (the triton engine's causal backward), ``value_sums`` then unread.
 
     The cotangent of ``N`` is ``gout`` times a per-query factor: it is returned as that factor
     (``scale``), so that an engine that reads ``gout`` in its kernels scales it there and no
@@ -108,7 +110,7 @@ def pullback(xp, gout, out, *, relu_count, den, count, value_sums, good, center:
     cot_r = None
     if center:
         # the row dots of the sums, divided after: no (lq, dv) array of the means
-        cot_r = -(scale * dot(gout, value_sums) / count_c)
+        cot_r = -(scale * (dot(gout, value_sums) if value_dots is None else value_dots) / count_c)
     cot_den = None
     if normalizer.summed:
         cot_den = xp.where(good & (den >= normalizer.eps), -dot(gout, out) / den_c, zero)

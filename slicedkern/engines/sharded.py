@@ -8,9 +8,10 @@ and key mask. Every sum attention combines is additive over key shards (docs/sca
   this rank's key shard's sums ``N``, ``R``, ``D`` for every query, a reduce-scatter brings each
   query's sums to its owner, and :func:`._combine.combine` finishes there exactly as one process
   would; the per-row totals (value sums, count, bad keys) are all-reduced;
-* backward: the generic backward (:mod:`._vjp`) over the sharded key views below, whose profile-sum
-  VJP all-gathers the cotangents and reduce-scatters the query gradients, and whose adjoint of the
-  centring mean is an all-reduce; array parameters get their gradient summed over the ranks.
+* backward: the generic backward's pieces (:mod:`._vjp`) in :func:`attention_bwd` and
+  :func:`causal_bwd`, whose profile-sum VJP all-gathers the cotangents and reduce-scatters the query
+  gradients, and whose adjoint of the centring mean is an all-reduce; array parameters get their
+  gradient summed over the ranks.
 
 Causal (rank ``r`` of ``P`` holds the tokens ``r n ... (r + 1) n - 1``, as many queries as keys):
 the later ranks' queries see all of this rank's keys (the non-causal sums, zeroed for the earlier
@@ -25,13 +26,13 @@ A communicator provides ``gather(x, axis)`` (the ranks' blocks concatenated alon
 
 from __future__ import annotations
 
-from .._lib.namespace import array_device
+from .._lib.namespace import array_device, as_work
 from .._spec import AttentionSpec
 from ..kernels import Profile
 from . import _vjp
 from ._base import Engine
 from ._causal_grid import CausalGrid, running_sum, screen_causal
-from ._combine import combine
+from ._combine import combine, pullback
 from ._nanpolicy import sanitize_keys
 from .sortscan.wide import Plain
 
@@ -72,72 +73,92 @@ def _indicator_profiles(profile: Profile, normalizer, dv: int):
     return profiles
 
 
-class ShardedAllKeys(_vjp.AllKeys):
-    """Every query sees every valid key of its batch row on every rank; this rank holds a shard."""
-
-    collective = True
-
-    def __init__(self, engine, q, k, v, key_mask, aux, xp):
-        super().__init__(engine.inner, q, k, v, key_mask, xp)
-        self.comm, self.queries = engine.comm, aux["queries"]
-        self._totals = aux["totals"]                                      # (..., 1, Dv + 2)
-        dv = v.shape[-1]
-        row_ok = self._totals[..., 0, dv + 1] == 0                        # no bad key on any rank
-        self.good = self.good & row_ok[..., None]
-        self.take = self.take & row_ok[..., None]
-        self.row_bad = ~row_ok
-
-    def totals(self, xp, *, values: bool):
-        dv = self.v.shape[-1]
-        return self._totals[..., dv:dv + 1], self._totals[..., :dv] if values else None
-
-    def to_keys(self, xp, weights, g):
-        return self.comm.sum(xp.matrix_transpose(weights) @ g)
-
-    def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
-        gathered = _gather_columns(xp, self.comm, list(cotangents))       # (..., P n, c_i)
-        dx, dy, dw, params = self.engine.profiles_vjp(self.queries, y, w, profiles, gathered, xp=xp,
-                                                     param_grads=param_grads)
-        return self.comm.scatter_sum(dx, -1), dy, dw, params
+def _gathered_vjp(engine, queries, y, w, profiles, cotangents, xp):
+    """The wrapped engine's profile-sum VJP of this rank's keys for every rank's queries: the
+    cotangents all-gathered, the query gradients reduce-scattered back to their owners."""
+    gathered = _gather_columns(xp, engine.comm, list(cotangents))         # (..., P n, c_i)
+    dx, dy, dw, params = engine.inner.profiles_vjp(queries, y, w, profiles, gathered, xp=xp)
+    return engine.comm.scatter_sum(dx, -1), dy, dw, params
 
 
-class ShardedSeenKeys(_vjp.SeenKeys):
-    """Causal attention over ranks holding consecutive shards of as many queries as keys."""
+def _causal_gathered_vjp(engine, queries, x, y, w, profiles, cotangents, xp):
+    """The causal profile-sum VJP over ranks: the later ranks' queries see every key of this rank
+    (the gathered non-causal VJP, the earlier ranks' rows zeroed), this rank's own see a lower
+    triangle (the wrapped engine's causal VJP on the local shard)."""
+    n = x.shape[-1]
+    gathered = _gather_columns(xp, engine.comm, list(cotangents))
+    zero = xp.zeros((), dtype=x.dtype, device=array_device(x))
+    later = _later_rows(xp, engine.comm, queries.shape[-1], n, array_device(x))
+    gathered = [xp.where(later, c, zero) for c in gathered]
+    dx, dy, dw, params = engine.inner.profiles_vjp(queries, y, w, profiles, gathered, xp=xp)
+    own_dx, own_dy, own_dw, own_params = engine.inner.causal_profiles_vjp(x, y, w, profiles, cotangents, xp=xp)
+    return (engine.comm.scatter_sum(dx, -1) + own_dx, dy + own_dy, dw + own_dw, _vjp.add_params(params, own_params))
 
-    collective = True
 
-    def __init__(self, engine, q, k, v, key_mask, aux, xp):
-        super().__init__(engine.inner, q, k, v, key_mask, xp)
-        self.comm, self.queries = engine.comm, aux["queries"]
-        ranks = aux["totals"]                     # (..., 2, Dv + 2): the earlier ranks' totals, everyone's
-        dv = v.shape[-1]
-        self._before = ranks[..., 0:1, :dv + 1]                           # what the earlier ranks hold
-        self.good = self.good & (ranks[..., 0, dv + 1] == 0)[..., None]
-        self.row_bad = ranks[..., 1, dv + 1] > 0                          # the last query sees every key
+def attention_bwd(engine, inputs: _vjp.Inputs, form: _vjp.Form, gout, out, aux, *, xp):
+    """The generic backward (:func:`._vjp.attention_bwd`) over a shard of every batch row's keys:
+    the totals and the bad-key verdict are the forward's all-reduced ones, the profile-sum VJP runs
+    for every rank's queries (:func:`_gathered_vjp`), the centring mean's adjoint is an all-reduce,
+    and the silent rows are the traced answer (every rank sends the same columns)."""
+    profile, normalizer, center = form
+    keys = _vjp.screened_keys(xp, *inputs)
+    totals, dv = aux["totals"], inputs.v.shape[-1]                               # (..., 1, Dv + 2)
+    row_ok = totals[..., 0, dv + 1] == 0                                  # no bad key on any rank
+    keys = keys._replace(good=keys.good & row_ok[..., None], take=keys.take & row_ok[..., None], row_bad=~row_ok)
+    gout = as_work(xp, gout, keys.q.dtype)
+    good = keys.good[..., None]
+    cot = pullback(xp, gout, out, relu_count=aux["relu_count"], den=aux.get("den"), count=totals[..., dv:dv + 1],
+                   value_sums=totals[..., :dv] if center else None, good=good, center=center, normalizer=normalizer)
+    silent = _vjp.silent_rows(xp, profile, normalizer, aux.get("den"), good, uniform=True)
+    mean_term = engine.comm.sum(xp.matrix_transpose(cot.mean_weights * cot.scale) @ gout) if center else None
+    queries = aux["queries"]
 
-    def totals(self, xp, *, values: bool):
-        dv = self.raw_v.shape[-1]
-        count = self.seen(xp, xp.astype(self.take, self.q.dtype)[..., None]) + self._before[..., dv:dv + 1]
-        return count, self.seen(xp, self.v) + self._before[..., :dv] if values else None
+    def profiles_vjp(x, y, w, profiles, cotangents, *, xp):
+        return _gathered_vjp(engine, queries, y, w, profiles, cotangents, xp)
 
-    def rows_to_keys(self, xp, rows):
+    dq, dk, dv, param = _vjp.sums_vjp(xp, profiles_vjp, keys, _vjp.zeroed_values(xp, keys), gout, cot, silent, form)
+    return (*_vjp.nan_scores(xp, keys, dq, dk), _vjp.finished_dv(xp, keys, dv, mean_term), param)
+
+
+def causal_bwd(engine, inputs: _vjp.Inputs, form: _vjp.Form, gout, out, aux, *, xp):
+    """The generic causal backward (:func:`._vjp.causal_bwd`) over ranks holding consecutive shards
+    of as many queries as keys: running totals start from the earlier ranks' (the forward's
+    exclusive scan), a key's adjoint adds the later ranks' rows as one total per rank, and the
+    profile-sum VJP is :func:`_causal_gathered_vjp`."""
+    profile, normalizer, center = form
+    grid = CausalGrid(inputs.q.shape[-1], inputs.k.shape[-1])
+    keys = _vjp.screened_seen_keys(xp, grid, *inputs)
+    ranks, dv = aux["totals"], inputs.v.shape[-1]          # (..., 2, Dv + 2): the earlier ranks' totals, everyone's
+    before = ranks[..., 0:1, :dv + 1]
+    keys = keys._replace(good=keys.good & (ranks[..., 0, dv + 1] == 0)[..., None],
+                         row_bad=ranks[..., 1, dv + 1] > 0)               # the last query sees every key
+    work = keys.q.dtype
+    gout = as_work(xp, gout, work)
+    values = _vjp.zeroed_values(xp, keys)
+
+    def seen(a):                 # the running sums over this rank's keys, read at its queries
+        return grid.at_queries(xp, running_sum(xp, a, axis=-2, dtype=work), axis=-2)
+
+    count = seen(xp.astype(keys.take, work)[..., None]) + before[..., dv:dv + 1]
+    value_sums = seen(values) + before[..., :dv] if center else None
+    good = keys.good[..., None]
+    cot = pullback(xp, gout, out, relu_count=aux["relu_count"], den=aux.get("den"), count=count,
+                   value_sums=value_sums, good=good, center=center, normalizer=normalizer)
+    silent = _vjp.silent_rows(xp, profile, normalizer, aux.get("den"), good, uniform=True)
+    mean_term = None
+    if center:
         # key j gets the rows of every query i >= j: this rank's by a reverse running sum, the later
         # ranks' as one total per rank
-        after, _ = _scan_ranks(xp, self.comm, xp.sum(rows, axis=-2), after=True)
-        return super().rows_to_keys(xp, rows) + after[..., None, :]
+        rows = cot.mean_weights * cot.scale * gout
+        after, _ = _scan_ranks(xp, engine.comm, xp.sum(rows, axis=-2), after=True)
+        mean_term = running_sum(xp, grid.queries_to_keys(xp, rows), axis=-2, reverse=True) + after[..., None, :]
+    queries = aux["queries"]
 
-    def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True):
-        n = x.shape[-1]
-        gathered = _gather_columns(xp, self.comm, list(cotangents))
-        zero = xp.zeros((), dtype=x.dtype, device=array_device(x))
-        later = _later_rows(xp, self.comm, self.queries.shape[-1], n, array_device(x))
-        gathered = [xp.where(later, c, zero) for c in gathered]
-        dx, dy, dw, params = self.engine.profiles_vjp(self.queries, y, w, profiles, gathered, xp=xp,
-                                                      param_grads=param_grads)
-        own_dx, own_dy, own_dw, own_params = self.engine.causal_profiles_vjp(x, y, w, profiles, cotangents, xp=xp,
-                                                                            param_grads=param_grads)
-        return (self.comm.scatter_sum(dx, -1) + own_dx, dy + own_dy, dw + own_dw,
-                _vjp.add_params(params, own_params))
+    def profiles_vjp(x, y, w, profiles, cotangents, *, xp):
+        return _causal_gathered_vjp(engine, queries, x, y, w, profiles, cotangents, xp)
+
+    dq, dk, dv, param = _vjp.sums_vjp(xp, profiles_vjp, keys, values, gout, cot, silent, form)
+    return (*_vjp.nan_scores(xp, keys, dq, dk), _vjp.finished_dv(xp, keys, dv, mean_term), param)
 
 
 class ShardedEngine(Engine):
@@ -235,7 +256,7 @@ class ShardedEngine(Engine):
     @staticmethod
     def _combined(xp, own, seen, good, center, normalizer, dv, kept):
         """``(out, residuals)`` from the owner's sums: residuals ``(take, relu_count, queries, totals or
-        ranks[, den])``, what :meth:`key_view` reads back."""
+        ranks[, den])``, what the backward reads back."""
         out, relu_count, den = combine(xp, Plain(xp), own[..., :dv + 1],
                                        own[..., dv + 1:dv + 2] if normalizer.summed else None, seen, good,
                                        center=center, normalizer=normalizer, dv=dv)
@@ -246,8 +267,13 @@ class ShardedEngine(Engine):
     def aux_of(self, residuals):
         return dict(zip(("take", "relu_count", "queries", "totals", "den"), residuals))
 
-    def key_view(self, q, k, v, key_mask, aux, *, causal: bool, xp):
-        return (ShardedSeenKeys if causal else ShardedAllKeys)(self, q, k, v, key_mask, aux, xp)
+    def attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
+        return attention_bwd(self, _vjp.Inputs(q, k, v, key_mask), _vjp.Form(profile, normalizer, center), g, out,
+                             self.aux_of(residuals), xp=xp)
+
+    def causal_attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
+        return causal_bwd(self, _vjp.Inputs(q, k, v, key_mask), _vjp.Form(profile, normalizer, center), g, out,
+                          self.aux_of(residuals), xp=xp)
 
     def backward(self, spec, arrays, out, residuals, g, *, xp):
         grads = super().backward(spec, arrays, out, residuals, g, xp=xp)

@@ -14,20 +14,21 @@ launch as the values, and written as the backward's residuals; the output is wri
 dtype (the result's: the op casts the values to it), so no cast or float64 copy of it follows
 (docs/architecture.rst, "Engines").
 
-The backward is the generic one (:mod:`.._vjp`: the NaN rule, the quotient rule) with attention's
-sums pulled back on these kernels (:meth:`TritonEngine.profiles_vjp` over the value columns and
-cotangent rows left unevaluated, :mod:`.._columns`; :class:`._views.SortedKeys`): it reads the forward's sorted
+The backward (:func:`._backward.attention_bwd`) is the generic one's pieces (:mod:`.._vjp`: the NaN
+rule, the quotient rule) with attention's sums pulled back on these kernels
+(:meth:`TritonEngine.profiles_vjp` over the value columns and cotangent rows left unevaluated,
+:mod:`.._columns`): it reads the forward's sorted
 keys and queries and its table's carry (residuals), so a forward and its backward sort each array
 once and sum the values' tiles once; the score gradients' dot products with the cotangent and with
 the values are taken in pass 2's epilogue, the cotangent rows are scaled by the quotient rule's
 factor as the kernels read them, and ``dv`` is written centred, masked and in the values' dtype, so
 no ``(n, D)`` array of sums is written; the cotangent and the output are read in their own dtype by
-the quotient rule's row dots (:func:`._views.row_dots`, :func:`._views.column_sums`, float64
+the quotient rule's row dots (:func:`._backward.row_dots`, :func:`._backward.column_sums`, float64
 accumulators), and the values as given (the kernels skip the keys that take no part), so a forward
 and its backward allocate nothing of ``n * D`` elements but the output and the gradients
 (``scripts/triton_traffic.py``). Learned bandwidths and mixture weights get their gradients from
 the same table: each array knot's ReLU and step sums dotted with the cotangent in pass 2's epilogue
-(:func:`._views.kernel_knot_grads`; the causal levels' pull-backs take theirs the same way, sorting nothing more).
+(:func:`._backward.kernel_knot_grads`; the causal levels' pull-backs take theirs the same way, sorting nothing more).
 
 Rows of at most :data:`._sums.SMALL_FUSED` queries and keys (float32 or narrower) take the whole
 forward in one launch instead (:func:`._sums.attend_small`: each program sorts its row, sums the
@@ -38,8 +39,8 @@ the time; its residuals are the same, and so is its backward.
 Causal attention is the scan's divide and conquer over positions (:mod:`..scan._causal`) with these
 kernels at every level, its dense leaves (sums and pull-back) and its combination (:mod:`._causal`):
 two launches per profile and level whatever the number of blocks, each score array sorted once in
-runs of :data:`CAUSAL_LEAF` positions and merged bottom-up for the levels above. Its backward is the
-generic one over the causal prefix (:class:`._views.CausalKeys`), on the same pull-back per level: the
+runs of :data:`CAUSAL_LEAF` positions and merged bottom-up for the levels above. Its backward
+(:func:`._backward.causal_bwd`) is the generic causal one's pieces, on the same pull-back per level: the
 values and the cotangent read in their own dtype, the levels' pull-backs added in place into the
 leaves' gradients, and ``dv`` finished in one launch (:func:`._causal.causal_dv`).
 
@@ -57,10 +58,11 @@ from ...backends import quiet_nonfinite
 from .._base import Engine
 from .._columns import MaskedValues
 from .._nanpolicy import screen
-from .._vjp import attention_vjp
+from .._vjp import Form, Inputs
 from ..scan._causal import Levels, causal_attention, causal_profile_sums, causal_profiles_vjp
 from ..sortscan.pullback import ColumnSums, column_range, no_pairs_knot_grads
 from . import _sums
+from ._backward import attention_bwd, causal_bwd, cotangent_tables, kernel_knot_grads
 from ._causal import (
     RUN_NAMES,
     combine_output,
@@ -89,7 +91,6 @@ from ._sums import (
     sort_queries,
     unit_rows,
 )
-from ._views import CausalKeys, SortedKeys, cotangent_tables, kernel_knot_grads
 
 __all__ = ["TritonEngine"]
 
@@ -247,7 +248,7 @@ class TritonEngine(Engine):
         return out, residuals[:2] + kept + residuals[2:]
 
     def attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
-        return self._scaled_vjp(super().attention_vjp, q, k, v, profile, g, out, residuals, key_mask=key_mask,
+        return self._scaled_vjp(self._attention_vjp, q, k, v, profile, g, out, residuals, key_mask=key_mask,
                                 center=center, normalizer=normalizer, xp=xp)
 
     def causal_attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
@@ -266,6 +267,10 @@ class TritonEngine(Engine):
         grads = vjp(q, k, v, profile, g, out, residuals, key_mask=key_mask, xp=xp, **options)
         return scaled_grads(xp, grads, up)
 
+    def _attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
+        return attention_bwd(self, Inputs(q, k, v, key_mask), Form(profile, normalizer, center), g, out,
+                             self.aux_of(residuals), xp=xp)
+
     def _causal_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
         kept = len(residuals) - 2 - int(normalizer.summed)     # 0, 1 (the carry) or 1 + 4 (and the runs)
         aux = self.aux_of(residuals[:2] + residuals[2 + kept:])
@@ -273,8 +278,7 @@ class TritonEngine(Engine):
             aux["position_carry"] = residuals[2]
         if kept > 1:
             aux["runs"] = dict(zip(RUN_NAMES, residuals[3:2 + kept]))
-        return attention_vjp(self, q, k, v, profile, g, out, aux, key_mask=key_mask, center=center,
-                             normalizer=normalizer, causal=True, xp=xp)
+        return causal_bwd(self, Inputs(q, k, v, key_mask), Form(profile, normalizer, center), g, out, aux, xp=xp)
 
     def causal_profile_sums(self, x, y, w, profiles, *, xp):
         return causal_profile_sums(x, y, w, profiles, xp=xp, levels=self._levels())
@@ -287,14 +291,6 @@ class TritonEngine(Engine):
         if len(residuals) < len(_RESIDUALS) - 1:      # the early return of empty calls
             return super().aux_of(residuals)
         return dict(zip(_RESIDUALS, residuals))
-
-    def key_view(self, q, k, v, key_mask, aux, *, causal: bool, xp):
-        if causal:
-            aux = aux or {}
-            return CausalKeys(self, q, k, v, key_mask, xp, aux.get("runs"), aux.get("position_carry"))
-        if aux is None or "query_perm" not in aux:
-            return super().key_view(q, k, v, key_mask, aux, causal=causal, xp=xp)
-        return SortedKeys(self, q, k, v, key_mask, xp, aux)
 
     def profiles_vjp(self, x, y, w, profiles, cotangents, *, xp, param_grads=True, orders=None, dw_into=None,
                      key_carry=None, dv_finish=None):
@@ -309,7 +305,7 @@ class TritonEngine(Engine):
         c) float64 or None, ``factor`` (R, m) float64; attention's ``finish_dv``).
 
         ``w`` may be a :class:`.._columns.MaskedValues` and a cotangent a
-        :class:`.._columns.ScaledRows` (attention's causal backward, :attr:`.._vjp.AllKeys.lazy_columns`):
+        :class:`.._columns.ScaledRows` (attention's backward, :func:`._backward.lazy_terms`):
         the kernels read the values where the keys take part and scale the cotangent rows as they
         read them, and ``dw`` has the values' columns (a profile sums either those or the indicator)."""
         masked = isinstance(w, MaskedValues)

@@ -48,7 +48,7 @@ from .._spec import NORMALIZERS, OP_DEFAULTS
 from ..backends import array_namespace
 from ..kernels import PiecewiseLinear
 from ..ops._validate import check_bool
-from ._positions import rope_positions
+from ._positions import rope_positions, rotary_embedding
 
 __all__: list[str] = []
 
@@ -365,6 +365,27 @@ def merge_heads(config: LayerConfig, ctx):
         ctx = xp.mean(ctx, axis=2)
     batch, length = ctx.shape[0], ctx.shape[2]
     return xp.reshape(xp.permute_dims(ctx, (0, 2, 1, 3)), (batch, length, config.embed_dim))
+
+
+def decode_heads(config: LayerConfig, cache, scores: Callable, q, k, v, valid, params):
+    """One generation step of a layer over its heads, both frameworks: the projected new tokens ``q``,
+    ``k`` (N, T, E) rotated at the positions after the valid tokens the cache has seen (``rope``),
+    scored by ``scores`` (the layer's score map), and attended with their values ``v`` (N, T, E)
+    through ``cache`` (the layer's :class:`~slicedkern.nn.Generation`); ``valid`` (N, T) bool or
+    None, ``params`` the detached ``(bandwidth, mixture_weight)``. Returns ``(ctx, sees)``: the
+    heads' outputs (N, H, [P,] T, Dh) and (N, T) whether each query sees a key yet."""
+    if config.rope:
+        positions = cache.positions(q, valid)
+        q, k = (rotary_embedding(x, config.num_heads, positions) for x in (q, k))
+    return cache.step(config, params, head_scores(config, scores(q)), head_scores(config, scores(k)),
+                      head_values(config, v), valid)
+
+
+def keep_seen(out, sees):
+    """A generation step's output (N, T, E) with zeros where a query sees no key yet (``sees`` (N, T)),
+    as the full forward gives them (:func:`._positions.zero_unseen`)."""
+    xp = array_namespace(out)
+    return xp.where(sees[..., None], out, xp.zeros((), dtype=out.dtype, device=array_device(out)))
 
 
 def attend_heads(config: LayerConfig, op: Callable, q_scores, k_scores, v, key_padding_mask, bandwidth,

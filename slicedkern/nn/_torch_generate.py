@@ -10,10 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from . import Generation, head_scores, head_values, merge_heads
-from ._positions import rotary_embedding
+from . import Generation, decode_heads, keep_seen, merge_heads
 
-__all__ = ["AttentionCache", "generate_step", "rotary_embedding"]
+__all__ = ["AttentionCache", "generate_step"]
 
 
 class AttentionCache(Generation):
@@ -60,13 +59,7 @@ def generate_step(layer: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     cfg = layer.config
     q, k, v = layer.q_proj(query), layer.k_proj(key), layer.v_proj(value)
     valid = None if key_padding_mask is None else ~key_padding_mask       # (N, T)
-    if cfg.rope:
-        positions = cache.positions(q, valid)          # after the valid tokens the cache has seen
-        q, k = (rotary_embedding(x, cfg.num_heads, positions) for x in (q, k))
-    q_scores, k_scores = head_scores(cfg, layer.scores(q)), head_scores(cfg, layer.scores(k))   # (N, H, [P,] T)
     bandwidth = None if layer.log_bandwidth is None else torch.exp(layer.log_bandwidth.detach())
     weight = None if layer.mixture_weight is None else layer.mixture_weight.detach()
-    ctx, sees = cache.step(cfg, (bandwidth, weight), q_scores, k_scores, head_values(cfg, v), valid)
-    out = layer.out_proj(layer.attention_dropout(merge_heads(cfg, ctx)))
-    # zeros where a query sees no key yet, as the full forward gives them
-    return torch.where(sees[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    ctx, sees = decode_heads(cfg, cache, layer.scores, q, k, v, valid, (bandwidth, weight))
+    return keep_seen(layer.out_proj(layer.attention_dropout(merge_heads(cfg, ctx))), sees)

@@ -39,12 +39,12 @@ from . import (
     check_bool,
     check_forward,
     check_positions,
-    head_scores,
-    head_values,
+    decode_heads,
+    keep_seen,
     layer_config,
     merge_heads,
 )
-from ._positions import rotary_embedding, rotate_forward, zero_unseen
+from ._positions import rotate_forward, zero_unseen
 
 __all__ = ["SlicedAttention", "FixedBandwidth"]
 
@@ -297,16 +297,11 @@ class SlicedAttention(nnx.Module):
         cache.check_step(is_causal, length, key.shape[1], batch, query.dtype, None)
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         valid = None if key_padding_mask is None else ~key_padding_mask
-        if cfg.rope:
-            positions = cache.positions(q, valid)          # after the valid tokens the cache has seen
-            q, k = (rotary_embedding(x, cfg.num_heads, positions) for x in (q, k))
-        q_scores, k_scores = head_scores(cfg, self.scores(q)), head_scores(cfg, self.scores(k))
         bandwidth = None if self.log_bandwidth is None else jnp.exp(self.log_bandwidth[...])
         weight = None if self.mixture_weight is None else self.mixture_weight[...]
-        ctx, sees = cache.step(cfg, (bandwidth, weight), q_scores, k_scores, head_values(cfg, v), valid)
+        ctx, sees = decode_heads(cfg, cache, self.scores, q, k, v, valid, (bandwidth, weight))
         out = self.out_proj(self.attention_dropout(merge_heads(cfg, ctx), deterministic=deterministic, rngs=rngs))
-        # zeros where a query sees no key yet, as the full forward gives them
-        return jnp.where(sees[..., None], out, jnp.zeros((), dtype=out.dtype))
+        return keep_seen(out, sees)
 
     def _attend(self, query, key, value, key_padding_mask, causal, deterministic, rngs, query_positions=None,
                 key_positions=None):

@@ -1,8 +1,9 @@
 """The architecture's counts on a source tree: executable copies of the rules that should have one
 owner (the divisor, the quotient-rule backward, the causal alignment, the normaliser's integer
 coding), imports of one engine's modules from the layers above the engines, the functions over
-8 parameters (the sweep's numba kernels aside) and the backward's overridable hooks. tests/test_architecture.py asserts the rules; this
-prints the counts, for a before / after of a redesign.
+8 parameters (the sweep's numba kernels aside) and the backward's overridable hooks.
+tests/test_architecture.py asserts the rules; this prints the counts, for a before / after of a
+redesign.
 
 Usage: ``python scripts/architecture_counts.py [PACKAGE_DIR]`` (default: ``slicedkern`` here).
 """

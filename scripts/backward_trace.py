@@ -30,7 +30,7 @@ def trace(engine: str, causal: bool) -> tuple[list[str], int]:
     g = torch.ones_like(out)
     files: list[str] = []
     home = PACKAGE / "engines" / engine
-    state = {"inside": False, "entries": 0}
+    entries = [0]
 
     def hook(frame, event, arg):
         if event != "call":
@@ -41,18 +41,16 @@ def trace(engine: str, causal: bool) -> tuple[list[str], int]:
         name = str(path.relative_to(PACKAGE.parent))
         if name not in files:
             files.append(name)
-        inside = home in path.parents
-        caller = frame.f_back
-        from_outside = caller is not None and home not in pathlib.Path(caller.f_code.co_filename).parents
-        if inside and from_outside and PACKAGE in pathlib.Path(caller.f_code.co_filename).parents:
-            state["entries"] += 1
+        caller = None if frame.f_back is None else pathlib.Path(frame.f_back.f_code.co_filename)
+        if home in path.parents and caller is not None and PACKAGE in caller.parents and home not in caller.parents:
+            entries[0] += 1
 
     sys.setprofile(hook)
     try:
         torch.autograd.grad(out, (q, k, v), g)
     finally:
         sys.setprofile(None)
-    return files, max(state["entries"] - 1, 0)
+    return files, max(entries[0] - 1, 0)
 
 
 def main() -> None:

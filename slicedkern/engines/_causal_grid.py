@@ -92,6 +92,16 @@ class CausalGrid:
         seen = _take_range(a, self.blind, self.lq, axis)
         return _pad(xp, seen, self.before, 0, 0.0, axis)
 
+    def seen_sums(self, xp, a, dtype):
+        """Per-key rows ``a`` (..., lk, c) summed over the keys each query sees: (..., lq, c) in
+        ``dtype`` (running sums read at the queries' positions)."""
+        return self.at_queries(xp, running_sum(xp, a, axis=-2, dtype=dtype), axis=-2)
+
+    def seen_sums_adjoint(self, xp, rows):
+        """The adjoint of :meth:`seen_sums` on per-query ``rows`` (..., lq, c): a key receives the rows
+        of every query at or after its position (a reverse running sum), (..., lk, c)."""
+        return running_sum(xp, self.queries_to_keys(xp, rows), axis=-2, reverse=True)
+
 
 def running_sum(xp, a, axis: int = -1, *, reverse: bool = False, dtype=None):
     """Inclusive cumulative sum of ``a`` along ``axis`` (from the end when ``reverse``), in

@@ -19,7 +19,7 @@ from .._lib.namespace import array_device, as_work
 from .._spec import Normalizer
 from ..backends import holds_everywhere
 from ..kernels import Profile
-from ._causal_grid import CausalGrid, running_sum, screen_causal
+from ._causal_grid import CausalGrid, screen_causal
 from ._combine import Cotangents, pullback
 from ._nanpolicy import sanitize_keys, screen
 
@@ -154,19 +154,13 @@ def causal_bwd(engine, inputs: Inputs, form: Form, gout, out, aux, *, xp):
     work = keys.q.dtype
     gout = as_work(xp, gout, work)
     values = zeroed_values(xp, keys)
-
-    def seen(a):                 # (..., lk, c) summed over the keys each query sees: (..., lq, c)
-        return grid.at_queries(xp, running_sum(xp, a, axis=-2, dtype=work), axis=-2)
-
-    count = seen(xp.astype(keys.take, work)[..., None])
-    value_sums = seen(values) if center else None
+    count = grid.seen_sums(xp, xp.astype(keys.take, work)[..., None], work)
+    value_sums = grid.seen_sums(xp, values, work) if center else None
     good = keys.good[..., None]
     cot = pullback(xp, gout, out, relu_count=aux["relu_count"], den=aux.get("den"), count=count,
                    value_sums=value_sums, good=good, center=center, normalizer=normalizer)
     silent = silent_rows(xp, profile, normalizer, aux.get("den"), good)
-    # the adjoint of `seen`: a key receives the rows of every query at or after its position
-    mean_term = (running_sum(xp, grid.queries_to_keys(xp, cot.mean_weights * cot.scale * gout), axis=-2,
-                             reverse=True) if center else None)
+    mean_term = grid.seen_sums_adjoint(xp, cot.mean_weights * cot.scale * gout) if center else None
     dq, dk, dv, param = sums_vjp(xp, engine.causal_profiles_vjp, keys, values, gout, cot, silent, form)
     return (*nan_scores(xp, keys, dq, dk), finished_dv(xp, keys, dv, mean_term), param)
 

@@ -135,12 +135,9 @@ def causal_bwd(engine, inputs: _vjp.Inputs, form: _vjp.Form, gout, out, aux, *, 
     work = keys.q.dtype
     gout = as_work(xp, gout, work)
     values = _vjp.zeroed_values(xp, keys)
-
-    def seen(a):                 # the running sums over this rank's keys, read at its queries
-        return grid.at_queries(xp, running_sum(xp, a, axis=-2, dtype=work), axis=-2)
-
-    count = seen(xp.astype(keys.take, work)[..., None]) + before[..., dv:dv + 1]
-    value_sums = seen(values) + before[..., :dv] if center else None
+    # this rank's keys as the local grid sees them, after the earlier ranks' totals
+    count = grid.seen_sums(xp, xp.astype(keys.take, work)[..., None], work) + before[..., dv:dv + 1]
+    value_sums = grid.seen_sums(xp, values, work) + before[..., :dv] if center else None
     good = keys.good[..., None]
     cot = pullback(xp, gout, out, relu_count=aux["relu_count"], den=aux.get("den"), count=count,
                    value_sums=value_sums, good=good, center=center, normalizer=normalizer)
@@ -151,7 +148,7 @@ def causal_bwd(engine, inputs: _vjp.Inputs, form: _vjp.Form, gout, out, aux, *, 
         # ranks' as one total per rank
         rows = cot.mean_weights * cot.scale * gout
         after, _ = _scan_ranks(xp, engine.comm, xp.sum(rows, axis=-2), after=True)
-        mean_term = running_sum(xp, grid.queries_to_keys(xp, rows), axis=-2, reverse=True) + after[..., None, :]
+        mean_term = grid.seen_sums_adjoint(xp, rows) + after[..., None, :]
     queries = aux["queries"]
 
     def profiles_vjp(x, y, w, profiles, cotangents, *, xp):

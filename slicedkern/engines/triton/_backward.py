@@ -15,7 +15,7 @@ from ..._lib.causal import key_offset
 from ..._lib.namespace import as_work
 from ...kernels import Profile, is_fixed
 from .. import _vjp
-from .._causal_grid import CausalGrid, running_sum
+from .._causal_grid import CausalGrid
 from .._columns import MaskedValues, ScaledRows
 from .._combine import pullback
 from ..scan._causal import causal_profiles_vjp
@@ -166,7 +166,7 @@ def causal_bwd(engine, inputs: _vjp.Inputs, form: _vjp.Form, gout, out, aux, *, 
     grid = CausalGrid(lq, lk)
     keys = _vjp.screened_seen_keys(xp, grid, *inputs)
     work, batch, d = keys.q.dtype, tuple(k.shape[:-1]), v.shape[-1]
-    count = grid.at_queries(xp, running_sum(xp, xp.astype(keys.take, work)[..., None], axis=-2, dtype=work), axis=-2)
+    count = grid.seen_sums(xp, xp.astype(keys.take, work)[..., None], work)
     value_dots = None
     if center:
         take = flat_rows(xp, keys.take, 1)

@@ -280,6 +280,25 @@ def test_distributed_imports_no_engine_internals():
     assert private == [], private
 
 
+#: the engines' own packages (their shared pieces, sortscan/ and engines/_*.py, are not engines)
+ENGINE_PACKAGES = ("scan", "sweep", "triton")
+
+
+def test_no_engine_imports_another():
+    """Each engine computes with the shared pieces (``engines/_*.py``, ``engines/sortscan/``) and its
+    own modules, never another engine's: causal attention's divide and conquer is
+    ``engines/_dyadic.py`` over each engine's level kernels, not the scan's code driven by triton's
+    (the sharded engine wraps engines through the registry's base class)."""
+    def package(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[2] if len(parts) > 2 and parts[1] == "engines" and parts[2] in ENGINE_PACKAGES else None
+
+    crossing = sorted({(name, target) for name in MODULES if package(name)
+                       for target, _, _ in _imports(name, MODULES[name])
+                       if package(target) and package(target) != package(name)})
+    assert crossing == [], crossing
+
+
 def test_the_layers_above_the_engines_reach_them_through_the_registry():
     """The adapters, ops, layers and sequence parallelism reach the engines through
     ``slicedkern.engines`` (``select``, ``decoder``, ``get``), never a module of one engine: decoding

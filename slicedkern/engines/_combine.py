@@ -20,7 +20,18 @@ from typing import Any, NamedTuple
 from .._lib.namespace import array_device, clamp_min
 from .._spec import Normalizer
 
-__all__ = ["combine", "pullback", "row_dot", "Cotangents"]
+__all__ = ["combine", "empty_attention", "pullback", "row_dot", "Cotangents"]
+
+
+def empty_attention(xp, q, k, v, key_mask):
+    """Attention with no query or no key (``Lq == 0`` or ``Lk == 0``), causal or not: a zero
+    (..., Lq, Dv) output and the residuals of :meth:`~slicedkern.engines.Engine.aux_of`, the keys
+    that take part, a zero ReLU count and a zero normaliser sum; every engine's forward returns this."""
+    dt, dev = q.dtype, array_device(q)
+    # a copy of the mask: torch's autograd refuses to save an input returned as it is
+    take = xp.ones(k.shape, dtype=xp.bool, device=dev) if key_mask is None else xp.astype(key_mask, xp.bool, copy=True)
+    zeros = xp.zeros(q.shape + (1,), dtype=dt, device=dev)
+    return xp.zeros(q.shape + (v.shape[-1],), dtype=dt, device=dev), {"take": take, "relu_count": zeros, "den": zeros}
 
 
 def combine(xp, ar, num_r, den_sum, totals, good, *, center: bool, normalizer: Normalizer, dv: int):

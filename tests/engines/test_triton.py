@@ -506,7 +506,7 @@ def test_leaf_pullback_matches_the_scan_leaves(rng, strict):
     profiles over different columns with strided cotangents, leaves of 8 over 24 positions."""
     import array_api_compat.torch as xp
 
-    from slicedkern.engines.scan._leaf import leaf_vjp
+    from slicedkern.engines.sortscan.leaves import leaf_vjp
     from slicedkern.engines.triton._causal import dense_leaves_vjp
     from slicedkern.kernels import Profile
     grid = [-1.0, -0.5, 0.0, 0.25, 0.5, 1.0]

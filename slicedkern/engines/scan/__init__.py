@@ -3,15 +3,16 @@
 It serves every backend (GPUs, JAX under ``jit``/``vmap``, any namespace): one stable sort of the
 keys, prefix sums in the work dtype (float64, or double-float where the backend has none), batched
 rank searches and one weighted gather per profile (docs/mathematics.rst, "The kernel sum by sort-scan").
-Its causal mode is a divide and conquer over positions, each level one batched call of the same
-machinery (:mod:`._causal`, docs/mathematics.rst, "Causal attention").
+Its causal mode is the divide and conquer over positions of :mod:`.._dyadic` on the array-API
+levels, each level one batched call of the same machinery (docs/mathematics.rst, "Causal attention").
 """
 
 from __future__ import annotations
 
 from .._base import Engine
+from .._dyadic import causal_attention, causal_profile_sums, causal_profiles_vjp
+from .._vjp import Form, Inputs
 from ..sortscan.pullback import indicator_sums, profiles_vjp
-from ._causal import causal_attention, causal_profile_sums, causal_profiles_vjp
 from ._compose import attention, kernel_sum
 from ._decode import Runs
 
@@ -41,8 +42,7 @@ class ScanEngine(Engine):
         return out, self.residuals_of(aux)
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
-        out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,
-                                    xp=xp)
+        out, aux = causal_attention(Inputs(q, k, v, key_mask), Form(profile, normalizer, center), xp=xp)
         return out, self.residuals_of(aux)
 
     def causal_profile_sums(self, x, y, w, profiles, *, xp):

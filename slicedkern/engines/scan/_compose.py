@@ -15,9 +15,10 @@ from ..._lib.namespace import array_device, clamp_min
 from ..._spec import Normalizer
 from ...backends import quiet_nonfinite
 from ...kernels import Profile
+from .._combine import empty_attention
 from .._nanpolicy import screen
 from ..sortscan.sums import combine_sums, profile_terms, queries, searches, sort_keys
-from ..sortscan.wide import arithmetic
+from ..sortscan.wide import arithmetic, power_of_two_scaled, unscaled
 
 __all__ = ["kernel_sum", "attention"]
 
@@ -26,43 +27,6 @@ def _can_defer(xp, ar, x, w) -> bool:
     """Whether the weights' finiteness check can wait for the row totals (see :func:`_screen`)."""
     return (quiet_nonfinite(xp) and not ar.wide
             and xp.finfo(w.dtype).bits < xp.finfo(x.dtype).bits)
-
-
-def _power_of_two(xp, e):
-    """``2 ** e`` for integer-valued float32 ``e`` in [-126, 126], exactly (products of powers of two;
-    ``pow`` and ``exp2`` are not exact on every backend)."""
-    one = xp.ones_like(e)
-    up, down = one, one
-    magnitude = xp.abs(e)
-    for bit in range(7):
-        step = 2.0 ** (2 ** bit)
-        on = xp.remainder(xp.floor(magnitude / 2 ** bit), 2.0) == 1.0
-        up = xp.where(on & (e > 0), up * step, up)
-        down = xp.where(on & (e < 0), down / step, down)
-    return up * down
-
-
-def _power_of_two_scaled(xp, ar, w):
-    """Weights scaled per batch row by a power of two so that their largest finite entry is about 1.
-
-    Double-float products split each factor in halves (Dekker), which overflows for values above
-    about 1e34 and loses the error terms below about 1e-30 (subnormal, flushed). The sums are linear
-    in the weights, so the row's result is scaled back exactly. Plain float64 needs none of it.
-    Returns ``(w, factor)``: ``factor`` (..., 1, 1) multiplies the result, ``None`` when unscaled.
-    """
-    if not ar.wide or w.shape[-1] == 0 or w.shape[-2] == 0:
-        return w, None         # (no weight: nothing to scale, and no maximum to take)
-    work = xp.float32
-    w = xp.astype(w, work)
-    size = xp.where(xp.isfinite(w), xp.abs(w), xp.zeros_like(w))
-    top = xp.max(size, axis=(-2, -1), keepdims=True)
-    tiny = xp.asarray(xp.finfo(work).smallest_normal, dtype=work, device=array_device(w))
-    e = xp.clip(xp.floor(xp.log2(xp.maximum(top, tiny))), min=-126.0, max=126.0)
-    return w * _power_of_two(xp, -e), _power_of_two(xp, e)
-
-
-def _unscaled(out, factor):
-    return out if factor is None else out * factor
 
 
 def kernel_sum(x, y, w, profile: Profile, *, xp):
@@ -74,7 +38,7 @@ def kernel_sum(x, y, w, profile: Profile, *, xp):
     if m == 0 or n == 0:
         return xp.zeros(x.shape + (c,), dtype=x.dtype, device=array_device(x))
     ar = arithmetic(xp, x.dtype)
-    w, unscale = _power_of_two_scaled(xp, ar, w)
+    w, unscale = power_of_two_scaled(xp, ar, w)
     sc = screen(xp, x, y, w, None, defer=_can_defer(xp, ar, x, w))
     sk = sort_keys(sc.y, w, xp=xp, ar=ar, take=sc.table_take)
     sc.settle(xp, ar.value(sk.prefix[..., -1:, :]), c)
@@ -82,7 +46,7 @@ def kernel_sum(x, y, w, profile: Profile, *, xp):
     found = searches(xs, sk, [profile], xp=xp, ar=ar, strict=True)
     out = combine_sums(xs, sk, profile_terms(profile, xs, found, ar=ar), profile.columns, xp=xp, ar=ar,
                        divisor=sc.divisor(xp, 1.0))
-    return _unscaled(ar.value(out), unscale)
+    return unscaled(ar.value(out), unscale)
 
 
 def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer: Normalizer, xp):
@@ -118,16 +82,11 @@ def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer: 
     divisor per query. Everything of size (Lq, Dv) is written once, in the work dtype.
     """
     lq, lk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
-    dt, dev = q.dtype, array_device(q)
+    dt = q.dtype
     if lq == 0 or lk == 0:
-        # a copy of the mask: torch's autograd refuses to save an input returned as it is
-        take = xp.ones(k.shape, dtype=xp.bool, device=dev) if key_mask is None else xp.astype(key_mask, xp.bool,
-                                                                                               copy=True)
-        zeros = xp.zeros(q.shape + (1,), dtype=dt, device=dev)
-        return xp.zeros(q.shape + (dv,), dtype=dt, device=dev), {"take": take, "relu_count": zeros,
-                                                                  "den": zeros}
+        return empty_attention(xp, q, k, v, key_mask)
     ar = arithmetic(xp, dt)
-    v, unscale = _power_of_two_scaled(xp, ar, v)
+    v, unscale = power_of_two_scaled(xp, ar, v)
     sc = screen(xp, q, k, v, key_mask, defer=_can_defer(xp, ar, q, v))
     sk = sort_keys(sc.y, v, xp=xp, ar=ar, take=sc.table_take, ones=True)
     totals = ar.value(sk.prefix[..., -1:, :])                    # (..., 1, 2 (Dv + 1))
@@ -149,4 +108,4 @@ def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer: 
     if center:
         terms = terms + [(None, 0, ar.scale(ar.div(relu_count[..., 0], count[..., 0]), -1.0))]
     out = combine_sums(xs, sk, terms, slice(0, dv), xp=xp, ar=ar, divisor=sc.divisor(xp, den), cache=cache)
-    return _unscaled(ar.value(out), unscale), aux
+    return unscaled(ar.value(out), unscale), aux

@@ -26,7 +26,7 @@ from __future__ import annotations
 from ..._lib.namespace import array_device, exclusive_scan
 from ...backends import combine_rows, prefix_table, sorted_weights, take_rows
 
-__all__ = ["arithmetic", "two_sum", "Plain", "DoubleFloat", "Pair"]
+__all__ = ["arithmetic", "two_sum", "power_of_two_scaled", "unscaled", "Plain", "DoubleFloat", "Pair"]
 
 
 def is_one(value) -> bool:
@@ -43,6 +43,44 @@ def two_sum(a, b):
 def arithmetic(xp, work):
     """The accumulator for ``work``: plain float64, or double-float when only float32 exists."""
     return Plain(xp) if work == xp.float64 else DoubleFloat(xp)
+
+
+def _power_of_two(xp, e):
+    """``2 ** e`` for integer-valued float32 ``e`` in [-126, 126], exactly (products of powers of two;
+    ``pow`` and ``exp2`` are not exact on every backend)."""
+    one = xp.ones_like(e)
+    up, down = one, one
+    magnitude = xp.abs(e)
+    for bit in range(7):
+        step = 2.0 ** (2 ** bit)
+        on = xp.remainder(xp.floor(magnitude / 2 ** bit), 2.0) == 1.0
+        up = xp.where(on & (e > 0), up * step, up)
+        down = xp.where(on & (e < 0), down / step, down)
+    return up * down
+
+
+def power_of_two_scaled(xp, ar, w):
+    """Weights scaled per batch row by a power of two so that their largest finite entry is about 1.
+
+    Double-float products split each factor in halves (Dekker), which overflows for values above
+    about 1e34 and loses the error terms below about 1e-30 (subnormal, flushed). The sums are linear
+    in the weights, so the row's result is scaled back exactly. Plain float64 needs none of it.
+    Returns ``(w, factor)``: ``factor`` (..., 1, 1) multiplies the result, ``None`` when unscaled.
+    """
+    if not ar.wide or w.shape[-1] == 0 or w.shape[-2] == 0:
+        return w, None         # (no weight: nothing to scale, and no maximum to take)
+    work = xp.float32
+    w = xp.astype(w, work)
+    size = xp.where(xp.isfinite(w), xp.abs(w), xp.zeros_like(w))
+    top = xp.max(size, axis=(-2, -1), keepdims=True)
+    tiny = xp.asarray(xp.finfo(work).smallest_normal, dtype=work, device=array_device(w))
+    e = xp.clip(xp.floor(xp.log2(xp.maximum(top, tiny))), min=-126.0, max=126.0)
+    return w * _power_of_two(xp, -e), _power_of_two(xp, e)
+
+
+def unscaled(out, factor):
+    """``out``, sums over weights :func:`power_of_two_scaled` scaled by ``factor``, scaled back."""
+    return out if factor is None else out * factor
 
 
 class Plain:

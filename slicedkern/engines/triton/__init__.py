@@ -36,8 +36,8 @@ tiles of every column, takes the values' NaN verdict off the totals and evaluate
 pass 2's code), where the launches and the host's operators of the sorts and two passes would be
 the time; its residuals are the same, and so is its backward.
 
-Causal attention is the scan's divide and conquer over positions (:mod:`..scan._causal`) with these
-kernels at every level, its dense leaves (sums and pull-back) and its combination (:mod:`._causal`):
+Causal attention is the divide and conquer over positions of :mod:`.._dyadic` with these kernels at
+every level, its dense leaves (sums and pull-back) and its combination (:class:`._causal.TritonLevels`):
 two launches per profile and level whatever the number of blocks, each score array sorted once in
 runs of :data:`CAUSAL_LEAF` positions and merged bottom-up for the levels above. Its backward
 (:func:`._backward.causal_bwd`) is the generic causal one's pieces, on the same pull-back per level: the
@@ -51,27 +51,19 @@ only under its interpreter (``TRITON_INTERPRET=1``, how the tests run it).
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 from ...backends import quiet_nonfinite
 from .._base import Engine
 from .._columns import MaskedValues
+from .._combine import empty_attention
+from .._dyadic import causal_attention, causal_profile_sums, causal_profiles_vjp
 from .._nanpolicy import screen
 from .._vjp import Form, Inputs
-from ..scan._causal import Levels, causal_attention, causal_profile_sums, causal_profiles_vjp
 from ..sortscan.pullback import ColumnSums, column_range, no_pairs_knot_grads
 from . import _sums
 from ._backward import attention_bwd, causal_bwd, cotangent_tables, kernel_knot_grads
-from ._causal import (
-    RUN_NAMES,
-    combine_output,
-    dense_leaves,
-    dense_leaves_vjp,
-    level_orders,
-    level_sums,
-    level_sums_into,
-)
+from ._causal import RUN_NAMES, TritonLevels
 from ._decode import DeviceRuns
 from ._scale import scaled_grads, scaled_up, value_scale
 from ._sums import (
@@ -181,13 +173,9 @@ class TritonEngine(Engine):
 
     def attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp, for_backward=False, row_ok=None):
         batch, lq, lk, dv = tuple(q.shape[:-1]), q.shape[-1], k.shape[-1], v.shape[-1]
-        dt, dev = q.dtype, q.device
         if lq == 0 or lk == 0:
-            # a copy of the mask: torch's autograd refuses to save an input returned as it is
-            take = xp.ones(k.shape, dtype=xp.bool, device=dev) if key_mask is None else xp.astype(key_mask, xp.bool,
-                                                                                                   copy=True)
-            zeros = xp.zeros(q.shape + (1,), dtype=dt, device=dev)
-            return xp.zeros(q.shape + (dv,), dtype=dt, device=dev), (take, zeros, zeros)
+            out, aux = empty_attention(xp, q, k, v, key_mask)
+            return out, self.residuals_of(aux)
         # values narrower than float64 mean scores of float32 or narrower (the op casts the values to
         # the result's dtype, promoted over all three), lifted exactly: sorted as float32; and their
         # float64 sums cannot overflow, so the values' finiteness is read off the table's totals
@@ -221,15 +209,10 @@ class TritonEngine(Engine):
             residuals.append(xp.reshape(raw, batch + (lq, 1)))
         return xp.reshape(out, batch + (lq, dv)), tuple(residuals)
 
-    def _levels(self, runs: dict | None = None, narrow: bool = False) -> Levels:
-        """The causal levels on the kernels; ``runs``: :func:`._causal.level_orders`' sorted runs,
-        recorded by a forward (empty; the combination adds its block carry) or read by its
-        backward (filled); ``narrow``: the scores are
-        float32 numbers, sorted as such (:func:`._causal.level_orders`)."""
-        return Levels(level_sums, self.profiles_vjp, CAUSAL_LEAF, native_values=True,
-                      orders=functools.partial(level_orders, runs=runs, narrow=narrow),
-                      sums_into=level_sums_into, leaves=dense_leaves, leaves_vjp=dense_leaves_vjp,
-                      combine=functools.partial(combine_output, kept=runs), mutable=True, masked_values=True)
+    def _levels(self, runs: dict | None = None, narrow: bool = False) -> TritonLevels:
+        """The causal levels on the kernels (:class:`._causal.TritonLevels`), with leaves of
+        :data:`CAUSAL_LEAF` positions."""
+        return TritonLevels(self.profiles_vjp, CAUSAL_LEAF, runs, narrow)
 
     def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
         runs = {}
@@ -237,8 +220,8 @@ class TritonEngine(Engine):
         # and values scaled where the float32 running sums could overflow
         narrow = v.dtype != xp.float64
         v, up = value_scale(xp, q, k, v, profile)
-        out, aux = causal_attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer,
-                                    xp=xp, levels=self._levels(runs, narrow=narrow))
+        out, aux = causal_attention(Inputs(q, k, v, key_mask), Form(profile, normalizer, center), xp=xp,
+                                    levels=self._levels(runs, narrow=narrow))
         out = scaled_up(xp, out, up, in_place=True)
         residuals = self.residuals_of(aux)
         # the combination's block carry of the running totals (n / 64 rows) goes to the backward's

@@ -18,7 +18,7 @@ from .. import _vjp
 from .._causal_grid import CausalGrid
 from .._columns import MaskedValues, ScaledRows
 from .._combine import pullback
-from ..scan._causal import causal_profiles_vjp
+from .._dyadic import causal_profiles_vjp
 from ._causal import causal_dv, causal_row_dots
 from ._sums import (
     BLOCK_COLS,

@@ -1,5 +1,5 @@
-"""Causal attention on the triton engine's kernels: the functions the scan's divide and conquer
-(:mod:`..scan._causal`) calls at each level (its :class:`~slicedkern.engines.scan._causal.Levels`).
+"""Causal attention on the triton engine's kernels: :class:`TritonLevels`, the level kernels
+(:class:`~slicedkern.engines._dyadic.LevelKernels`) the divide and conquer of :mod:`.._dyadic` calls.
 
 Every level is the left blocks' keys as rows of one pass 1 and the right blocks' queries as rows of
 one pass 2, added in place into the running sums of the positions (:func:`level_sums_into`): two
@@ -15,9 +15,9 @@ gradients included). docs/architecture.rst, "Engines".
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from ..._lib.causal import key_offset
-from ..._lib.namespace import as_work
 from ...kernels import Profile, is_fixed
 from .._columns import MaskedValues
 from ..sortscan.pullback import column_range
@@ -34,16 +34,15 @@ from ._sums import (
     cotangent_rows,
     flat_rows,
     loaded,
-    profile_sum,
     profile_sum_into,
     row_view,
     sort_queries,
     triton_cdiv,
 )
 
-__all__ = ["running_dtype", "causal_dv", "level_sums", "level_sums_into", "level_orders", "level_table", "dense_leaves",
-           "dense_leaves_vjp", "combine_output", "causal_epilogue", "merge_runs", "leaf_sums", "leaf_vjp",
-           "position_carry", "causal_row_dots"]
+__all__ = ["TritonLevels", "running_dtype", "causal_dv", "level_sums_into", "level_orders", "level_table",
+           "dense_leaves", "dense_leaves_vjp", "combine_output", "causal_epilogue", "merge_runs", "leaf_sums",
+           "leaf_vjp", "position_carry", "causal_row_dots"]
 
 
 #: the names of :func:`level_orders`' sorted runs, in the order the engine keeps them as residuals
@@ -73,7 +72,7 @@ def level_table(xp, qs, keys, vals, kept, orders):
 def level_sums_into(xp, qs, keys, vals, kept, profiles, accs, orders=None):
     """One level of causal attention added in place to the running sums ``accs`` (one contiguous
     (..., n, c_p) array per profile, on the positions, in :func:`running_dtype`;
-    :attr:`~slicedkern.engines.scan._causal.Levels.sums_into`): pass 2 adds each right block's sums
+    :meth:`TritonLevels.add_level`): pass 2 adds each right block's sums
     into its rows in float64 and rounds once, so no level's sums are written apart and no running
     sums are copied. A profile over the indicator alone (attention's summed
     normaliser) after one over the values rides that one's launch. Returns the arrays."""
@@ -89,7 +88,7 @@ def level_sums_into(xp, qs, keys, vals, kept, profiles, accs, orders=None):
 
 
 def dense_leaves(xp, x, y, w, take, profiles, leaf: int):
-    """Causal attention's dense leaves on the kernels (:attr:`~slicedkern.engines.scan._causal.Levels.leaves`):
+    """Causal attention's dense leaves on the kernels (:meth:`TritonLevels.leaves`):
     one :func:`leaf_sums` launch per profile, the (positions, leaf) products in registers."""
     batch, n, c = tuple(x.shape[:-1]), x.shape[-1], w.shape[-1]
     xr, yr, wr, kept = flat_rows(xp, x, 1), flat_rows(xp, y, 1), row_view(xp, w, 2), flat_rows(xp, take, 1)
@@ -101,7 +100,7 @@ def dense_leaves(xp, x, y, w, take, profiles, leaf: int):
 
 
 def dense_leaves_vjp(xp, x, y, w, profiles, cotangents, leaf: int, *, param_grads: bool):
-    """The pull-back of :func:`dense_leaves` (:attr:`~slicedkern.engines.scan._causal.Levels.leaves_vjp`):
+    """The pull-back of :func:`dense_leaves` (:meth:`TritonLevels.leaves_vjp`):
     one :func:`leaf_vjp` launch per profile, nothing of (positions, leaf) in memory. ``w`` an array
     or a :class:`~slicedkern.engines._columns.MaskedValues`, the cotangents arrays or
     :class:`~slicedkern.engines._columns.ScaledRows` (read as such: nothing formed)."""
@@ -119,7 +118,7 @@ def dense_leaves_vjp(xp, x, y, w, profiles, cotangents, leaf: int, *, param_grad
 
 
 def combine_output(xp, grid, num, den, w, take, good, *, center: bool, normalizer, dtype, kept: dict | None = None):
-    """Causal attention's combination on the kernels (:attr:`~slicedkern.engines.scan._causal.Levels.combine`):
+    """Causal attention's combination on the kernels (:meth:`TritonLevels.combine`):
     one :func:`causal_epilogue` launch reads the running sums on the positions, sums the running
     totals of the values ``w`` and indicator ``take`` there, and writes the output in ``dtype``.
     ``kept``: a dict that gets the totals' block carry (:func:`position_carry`) as
@@ -135,24 +134,9 @@ def combine_output(xp, grid, num, den, w, take, good, *, center: bool, normalize
     return xp.reshape(out, batch + (grid.lq, width - 1))
 
 
-def level_sums(xp, ar, qs, keys, vals, kept, profiles, orders=None):
-    """One level of causal attention (:class:`~slicedkern.engines.scan._causal.Levels`): every
-    block pair a row of one pass 1 and one pass 2 per profile; ``vals`` in the values' own dtype (the
-    float32 tiles of the non-causal forward, float64 carries); float64 sums, lifted into ``ar``.
-    ``orders``: the level's sorted keys and queries (:func:`level_orders`), or None to sort them."""
-    batch, s, c = tuple(qs.shape[:-1]), qs.shape[-1], vals.shape[-1]
-    table, xr = level_table(xp, qs, keys, vals, kept, orders)
-    sums = []
-    for p in profiles:
-        cols = column_range(p, c + 1)
-        part = profile_sum(xp, table, xr, p, batch, cols, strict=True)
-        sums.append(ar.lift(as_work(xp, xp.reshape(part, batch + (s, len(cols))), qs.dtype)))
-    return sums
-
-
 def level_orders(xp, x, y, leaf: int, runs: dict | None = None, narrow: bool = False):
     """The sorted orders of every level of causal attention from one bottom-up merge sort per score
-    array (:attr:`~slicedkern.engines.scan._causal.Levels.orders`).
+    array (:meth:`TritonLevels.orders`).
 
     ``x`` and ``y`` (..., n), the queries and keys on the positions, ``n`` a power of two: sorted
     once in runs of ``leaf`` positions (one segmented sort each), then per level the left blocks'
@@ -301,7 +285,7 @@ def leaf_vjp(xp, x, y, w, profiles, cotangents, batch, leaf: int, *, param_grads
     """The pull-back of causal attention's dense leaves (:func:`._dense.leaf_pullback`, one launch
     per profile): ``(dx, dy (R, n), dw (R, n, c), [(dknots, dcoeffs)] per profile)``, float64 (``dw``
     in :func:`running_dtype`, the levels adding to it as the forward's add to its sums), as
-    :func:`slicedkern.engines.scan._leaf.leaf_vjp` returns them (knot and coefficient gradients of
+    :func:`slicedkern.engines.sortscan.leaves.leaf_vjp` returns them (knot and coefficient gradients of
     the array parameters, shaped ``batch``; None for the fixed ones). ``x``, ``y`` (R, n) float64
     on the positions (``n`` a multiple of ``leaf``), ``w`` (R, n, c) in any dtype and strides;
     ``cotangents``: per profile ``(rows, scale, value_scale)`` as :func:`._sums.cotangent_rows` gives
@@ -386,3 +370,86 @@ def causal_dv(xp, dw, g, weights, factor, dtype):
             dw, g, weights, factor, out, lq, lk, d, -key_offset(lq, lk), dw.stride(0), dw.stride(1), dw.stride(2),
             g.stride(0), g.stride(1), g.stride(2), SUB=sub, BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS, num_warps=8)
     return out
+
+
+def _add_into(acc, part, core: int, right: bool):
+    """``part`` (..., P, s, *core), a level's pull-backs, added in place into the right (``right``)
+    or left block of every pair of ``acc`` (..., n, *core), the running gradients on the positions
+    (``n = 2 P s``); returns ``acc``. Torch tensors (the engine's): no copy back."""
+    shape = tuple(acc.shape)
+    ndim = len(shape)
+    lead, tail = shape[:ndim - 1 - core], shape[ndim - core:]
+    pairs, size = part.shape[part.ndim - 2 - core], part.shape[part.ndim - 1 - core]
+    paired = acc.reshape(lead + (pairs, 2, size) + tail)        # a view: acc is contiguous
+    paired[(..., 1 if right else 0) + (slice(None),) * (1 + core)].add_(part)
+    return acc
+
+
+class TritonLevels:
+    """The levels of causal attention on the kernels (:class:`~slicedkern.engines._dyadic.LevelKernels`).
+
+    The running sums, and the backward's running gradients, are one contiguous array per profile on
+    the positions, in :func:`running_dtype`; every level adds into them in place (its pass 2 in
+    float64, rounded once; its pull-back's values' gradient by the pull-back itself), so that no
+    level's sums are written apart. The levels sort nothing: :meth:`orders` merges each score array
+    bottom-up. The values are read in their own dtype and only where their key takes part.
+
+    Parameters
+    ----------
+    vjp : callable
+        The engine's pull-back of profile sums (:meth:`~slicedkern.engines.triton.TritonEngine.profiles_vjp`,
+        which takes ``orders=`` and ``dw_into=``).
+    leaf : int
+        Positions per dense leaf block.
+    runs : dict or None
+        :func:`level_orders`' sorted runs: recorded by a forward (empty; :meth:`combine` adds its
+        block carry as ``"position_carry"``), read by its backward (filled), or None (sorted here).
+    narrow : bool
+        The scores are float32 numbers, sorted as such (:func:`level_orders`).
+    """
+
+    native_values = True
+    masked_values = True
+
+    def __init__(self, vjp: Callable, leaf: int, runs: dict | None = None, narrow: bool = False):
+        self.vjp, self.leaf, self.runs, self.narrow = vjp, leaf, runs, narrow
+
+    def orders(self, xp, at, leaf):
+        return level_orders(xp, at.x, at.y, leaf, runs=self.runs, narrow=self.narrow)
+
+    def leaves(self, xp, ar, at, profiles, leaf):
+        return dense_leaves(xp, at.x, at.y, at.w, at.take, profiles, leaf)
+
+    def add_level(self, xp, ar, sums, level, profiles, orders):
+        return level_sums_into(xp, level.qs, level.keys, level.vals, level.kept, profiles, sums, orders)
+
+    def position_sums(self, xp, ar, sums):
+        return [ar.lift(acc) for acc in sums]
+
+    def combine(self, xp, ar, grid, sums, at, good, form, dtype):
+        dv, work = at.w.shape[-1], at.x.dtype
+        den = sums[1] if len(sums) > 1 else None
+        out = combine_output(xp, grid, sums[0], den, at.w, at.take, good, center=form.center,
+                             normalizer=form.normalizer, dtype=dtype, kept=self.runs)
+        # the running sums may be narrower than the work (float32 ones): the backward's residuals
+        # are in the work dtype
+        relu_count = xp.astype(grid.at_queries(xp, sums[0][..., dv:dv + 1], axis=-2), work, copy=False)
+        raw_den = None if den is None else xp.astype(grid.at_queries(xp, den, axis=-2), work, copy=False)
+        return out, relu_count, raw_den
+
+    def leaves_vjp(self, xp, at, profiles, cotangents, leaf, *, param_grads):
+        dx, dy, dw, params = dense_leaves_vjp(xp, at.x, at.y, at.w, profiles, cotangents, leaf,
+                                              param_grads=param_grads)
+        return (dx, dy, dw), params
+
+    def add_level_vjp(self, xp, grads, level, profiles, cotangents, orders, *, param_grads):
+        dx, dy, dw = grads
+        # the left blocks' value gradients added into the leaves' by the pull-back itself: block
+        # pair r's left block starts at position 2 r size of the flattened positions
+        pdx, pdy, _, params = self.vjp(level.qs, level.keys, level.vals, profiles, cotangents, xp=xp,
+                                       param_grads=param_grads, dw_into=(dw, 2 * level.size * dw.shape[-1], 0),
+                                       orders=orders)
+        return (_add_into(dx, pdx, 0, right=True), _add_into(dy, pdy, 0, right=False), dw), params
+
+    def position_grads(self, xp, grads):
+        return grads

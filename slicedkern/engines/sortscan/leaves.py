@@ -1,4 +1,5 @@
-"""The leaves of the causal divide and conquer: dense sums inside blocks of a few positions.
+"""The leaves of the causal divide and conquer (:mod:`slicedkern.engines._dyadic`): dense sums inside
+blocks of a few positions.
 
 docs/mathematics.rst, "Causal attention": the causal scan splits the positions into blocks of
 ``size`` (a small power of two); the pairs of a query and a key of the same block with the key at or

@@ -13,10 +13,10 @@ from dataclasses import dataclass, fields
 
 from . import kernels
 from ._lib.namespace import clamp_min
-from .kernels import Abs, PiecewiseLinear, Profile, ReLU, hat_profile, hat_pullback, is_fixed
+from .kernels import Abs, PiecewiseLinear, Profile, ReLU, family_named
 
 __all__ = ["KernelSumSpec", "AttentionSpec", "Normalizer", "NORMALIZERS", "NORMALIZER_CODES", "OP_DEFAULTS",
-           "unpack", "hats", "profile_of", "param_grads", "sum_to", "bandwidth_ok", "spec_parts", "spec_from_parts"]
+           "unpack", "profile_of", "param_grads", "sum_to", "params_ok", "spec_parts", "spec_from_parts"]
 
 #: The attention normalisers by the name users pass as ``normalize``: a profile summed over the
 #: valid keys (clamped below by ``eps``), the number of valid keys (``"count"``, at least 1), or none.
@@ -105,16 +105,17 @@ class KernelSumSpec:
 class AttentionSpec:
     """An attention op; arrays ``(q, k, v[, key_mask], *params)``.
 
-    Either ``kernel`` is a fixed profile, or ``alphas`` / ``betas`` describe a (mixture of) hat(s):
-    one float per hat, where the values are fixed. ``param_layout`` names the array parameters in
-    order: "bandwidth" (one hat, batch shape), "bandwidths" / "weights" (mixtures, batch + (K,)).
+    Either ``kernel`` is a fixed profile, or ``family`` names a learnable
+    :class:`~slicedkern.kernels.KernelFamily` whose fixed numbers are ``fixed`` and whose array
+    parameters ``param_layout`` names in order (the hat family: ``fixed = (bandwidths, weights)``,
+    "bandwidth" (one hat, batch shape), "bandwidths" / "weights" (mixtures, batch + (K,))).
     ``causal``: query ``i`` of ``Lq`` sees only the keys ``j <= i + Lk - Lq`` (docs/mathematics.rst,
     "Causal attention"); an engine without a causal mode declines such a spec.
     """
 
     kernel: PiecewiseLinear | None
-    alphas: tuple = ()
-    betas: tuple = ()
+    family: str | None = None
+    fixed: tuple = ()
     param_layout: tuple = ()
     center: bool = False
     normalizer: Normalizer = Normalizer()
@@ -130,42 +131,17 @@ def unpack(spec: AttentionSpec, arrays):
     return q, k, v, mask, dict(zip(spec.param_layout, rest))
 
 
-def hats(spec: AttentionSpec, params):
-    """Per-hat bandwidths and weights: floats, or arrays of the batch shape."""
-    if "bandwidth" in params:
-        alphas = [params["bandwidth"]]
-    elif "bandwidths" in params:
-        arr = params["bandwidths"]
-        alphas = [arr[..., i] for i in range(arr.shape[-1])]
-    else:
-        alphas = list(spec.alphas)
-    if "weights" in params:
-        arr = params["weights"]
-        betas = [arr[..., i] for i in range(arr.shape[-1])]
-    else:
-        betas = list(spec.betas)
-    return alphas, betas
-
-
 def profile_of(spec, params=None) -> Profile:
     """The value profile of ``spec`` (its array parameters in ``params``)."""
     if spec.kernel is not None:
         return Profile.of(spec.kernel)
-    return hat_profile(*hats(spec, params))
+    return family_named(spec.family).profile(spec.fixed, params)
 
 
 def param_grads(xp, spec: AttentionSpec, params, dknots, dcoeffs) -> tuple:
     """Gradients of the array parameters (in ``spec.param_layout`` order) from the profile's knot and
     coefficient gradients, summed to each parameter's shape."""
-    dalpha, dbeta = hat_pullback(*hats(spec, params), dknots, dcoeffs)
-    grads = {}
-    for name in spec.param_layout:
-        if name == "bandwidth":
-            grads[name] = dalpha[0]
-        elif name == "bandwidths":
-            grads[name] = xp.stack(dalpha, axis=-1)
-        else:
-            grads[name] = xp.stack(dbeta, axis=-1)
+    grads = family_named(spec.family).pullback(xp, spec.fixed, params, dknots, dcoeffs)
     return tuple(sum_to(xp, grads[name], params[name].shape) for name in spec.param_layout)
 
 
@@ -181,21 +157,16 @@ def sum_to(xp, grad, shape):
     return xp.reshape(grad, shape)
 
 
-def bandwidth_ok(xp, spec: AttentionSpec, params):
-    """(batch) True where every array bandwidth is positive and finite, or ``None`` (all fixed).
+def params_ok(xp, spec: AttentionSpec, params):
+    """(batch) True where every array kernel parameter is valid (a positive, finite bandwidth), or
+    ``None`` (all fixed, or none can be bad).
 
     The public layer rejects bad values it can see; under ``jax.jit`` / ``torch.compile`` they are
     traced, and the engines make those batch rows NaN instead of finite nonsense.
     """
     if not params:
         return None         # every parameter is a number, checked by the public layer
-    ok = None
-    for a in hats(spec, params)[0]:
-        if is_fixed(a):
-            continue
-        good = (a > 0) & xp.isfinite(a)
-        ok = good if ok is None else ok & good
-    return ok
+    return family_named(spec.family).rows_ok(xp, spec.fixed, params)
 
 
 # -- a spec as text and numbers: what a registered torch operator takes (its schema holds no Python

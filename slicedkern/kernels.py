@@ -22,10 +22,12 @@ True
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 __all__ = ["PiecewiseLinear", "ReLU", "Abs", "Hat", "HatMixture", "Profile", "hat_profile",
-           "hat_pullback", "finite_real", "positive_real", "check_hat_count"]
+           "hat_pullback", "finite_real", "positive_real", "check_hat_count", "KernelFamily", "HatFamily",
+           "register_family", "family_named"]
 
 
 def _real(value, name: str) -> float:
@@ -411,3 +413,108 @@ def hat_pullback(bandwidths, weights, dknots, dcoeffs):
         dalpha.append(da)
         dbeta.append(None if is_fixed(b) or dc is None else dc / a)
     return dalpha, dbeta
+
+
+class KernelFamily(Protocol):
+    """A learnable family of profiles: what an op with array kernel parameters (per-head bandwidths,
+    mixture weights) tells the engines, which see only the :class:`Profile` it gives.
+
+    A family is registered by name (:func:`register_family`); an attention spec names it and holds
+    its fixed numbers (``fixed``, a tuple the family reads as it likes) beside the array parameters
+    (``params``, by name: the spec's ``param_layout``). Adding a family is a class here (or in user
+    code) and an op whose signature takes its parameters (docs/architecture.rst, "Kernel families").
+    """
+
+    #: the name specs refer to it by (their text form, for ``torch.compile``, carries only names)
+    name: str
+
+    def profile(self, fixed: tuple, params: Mapping[str, Any]) -> Profile:
+        """The value profile; array parameters have the batch shape (or broadcast to it)."""
+
+    def pullback(self, xp, fixed: tuple, params: Mapping[str, Any], dknots, dcoeffs) -> dict:
+        """Each array parameter's gradient from the profile's knot and coefficient gradients
+        (aligned with :meth:`profile`'s knots, None where not needed): ``{name: array}`` of a shape
+        that broadcasts to the parameter's (the caller sums it to that shape)."""
+
+    def rows_ok(self, xp, fixed: tuple, params: Mapping[str, Any]):
+        """(batch) bool, True where the array parameters are valid, or None when none can be bad:
+        the public layer rejects the bad values it can read, but traced ones (``jax.jit``,
+        ``torch.compile``) reach the engines, which make those batch rows NaN instead."""
+
+
+#: the registered families by name (:func:`register_family`)
+_FAMILIES: dict[str, KernelFamily] = {}
+
+
+def register_family(family: KernelFamily) -> KernelFamily:
+    """Register ``family`` under ``family.name`` (a name taken by another family is a ``ValueError``);
+    returns it, so that it can decorate an instance's class use: ``register_family(MyFamily())``."""
+    taken = _FAMILIES.get(family.name)
+    if taken is not None and taken is not family:
+        raise ValueError(f"a kernel family named {family.name!r} is already registered")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def family_named(name: str) -> KernelFamily:
+    """The registered family ``name``."""
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"no kernel family named {name!r}; registered: {sorted(_FAMILIES)}") from None
+
+
+class HatFamily:
+    """Mixtures of hats, ``sum_i w_i max(0, 1 - |r| / b_i)`` (:func:`hat_profile`), as a
+    :class:`KernelFamily` named ``"hat"``.
+
+    ``fixed`` is ``(bandwidths, weights)``, tuples of floats for the parameters given as numbers;
+    the array parameters are ``"bandwidth"`` (one hat, batch shape), or ``"bandwidths"`` and
+    ``"weights"`` (a mixture, batch + (K,)).
+    """
+
+    name = "hat"
+
+    @staticmethod
+    def hats(fixed: tuple, params: Mapping[str, Any]) -> tuple[list, list]:
+        """Per-hat bandwidths and weights: floats, or arrays of the batch shape."""
+        if "bandwidth" in params:
+            bandwidths = [params["bandwidth"]]
+        elif "bandwidths" in params:
+            arr = params["bandwidths"]
+            bandwidths = [arr[..., i] for i in range(arr.shape[-1])]
+        else:
+            bandwidths = list(fixed[0])
+        if "weights" in params:
+            arr = params["weights"]
+            weights = [arr[..., i] for i in range(arr.shape[-1])]
+        else:
+            weights = list(fixed[1])
+        return bandwidths, weights
+
+    def profile(self, fixed, params):
+        return hat_profile(*self.hats(fixed, params))
+
+    def pullback(self, xp, fixed, params, dknots, dcoeffs):
+        dalpha, dbeta = hat_pullback(*self.hats(fixed, params), dknots, dcoeffs)
+        grads = {}
+        for name in params:
+            if name == "bandwidth":
+                grads[name] = dalpha[0]
+            elif name == "bandwidths":
+                grads[name] = xp.stack(dalpha, axis=-1)
+            else:
+                grads[name] = xp.stack(dbeta, axis=-1)
+        return grads
+
+    def rows_ok(self, xp, fixed, params):
+        ok = None
+        for a in self.hats(fixed, params)[0]:
+            if is_fixed(a):
+                continue
+            good = (a > 0) & xp.isfinite(a)
+            ok = good if ok is None else ok & good
+        return ok
+
+
+register_family(HatFamily())

@@ -39,7 +39,7 @@ overrides them, written from the same pieces of :mod:`._vjp`, and returns the sa
 from __future__ import annotations
 
 from .._lib.namespace import array_device, as_work
-from .._spec import KernelSumSpec, bandwidth_ok, param_grads, profile_of, unpack
+from .._spec import KernelSumSpec, param_grads, params_ok, profile_of, unpack
 from ..kernels import Profile
 from . import _vjp
 
@@ -154,7 +154,7 @@ class Engine:
             return self.kernel_sum(x, y, w, Profile.of(spec.kernel), xp=xp), ()
         q, k, v, mask, params = unpack(spec, arrays)
         options = dict(key_mask=mask, center=spec.center, normalizer=spec.normalizer, xp=xp)
-        ok = bandwidth_ok(xp, spec, params)
+        ok = params_ok(xp, spec, params)
         if spec.causal:
             out, residuals = self.causal_attention(q, k, v, profile_of(spec, params), **options)
         elif self.folds_row_ok and ok is not None:

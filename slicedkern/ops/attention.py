@@ -214,7 +214,7 @@ def hat_spec(bandwidths, weights, names):
             params["weights"] = beta_arr
         if not params:
             return {"kernel": HatMixture(alphas, betas)}, {}
-        return {"alphas": alphas or (), "betas": betas or ()}, params
+        return {"family": "hat", "fixed": (alphas or (), betas or ())}, params
 
     build.sources = {("bandwidth" if single else "bandwidths"): bandwidths, "weights": weights}
     return build

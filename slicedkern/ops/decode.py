@@ -62,8 +62,8 @@ def _array_profile(hats, xp, work, k) -> Profile:
     """The profile of hat parameters given as arrays, broadcast to the batch shape of ``k``."""
     batch = tuple(k.shape[:-1])
     fields, params = hats(xp, array_device(k), work, batch)
-    spec = AttentionSpec(kernel=fields.get("kernel"), alphas=fields.get("alphas", ()),
-                         betas=fields.get("betas", ()), param_layout=tuple(params))
+    spec = AttentionSpec(kernel=fields.get("kernel"), family=fields.get("family"), fixed=fields.get("fixed", ()),
+                         param_layout=tuple(params))
     params = {name: xp.broadcast_to(without_gradient(p, _NO_GRADIENT),
                                     batch if name == "bandwidth" else batch + (p.shape[-1],))
               for name, p in params.items()}

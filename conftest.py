@@ -1,4 +1,5 @@
-"""Repository-level pytest configuration: modules whose framework is missing are not collected.
+"""Repository-level pytest configuration: modules whose framework is missing are not collected, nor
+the triton engine's kernels (:data:`JIT_AT_IMPORT`).
 
 ``pytest`` collects ``slicedkern/`` for its doctests (``--doctest-modules``), which imports every
 module of the package; the modules below import an optional framework at their top, so where it is
@@ -34,11 +35,20 @@ OPTIONAL_MODULES = {
     "slicedkern/engines/sweep/_kernels_decode.py": ("numba",),
     "slicedkern/engines/sweep/_decode.py": ("numba",),
     "tests/_distributed_jax.py": ("jax",),
+    "slicedkern/engines/triton/_device.py": ("triton",),
+    "slicedkern/engines/triton/_kernels.py": ("triton",),
+    "slicedkern/engines/triton/_order.py": ("triton",),
+    "slicedkern/engines/triton/_dense.py": ("triton",),
 }
+
+#: modules never collected: the triton engine's kernels are jitted as they are defined, and
+#: ``triton.jit`` fixes then whether they run under the interpreter (``TRITON_INTERPRET``), which a
+#: test module sets before it imports them (tests/engines/test_triton.py); they hold no doctest
+JIT_AT_IMPORT = [path for path in OPTIONAL_MODULES if path.startswith("slicedkern/engines/triton/")]
 
 
 def _missing(modules: tuple[str, ...]) -> bool:
     return any(importlib.util.find_spec(name) is None for name in modules)
 
 
-collect_ignore = [path for path, modules in OPTIONAL_MODULES.items() if _missing(modules)]
+collect_ignore = [path for path, modules in OPTIONAL_MODULES.items() if _missing(modules) or path in JIT_AT_IMPORT]

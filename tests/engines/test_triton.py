@@ -282,7 +282,7 @@ def test_float32_gradients_where_a_normaliser_sum_is_tiny():
     scaled by 1e4 in the tables of the backward, and the value and normaliser terms of the keys'
     gradients cancel to O(1). Those tables sum in float64 (``_sums._wide``): in float32 their
     rounding put errors of 1e-1 into dk. And pass 2 forms its terms pair by pair
-    (``_kernels._pairs``): from ``s P0 - P1`` in float32, the forward's output at that query was off
+    (``_device._pairs``): from ``s P0 - P1`` in float32, the forward's output at that query was off
     by 5.5e-4 (relative) and dq by 1.2 (normwise). float32 inputs, against the float64 reference on
     the same rounded inputs, normwise: dv within 1e-5; dq and dk within 1e-4 (seen 2.3e-5 and
     2.6e-5), since the quotient rule's normaliser term reads the output rounded to float32, whose

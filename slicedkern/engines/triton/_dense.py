@@ -2,27 +2,22 @@
 divide and conquer, and the backward's row dots and column sums of the quotient rule
 (docs/architecture.rst, "Engines").
 
-Imports Triton at its top, as :mod:`._kernels` does, which jits these functions in its ``build``
-(they are launched as attributes of that module) and gives them its jitted ``_below_sum``.
+Imports Triton at its top and jits these kernels as they are defined, as :mod:`._kernels` does (which
+imports them: they are launched as its attributes); the shared device functions are :mod:`._device`'s.
 """
 
 from __future__ import annotations
 
-try:
-    import triton.language as tl
-except ImportError:      # imported without Triton (doctest collection): the engine declines before build()
-    tl = None
+import triton
+import triton.language as tl
+
+from ._device import _attention_epilogue, _below_sum
 
 __all__ = ["leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots", "column_sums", "causal_dv", "position_sums",
            "causal_row_dots"]
 
-_JITTED = ("_position_rows", "_running_totals", "leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots",
-           "column_sums", "causal_dv", "position_sums", "causal_row_dots")
-#: :func:`._kernels._below_sum` and :func:`._kernels._attention_epilogue`, jitted, set by
-#: :func:`._kernels.build` before the first launch
-_below_sum = _attention_epilogue = None
 
-
+@triton.jit
 def leaf_eval(x_ptr, y_ptr, w_ptr, take_ptr, knots_ptr, coeffs_ptr, lin_ptr, out_ptr,
               n, c, col0, width, sw_r, sw_m, sw_c,
               K: tl.constexpr, ACC: tl.constexpr, LEAF: tl.constexpr, SUB: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -58,6 +53,7 @@ def leaf_eval(x_ptr, y_ptr, w_ptr, take_ptr, knots_ptr, coeffs_ptr, lin_ptr, out
              acc.to(out_ptr.dtype.element_ty), mask=cm[None, :])
 
 
+@triton.jit
 def leaf_pullback(x_ptr, y_ptr, w_ptr, take_ptr, g_ptr, scale_ptr, vscale_ptr, knots_ptr, coeffs_ptr, lin_ptr,
                   strict_ptr, dx_ptr, dy_ptr, dw_ptr, dpar_ptr, n, c, col0, width, sw_r, sw_m, sw_c, sg_r, sg_n, sg_c,
                   K: tl.constexpr, PARAMS: tl.constexpr, HAS_TAKE: tl.constexpr, INDICATOR: tl.constexpr,
@@ -148,6 +144,7 @@ def leaf_pullback(x_ptr, y_ptr, w_ptr, take_ptr, g_ptr, scale_ptr, vscale_ptr, k
     tl.store(dx_ptr + row * n + i, tl.load(dx_ptr + row * n + i) + dx)
 
 
+@triton.jit
 def _position_rows(w_ptr, take_ptr, row, j, jm, cols, n, c, sw_r, sw_n, sw_c):
     """The rows ``[w_j take_j | take_j]`` of the positions ``j`` of one row over the columns ``cols``
     (column ``c`` the indicator), float64, zero where ``jm`` is False; ``w`` (R, n, c) in its own
@@ -158,6 +155,7 @@ def _position_rows(w_ptr, take_ptr, row, j, jm, cols, n, c, sw_r, sw_n, sw_c):
     return tl.where(ok[:, None] & (cols == c)[None, :], 1.0, wv)
 
 
+@triton.jit
 def _running_totals(w_ptr, take_ptr, carry_ptr, carry_rows, row, p0, cols, n, c, sw_r, sw_n, sw_c,
                     BLOCK_N: tl.constexpr):
     """The running totals ``sum over j <= p of [w_j take_j | take_j]`` at the positions ``p = p0 ..
@@ -176,6 +174,7 @@ def _running_totals(w_ptr, take_ptr, carry_ptr, carry_rows, row, p0, cols, n, c,
     return (carry + before)[None, :] + tl.cumsum(rows, axis=0)
 
 
+@triton.jit
 def position_sums(w_ptr, take_ptr, carry_ptr, n, c, sw_r, sw_n, sw_c, BLOCK_N: tl.constexpr,
                   BLOCK_C: tl.constexpr):
     """The sums of ``[w_j take_j | take_j]`` over each block of ``BLOCK_N`` positions of a row,
@@ -190,6 +189,7 @@ def position_sums(w_ptr, take_ptr, carry_ptr, n, c, sw_r, sw_n, sw_c, BLOCK_N: t
              mask=cols <= c)
 
 
+@triton.jit
 def causal_row_dots(g_ptr, w_ptr, take_ptr, carry_ptr, carry_rows, out_ptr, n, lq, c, offset, sg_r, sg_n, sg_c,
                     sw_r, sw_n, sw_c, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     """``out[r, i] = <g[r, i], V[r, i + offset]>`` (R, lq) float64, ``V`` the running sums of the
@@ -212,11 +212,12 @@ def causal_row_dots(g_ptr, w_ptr, take_ptr, carry_ptr, carry_rows, out_ptr, n, l
     tl.store(out_ptr + row * lq + i, acc, mask=im)
 
 
+@triton.jit
 def causal_epilogue(num_ptr, den_ptr, w_ptr, take_ptr, carry_ptr, carry_rows, good_ptr, out_ptr, n, lq, dv, offset,
                     eps, sw_r, sw_n, sw_c, CENTER: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_C: tl.constexpr):
     """Causal attention's output from its running sums, in one pass (the arithmetic of
-    :func:`._kernels._attention_epilogue`): query ``i`` of a row sits at position ``i + offset``
+    :func:`._device._attention_epilogue`): query ``i`` of a row sits at position ``i + offset``
     (none before 0: a query that sees no key) and reads there ``num`` (R, n, dv + 1) float64, the
     profile sums of the values and of the indicator (its ReLU count), and with a summed NORM the
     normaliser sums ``den`` (R, n) float64; the totals of the values and the count it sees are
@@ -254,6 +255,7 @@ def causal_epilogue(num_ptr, den_ptr, w_ptr, take_ptr, carry_ptr, carry_rows, go
              mask=(i < lq)[:, None] & cm[None, :])
 
 
+@triton.jit
 def row_dots(a_ptr, b_ptr, out_ptr, n, d, sa_r, sa_n, sa_d, sb_r, sb_n, sb_d,
              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """``out[r, i] = <a[r, i], b[r, i]>`` (R, n) float64, each operand read in its own dtype and
@@ -272,6 +274,7 @@ def row_dots(a_ptr, b_ptr, out_ptr, n, d, sa_r, sa_n, sa_d, sb_r, sb_n, sb_d,
     tl.store(out_ptr + row * n + i, acc, mask=im)
 
 
+@triton.jit
 def column_sums(weights_ptr, g_ptr, out_ptr, n, d, sg_r, sg_n, sg_d, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr):
     """``out[r, c] = sum over i of weights[r, i] g[r, i, c]`` (R, d) float64, ``weights`` (R, n)
@@ -291,6 +294,7 @@ def column_sums(weights_ptr, g_ptr, out_ptr, n, d, sg_r, sg_n, sg_d, BLOCK_N: tl
     tl.store(out_ptr + row * d + cols, acc, mask=cm)
 
 
+@triton.jit
 def causal_dv(dw_ptr, g_ptr, weights_ptr, factor_ptr, out_ptr, lq, lk, d, shift, sdw_r, sdw_n, sdw_d,
               sg_r, sg_n, sg_d, SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Causal attention's ``dv``, finished in one pass: ``out[r, j] = (dw[r, j] - sub[r, j]) *

@@ -3,26 +3,22 @@ small-L forward of attention in one launch that starts with those sorts, and one
 bottom-up merge sort that gives causal attention's levels their sorted blocks
 (docs/architecture.rst, "Engines").
 
-Imports Triton at its top, as :mod:`._kernels` does, which jits these functions in its ``build``
-(they are launched as attributes of that module, so that one patch point counts every launch) and
-gives this module its jitted ``_tile`` and ``_eval_block`` (pass 1's tile and pass 2's block).
+Imports Triton at its top and jits these kernels as they are defined, as :mod:`._kernels` does (which
+imports them: they are launched as its attributes, so that one patch point counts every launch);
+pass 1's tile and pass 2's block are :mod:`._device`'s.
 """
 
 from __future__ import annotations
 
-try:
-    import triton.language as tl
-except ImportError:      # imported without Triton (doctest collection): the engine declines before build()
-    tl = None
+import triton
+import triton.language as tl
+
+from ._device import _eval_block, _tile, _tile_moments
 
 __all__ = ["sort_rows", "small_attend", "merge_runs"]
 
-_JITTED = ("_sort_row", "sort_rows", "small_attend", "merge_runs")
-#: :func:`._kernels._tile`, :func:`._kernels._tile_moments` and :func:`._kernels._eval_block`, jitted,
-#: set by :func:`._kernels.build` before the first launch
-_tile = _tile_moments = _eval_block = None
 
-
+@triton.jit
 def _sort_row(a_ptr, values_ptr, perm_ptr, row, n, BLOCK: tl.constexpr):
     """Row ``row`` of ``n <= BLOCK`` float32 numbers (``a`` in any float dtype holding them) sorted
     stably: each number's order-preserving 32-bit pattern (sign bit flipped for the positive
@@ -43,12 +39,14 @@ def _sort_row(a_ptr, values_ptr, perm_ptr, row, n, BLOCK: tl.constexpr):
     tl.store(perm_ptr + row * n + i, (ordered & 0xFFFFFFFF).to(tl.int32), mask=inside)
 
 
+@triton.jit
 def sort_rows(a_ptr, values_ptr, perm_ptr, n, BLOCK: tl.constexpr):
     """Rows of ``n <= BLOCK`` float32 numbers sorted, one program a row (:func:`_sort_row`): the
     small-L sort, one launch instead of ``torch.sort`` and its casts."""
     _sort_row(a_ptr, values_ptr, perm_ptr, tl.program_id(0).to(tl.int64), n, BLOCK)
 
 
+@triton.jit
 def small_attend(y_ptr, x_ptr, keys_ptr, perm_ptr, xs_ptr, xperm_ptr, shift_ptr, w_ptr, take_ptr, carry_ptr,
                  knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, out_ptr, nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr,
                  raw_ptr, eps, n, m, c, C, nb, width, sw_r, sw_m, sw_c, log_m, per_program, query_blocks,
@@ -63,7 +61,7 @@ def small_attend(y_ptr, x_ptr, keys_ptr, perm_ptr, xs_ptr, xperm_ptr, shift_ptr,
     float64 carry as a running sum (pass 1, :func:`._kernels.tile_sums`' sums added in the order of
     its cumulative sum), takes the NaN policy's verdict on the values off the carry's totals (a
     non-finite value makes the row NaN: ``factor`` times NaN, as the two-pass forward's deferred
-    check has it), and evaluates its query blocks as pass 2 does (:func:`._kernels._eval_block`,
+    check has it), and evaluates its query blocks as pass 2 does (:func:`._device._eval_block`,
     attention's epilogue). The programs of a row compute the same sorts and carry and write them,
     all alike, as the backward's residuals (``keys``, ``perm``, ``xs``, ``xperm``, ``shift``,
     ``carry``); a block barrier orders each program's writes before its reads. Nothing but the
@@ -117,6 +115,7 @@ def small_attend(y_ptr, x_ptr, keys_ptr, perm_ptr, xs_ptr, xperm_ptr, shift_ptr,
                     BLOCK_C)
 
 
+@triton.jit
 def merge_runs(values_ptr, perm_ptr, merged_ptr, merged_perm_ptr, n, run, log_run, SPLIT_IN: tl.constexpr,
                SPLIT_OUT: tl.constexpr, BLOCK: tl.constexpr):
     """One step of a bottom-up merge sort: each row's sorted runs of ``run`` entries (``n`` a

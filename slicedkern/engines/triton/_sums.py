@@ -50,17 +50,15 @@ _MODULE = "slicedkern.engines.triton._kernels"
 def loaded():
     """The kernel module, imported on first use (it imports Triton, which ``import slicedkern`` must not)."""
     from . import _kernels  # a framework row (tests/test_architecture.py): imports Triton at its top
-    _kernels.build()
     return _kernels
 
 
 def interpreted() -> bool:
     """Whether the kernels run (or, not built yet, will run) under Triton's interpreter."""
     kernels = sys.modules.get(_MODULE)
-    mode = kernels.interpreted() if kernels is not None else None
-    if mode is None:
-        mode = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-    return mode
+    if kernels is not None:
+        return kernels.interpreted()
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def flat_rows(xp, a, core: int):
@@ -126,7 +124,7 @@ def _wide(xp, w, scale) -> bool:
 def _blocks(xp, w, scale=None) -> tuple[int, int, int]:
     """Keys per tile, queries per block and columns per block for the weights ``w`` (scaled by
     ``scale``): at most 16 each in float64 (:func:`_wide`), whose tile products are broadcast sums
-    in registers rather than ``tl.dot`` (:func:`._kernels._below_sum`)."""
+    in registers rather than ``tl.dot`` (:func:`._device._below_sum`)."""
     if _wide(xp, w, scale):
         return min(BLOCK_M, 16), min(BLOCK_N, 16), min(BLOCK_C, 16)
     return BLOCK_M, BLOCK_N, BLOCK_C

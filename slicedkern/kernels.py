@@ -447,8 +447,8 @@ _FAMILIES: dict[str, KernelFamily] = {}
 
 
 def register_family(family: KernelFamily) -> KernelFamily:
-    """Register ``family`` under ``family.name`` (a name taken by another family is a ``ValueError``);
-    returns it, so that it can decorate an instance's class use: ``register_family(MyFamily())``."""
+    """Register ``family`` under ``family.name`` (a name taken by another family is a ``ValueError``)
+    and return it: ``FAMILY = register_family(MyFamily())``."""
     taken = _FAMILIES.get(family.name)
     if taken is not None and taken is not family:
         raise ValueError(f"a kernel family named {family.name!r} is already registered")

@@ -64,11 +64,11 @@ def shifted_relu_attention(q, k, v, shift, height, *, key_mask=None, causal=Fals
 
 
 def _dense(q, k, v, shift, height, mask, causal):
-    """The dense float64 oracle of :func:`shifted_relu_attention` (any namespace with autograd)."""
+    """The dense float64 oracle of :func:`shifted_relu_attention`, on torch tensors (autograd through it)."""
     def weights(r):
         t = shift if isinstance(shift, float) else shift[..., None, None]
         c = height if isinstance(height, float) else height[..., None, None]
-        return c * (r - t).clamp(min=0.0) if hasattr(r, "clamp") else c * np.maximum(r - t, 0.0)
+        return c * (r - t).clamp(min=0.0)
     return reference._attention(q, k, v, weights, mask, True, "count", 1e-6, causal)
 
 

@@ -259,6 +259,17 @@ def _halves(xp, a, size: int, core: int):
     return paired[(..., 0) + index], paired[(..., 1) + index]
 
 
+def _level(xp, at: Positions, size: int) -> Level:
+    """The level of blocks of ``size`` positions: the right blocks' queries over the left blocks'
+    keys, values (an array, or its unevaluated parts, :mod:`._columns`) and indicator (None in a
+    backward)."""
+    keys, _ = _halves(xp, at.y, size, 0)
+    _, qs = _halves(xp, at.x, size, 0)
+    vals = map_parts(lambda a, core: _halves(xp, a, size, core)[0], at.w, 1)
+    kept = None if at.take is None else _halves(xp, at.take, size, 0)[0]
+    return Level(size, qs, keys, vals, kept)
+
+
 def _per_block(cache: dict):
     """Profiles with their array parameters given a trailing axis (the blocks are a batch axis);
     the same array gets the same expansion, so that knots shared by two profiles are searched once."""
@@ -285,11 +296,7 @@ def _causal_sums(xp, ar, at: Positions, profiles, levels: LevelKernels):
     blocked = [expand(p) for p in profiles]
     orders = levels.orders(xp, at, leaf)
     for size in _block_sizes(n, leaf):
-        keys, _ = _halves(xp, at.y, size, 0)
-        _, qs = _halves(xp, at.x, size, 0)
-        vals, _ = _halves(xp, at.w, size, 1)
-        kept, _ = _halves(xp, at.take, size, 0)
-        sums = levels.add_level(xp, ar, sums, Level(size, qs, keys, vals, kept), blocked, next(orders))
+        sums = levels.add_level(xp, ar, sums, _level(xp, at, size), blocked, next(orders))
     return sums
 
 
@@ -420,11 +427,8 @@ def causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True,
     blocked = [expand(p) for p in profiles]
     orders = levels.orders(xp, at, leaf)
     for size in _block_sizes(grid.n, leaf):
-        keys, _ = _halves(xp, at.y, size, 0)
-        _, qs = _halves(xp, at.x, size, 0)
-        vals = map_parts(lambda a, core: _halves(xp, a, size, core)[0], wk, 1)
         gs = [map_parts(lambda a, core: _halves(xp, a, size, core)[1], g, 1) for g in gq]
-        grads, part = levels.add_level_vjp(xp, grads, Level(size, qs, keys, vals, None), blocked, gs, next(orders),
+        grads, part = levels.add_level_vjp(xp, grads, _level(xp, at, size), blocked, gs, next(orders),
                                            param_grads=param_grads)
         params = _add_params(params, part, lambda a: xp.sum(a, axis=-1))
     dx, dy, dw = levels.position_grads(xp, grads)

@@ -48,7 +48,7 @@ from ._dense import (
 from ._device import _attention_epilogue, _eval_block, _run_profile, _tile, _tile_moments
 from ._order import merge_runs, small_attend, sort_rows
 
-__all__ = ["interpreted", "KERNELS", "INTERPRETED", "tile_sums", "merge_eval", "decode_attend", "sort_rows",
+__all__ = ["KERNELS", "INTERPRETED", "tile_sums", "merge_eval", "decode_attend", "sort_rows",
            "small_attend", "merge_runs", "leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots", "column_sums",
            "causal_dv", "position_sums", "causal_row_dots"]
 
@@ -209,8 +209,3 @@ def decode_attend(q_ptr, bounds_ptr, n_runs, keys_ptr, prefix_ptr, shifts_ptr, t
     poisoned = tl.load(bad_ptr + b) != 0
     acc = tl.where((finite & ~poisoned)[:, None], acc, float("nan"))
     tl.store(out_ptr + b * M * dv + i[:, None] * dv + w[None, :], acc, mask=qm[:, None] & (w < dv)[None, :])
-
-
-def interpreted() -> bool:
-    """Whether the kernels run under Triton's interpreter."""
-    return INTERPRETED

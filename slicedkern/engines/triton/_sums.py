@@ -57,7 +57,7 @@ def interpreted() -> bool:
     """Whether the kernels run (or, not built yet, will run) under Triton's interpreter."""
     kernels = sys.modules.get(_MODULE)
     if kernels is not None:
-        return kernels.interpreted()
+        return kernels.INTERPRETED
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 

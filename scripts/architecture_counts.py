@@ -5,7 +5,8 @@ coding), imports of one engine's modules from the layers above the engines, the 
 tests/test_architecture.py asserts the rules; this prints the counts, for a before / after of a
 redesign.
 
-Usage: ``python scripts/architecture_counts.py [PACKAGE_DIR]`` (default: ``slicedkern`` here).
+Usage: ``python scripts/architecture_counts.py [PACKAGE_DIR] [--list]`` (default: ``slicedkern``
+here; ``--list`` names the internal host functions over 8 parameters).
 """
 
 from __future__ import annotations
@@ -41,6 +42,54 @@ def _parameters(node) -> int:
     a = node.args
     n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
     return n - (1 if a.args and a.args[0].arg in ("self", "cls") else 0)
+
+
+def _compiled(node) -> bool:
+    """Whether a function is a kernel: jitted by Triton or numba."""
+    return any(re.search(r"\b(jit|njit)\b", ast.unparse(d)) for d in node.decorator_list)
+
+
+def _private(path: pathlib.Path, root: pathlib.Path) -> bool:
+    """Whether a module is internal: a private part of its path, or the engines (which only compute,
+    under the public functions that dispatch to them)."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return parts[0] == "engines" or any(part.startswith("_") and part != "__init__" for part in parts)
+
+
+def _exported(root: pathlib.Path, every) -> set[str]:
+    """The names in the ``__all__`` of the public modules (a public class may live in a private one)."""
+    names = set()
+    for path in every:
+        if _private(path, root):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+                    and isinstance(node.value, (ast.List, ast.Tuple))):
+                names |= {elt.value for elt in node.value.elts if isinstance(elt, ast.Constant)}
+    return names
+
+
+def internal_wide(root: pathlib.Path, every) -> list[str]:
+    """The internal host functions over 8 parameters: neither a kernel (Triton, numba) nor a public
+    signature (a public function, or a method of a public class: of a public module, or exported by
+    one), whose keyword options follow torch's SDPA and ``nn.MultiheadAttention``."""
+    found, exported = [], _exported(root, every)
+    for path in every:
+        tree = ast.parse(path.read_text())
+        private = _private(path, root)
+        scopes = [(node, private and getattr(node, "name", None) not in exported) for node in tree.body]
+        while scopes:
+            node, inner = scopes.pop()
+            if isinstance(node, ast.ClassDef):
+                scopes += [(child, inner or node.name.startswith("_")) for child in node.body]
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                named_private = node.name.startswith("_") and not (node.name.startswith("__")
+                                                                    and node.name.endswith("__"))
+                if _parameters(node) > 8 and not _compiled(node) and (inner or named_private):
+                    found.append(f"{path.relative_to(root.parent)}:{node.name}")
+                scopes += [(child, True) for child in ast.walk(node) if child is not node
+                           and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return found
 
 
 def backward_hooks(root: pathlib.Path) -> list[str]:
@@ -82,9 +131,14 @@ def main(root: pathlib.Path) -> None:
             for node in ast.walk(ast.parse(p.read_text()))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _parameters(node) > 8]
     print("functions over 8 parameters (numba kernels aside):", len(wide))
+    internal = internal_wide(root, every)
+    print("internal host functions over 8 parameters (kernels and public signatures aside):", len(internal))
+    if "--list" in sys.argv:
+        print("\n".join("  " + name for name in sorted(internal)))
     print("backward hooks (methods of the generic backward's classes and their subclasses):",
           len(backward_hooks(root)))
 
 
 if __name__ == "__main__":
-    main(pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "slicedkern").resolve())
+    paths = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
+    main(pathlib.Path(paths[0] if paths else "slicedkern").resolve())

@@ -5,8 +5,9 @@ did, once per call). It provides four primitives over arrays already broadcast t
 scores in the work dtype:
 
 * ``kernel_sum(x, y, w, profile, *, xp)`` -> (..., n, c) in the work dtype;
-* ``attention(q, k, v, profile, *, key_mask, center, normalizer, xp, for_backward)`` -> ``(out,
-  residuals)``, residuals a flat tuple of arrays (possibly empty) that only this engine reads back;
+* ``attention(inputs, form, *, xp, for_backward)`` -> ``(out, residuals)`` over the records
+  :class:`._vjp.Inputs` ``(q, k, v, key_mask)`` and :class:`._vjp.Form` ``(profile, normalizer,
+  center)``, residuals a flat tuple of arrays (possibly empty) that only this engine reads back;
   ``for_backward`` says whether a backward will follow (an autograd node, a :func:`slicedkern.vjp`
   record), so that an engine may keep work for it only then (the sweep keeps its sort);
 * ``profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True)``;
@@ -14,8 +15,8 @@ scores in the work dtype:
 
 an engine with a causal mode (``supports_causal = True``) also provides
 
-* ``causal_attention(q, k, v, profile, *, key_mask, center, normalizer, xp)`` -> ``(out,
-  residuals)`` with the residuals ``(take, relu_count[, den])`` per query over the keys it sees;
+* ``causal_attention(inputs, form, *, xp)`` -> ``(out, residuals)`` with the residuals ``(take,
+  relu_count[, den])`` per query over the keys it sees;
 * ``causal_profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True)``: ``profiles_vjp``
   over the keys ``j <= i + m - n`` of each query ``i`` (docs/mathematics.rst, "Causal attention");
 * optionally (``gives_causal_sums = True``) ``causal_profile_sums(x, y, w, profiles, *, xp)``: its
@@ -23,8 +24,8 @@ an engine with a causal mode (``supports_causal = True``) also provides
   profile), which the sharded engine (:mod:`.sharded`) adds across ranks; an engine without it
   is not sharded for causal calls;
 
-``normalizer`` is the spec's :class:`~slicedkern._spec.Normalizer`; the output rule the sums go
-through is :mod:`._combine`, written once;
+``form.normalizer`` is the spec's :class:`~slicedkern._spec.Normalizer`; the output rule the sums
+go through is :mod:`._combine`, written once;
 
 and :class:`Engine` turns them into ``forward(spec, arrays)`` / ``backward(spec, arrays, out,
 residuals, g)``, the two calls the adapters make.
@@ -42,6 +43,7 @@ from .._lib.namespace import array_device, as_work
 from .._spec import KernelSumSpec, param_grads, params_ok, profile_of, unpack
 from ..kernels import Profile
 from . import _vjp
+from ._vjp import Form, Inputs
 
 __all__ = ["Engine", "no_causal_mode"]
 
@@ -105,7 +107,7 @@ class Engine:
         """``S[..., i, :] = sum_j f(x_i - y_j) w[..., j, :]``: (..., n, c) in the work dtype."""
         raise self._missing("kernel_sum")
 
-    def attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp, for_backward=False):
+    def attention(self, inputs: Inputs, form: Form, *, xp, for_backward=False):
         """``(out, residuals)`` of normalised attention (docs/mathematics.rst, "Attention")."""
         raise self._missing("attention")
 
@@ -117,7 +119,7 @@ class Engine:
         """One (..., n, 1) sum of each profile over the indicator ``ones`` (..., m, 1)."""
         raise self._missing("indicator_sums")
 
-    def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
+    def causal_attention(self, inputs: Inputs, form: Form, *, xp):
         """:meth:`attention` over the keys ``j <= i + lk - lq`` of each query ``i``."""
         raise self._missing("causal_attention")
 
@@ -153,16 +155,14 @@ class Engine:
             x, y, w = arrays
             return self.kernel_sum(x, y, w, Profile.of(spec.kernel), xp=xp), ()
         q, k, v, mask, params = unpack(spec, arrays)
-        options = dict(key_mask=mask, center=spec.center, normalizer=spec.normalizer, xp=xp)
+        inputs, form = Inputs(q, k, v, mask), Form(profile_of(spec, params), spec.normalizer, spec.center)
         ok = params_ok(xp, spec, params)
         if spec.causal:
-            out, residuals = self.causal_attention(q, k, v, profile_of(spec, params), **options)
+            out, residuals = self.causal_attention(inputs, form, xp=xp)
         elif self.folds_row_ok and ok is not None:
-            return self.attention(q, k, v, profile_of(spec, params), for_backward=for_backward, row_ok=ok,
-                                  **options)
+            return self.attention(inputs, form, xp=xp, for_backward=for_backward, row_ok=ok)
         else:
-            out, residuals = self.attention(q, k, v, profile_of(spec, params), for_backward=for_backward,
-                                            **options)
+            out, residuals = self.attention(inputs, form, xp=xp, for_backward=for_backward)
         if ok is not None:
             nan = xp.asarray(float("nan"), dtype=out.dtype, device=array_device(out))
             out = xp.where(ok[..., None, None], out, nan)
@@ -192,9 +192,8 @@ class Engine:
             return as_work(xp, dx, x.dtype), as_work(xp, dy, y.dtype), as_work(xp, dw, w.dtype)
         q, k, v, mask, params = unpack(spec, arrays)
         vjp = self.causal_attention_vjp if spec.causal else self.attention_vjp
-        dq, dk, dv, (dknots, dcoeffs) = vjp(
-            q, k, v, profile_of(spec, params), g, out, residuals, key_mask=mask, center=spec.center,
-            normalizer=spec.normalizer, xp=xp)
+        dq, dk, dv, (dknots, dcoeffs) = vjp(Inputs(q, k, v, mask), Form(profile_of(spec, params), spec.normalizer,
+                                                                         spec.center), g, out, residuals, xp=xp)
         grads = [as_work(xp, dq, q.dtype), as_work(xp, dk, k.dtype), as_work(xp, dv, v.dtype)]
         if spec.has_mask:
             grads.append(None)
@@ -207,19 +206,17 @@ class Engine:
         """``(dx, dy, dw, (dknots, dcoeffs))`` of a kernel sum with cotangent ``g`` (any float dtype)."""
         return _vjp.kernel_sum_vjp(self, x, y, w, profile, as_work(xp, g, x.dtype), xp=xp)
 
-    def attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
+    def attention_vjp(self, inputs: Inputs, form: Form, g, out, residuals, *, xp):
         """``(dq, dk, dv, (dknots, dcoeffs))`` of attention with cotangent ``g`` (any float dtype), given
         the forward's ``out`` and ``residuals``; knot / coefficient gradients are aligned with
-        ``profile.knots`` / ``profile.coeffs`` (``None`` for float parameters). The default is the
+        ``form.profile.knots`` / ``.coeffs`` (``None`` for float parameters). The default is the
         generic backward over this engine's profile-sum VJP (:func:`._vjp.attention_bwd`)."""
-        return _vjp.attention_bwd(self, _vjp.Inputs(q, k, v, key_mask), _vjp.Form(profile, normalizer, center), g,
-                                  out, self.aux_of(residuals), xp=xp)
+        return _vjp.attention_bwd(self, inputs, form, g, out, self.aux_of(residuals), xp=xp)
 
-    def causal_attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
+    def causal_attention_vjp(self, inputs: Inputs, form: Form, g, out, residuals, *, xp):
         """:meth:`attention_vjp` of :meth:`causal_attention` (engines with ``supports_causal``):
         :func:`._vjp.causal_bwd` by default."""
-        return _vjp.causal_bwd(self, _vjp.Inputs(q, k, v, key_mask), _vjp.Form(profile, normalizer, center), g,
-                               out, self.aux_of(residuals), xp=xp)
+        return _vjp.causal_bwd(self, inputs, form, g, out, self.aux_of(residuals), xp=xp)
 
     def aux_of(self, residuals):
         """The per-query residuals of :meth:`attention` as the backward reads them (``None``: recompute)."""

@@ -201,7 +201,8 @@ class ShardedEngine(Engine):
         return self.inner.automatic(arrays)
 
     # -- primitives ---------------------------------------------------------------------------
-    def attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp, for_backward=False):
+    def attention(self, inputs, form, *, xp, for_backward=False):
+        (q, k, v, key_mask), (profile, normalizer, center) = inputs, form
         comm = self.comm
         work, dv = q.dtype, v.shape[-1]
         x, y, w, q_ok, row_ok = sanitize_keys(xp, q, k, v, key_mask)
@@ -220,7 +221,8 @@ class ShardedEngine(Engine):
         seen = xp.broadcast_to(totals[..., :dv + 1], own.shape[:-1] + (dv + 1,))
         return self._combined(xp, own, seen, good, center, normalizer, dv, (take, queries, totals))
 
-    def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
+    def causal_attention(self, inputs, form, *, xp):
+        (q, k, v, key_mask), (profile, normalizer, center) = inputs, form
         comm, inner = self.comm, self.inner
         work, dev = q.dtype, array_device(q)
         n, dv = q.shape[-1], v.shape[-1]
@@ -264,13 +266,12 @@ class ShardedEngine(Engine):
     def aux_of(self, residuals):
         return dict(zip(("take", "relu_count", "queries", "totals", "den"), residuals))
 
-    def attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
-        return attention_bwd(self, _vjp.Inputs(q, k, v, key_mask), _vjp.Form(profile, normalizer, center), g, out,
-                             self.aux_of(residuals), xp=xp)
+    def attention_vjp(self, inputs, form, g, out, residuals, *, xp):
+        return attention_bwd(self, inputs, form, g, out, self.aux_of(residuals), xp=xp)
 
-    def causal_attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
-        return causal_bwd(self, _vjp.Inputs(q, k, v, key_mask), _vjp.Form(profile, normalizer, center), g, out,
-                          self.aux_of(residuals), xp=xp)
+    def causal_attention_vjp(self, inputs, form, g, out, residuals, *, xp):
+        return causal_bwd(self, inputs, form, g, out, self.aux_of(residuals), xp=xp)
+
 
     def backward(self, spec, arrays, out, residuals, g, *, xp):
         grads = super().backward(spec, arrays, out, residuals, g, xp=xp)

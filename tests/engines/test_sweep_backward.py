@@ -361,12 +361,13 @@ def test_engine_keeps_residuals_only_for_a_backward(rng):
     forward alone writes no residuals; both forwards give the same output."""
     from slicedkern import engines
     from slicedkern._spec import Normalizer
+    from slicedkern.engines._vjp import Form, Inputs
     from slicedkern.kernels import Profile
 
     engine = engines.get("sweep")
     q, k, v = rng.normal(size=(2, 9)), rng.normal(size=(2, 11)), rng.normal(size=(2, 11, 3))
-    options = dict(key_mask=None, center=True, normalizer=Normalizer("abs", 1e-6), xp=np)
-    alone, none = engine.attention(q, k, v, Profile.of(ReLU()), **options)
-    kept, residuals = engine.attention(q, k, v, Profile.of(ReLU()), for_backward=True, **options)
+    inputs, form = Inputs(q, k, v, None), Form(Profile.of(ReLU()), Normalizer("abs", 1e-6), True)
+    alone, none = engine.attention(inputs, form, xp=np)
+    kept, residuals = engine.attention(inputs, form, xp=np, for_backward=True)
     assert none == () and len(residuals) > 0
     np.testing.assert_array_equal(alone, kept)

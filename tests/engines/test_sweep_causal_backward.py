@@ -14,6 +14,7 @@ import array_api_compat.numpy as xp  # noqa: E402
 
 from slicedkern._spec import Normalizer  # noqa: E402
 from slicedkern.engines._base import Engine  # noqa: E402
+from slicedkern.engines._vjp import Form, Inputs  # noqa: E402
 from slicedkern.engines.sweep import SweepEngine, _causal_host  # noqa: E402
 from slicedkern.engines.sweep import _host as bridge  # noqa: E402
 from slicedkern.kernels import Profile  # noqa: E402
@@ -59,14 +60,12 @@ def _case(rng, lq, lk, c=3, batch=(2,), ties=True, mask=False):
 
 def _both(q, k, v, key_mask, profile, center, normalize, g=None, rng=None):
     """(fused, generic) gradients of one causal forward."""
-    normalizer = Normalizer(normalize, 1e-6)
-    out, residuals = ENGINE.causal_attention(q, k, v, profile, key_mask=key_mask, center=center,
-                                             normalizer=normalizer, xp=xp)
+    inputs, form = Inputs(q, k, v, key_mask), Form(profile, Normalizer(normalize, 1e-6), center)
+    out, residuals = ENGINE.causal_attention(inputs, form, xp=xp)
     if g is None:
         g = rng.normal(size=out.shape)
-    args = (q, k, v, profile, g, out, residuals)
-    kw = dict(key_mask=key_mask, center=center, normalizer=normalizer, xp=xp)
-    return ENGINE.causal_attention_vjp(*args, **kw), Engine.causal_attention_vjp(ENGINE, *args, **kw)
+    args = (inputs, form, g, out, residuals)
+    return ENGINE.causal_attention_vjp(*args, xp=xp), Engine.causal_attention_vjp(ENGINE, *args, xp=xp)
 
 
 def _assert_equal_grads(fused, generic, rtol=1e-9):
@@ -153,11 +152,9 @@ def test_fused_float32_and_torch(rng, fused_calls):
     import array_api_compat.torch as xt
     tq, tk, tv, tg = (torch.tensor(a, dtype=torch.float32) for a in (q, k, v, g))
     tm = torch.tensor(key_mask)
-    normalizer = Normalizer("abs", 1e-6)
-    out, residuals = ENGINE.causal_attention(tq, tk, tv, profile, key_mask=tm, center=True, normalizer=normalizer,
-                                             xp=xt)
-    got = ENGINE.causal_attention_vjp(tq, tk, tv, profile, tg, out, residuals, key_mask=tm, center=True,
-                                      normalizer=normalizer, xp=xt)
+    inputs, form = Inputs(tq, tk, tv, tm), Form(profile, Normalizer("abs", 1e-6), True)
+    out, residuals = ENGINE.causal_attention(inputs, form, xp=xt)
+    got = ENGINE.causal_attention_vjp(inputs, form, tg, out, residuals, xp=xt)
     assert fused_calls[-1]
     for a, b in zip(got[:3], want[:3]):
         assert a.dtype == torch.float32
@@ -191,9 +188,9 @@ def test_a_common_offset_is_shifted_away(rng, profile_name, normalize):
     g = rng.normal(size=v.shape[:-2] + (7, v.shape[-1]))
     results = []
     for offset in (0.0, 2.0**26):
-        kw = dict(key_mask=None, center=True, normalizer=normalizer, xp=xp)
-        out, residuals = ENGINE.causal_attention(q + offset, k + offset, v, profile, **kw)
-        grads = ENGINE.causal_attention_vjp(q + offset, k + offset, v, profile, g, out, residuals, **kw)
+        inputs, form = Inputs(q + offset, k + offset, v, None), Form(profile, normalizer, True)
+        out, residuals = ENGINE.causal_attention(inputs, form, xp=xp)
+        grads = ENGINE.causal_attention_vjp(inputs, form, g, out, residuals, xp=xp)
         params = [a for part in grads[3] for a in part if a is not None]    # knot and coefficient gradients
         results.append([out, *grads[:3], *params])
     for near, far in zip(*results):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from .._base import Engine
 from .._dyadic import causal_attention, causal_profile_sums, causal_profiles_vjp
-from .._vjp import Form, Inputs
 from ..sortscan.pullback import indicator_sums, profiles_vjp
 from ._compose import attention, kernel_sum
 from ._decode import Runs
@@ -37,12 +36,12 @@ class ScanEngine(Engine):
     def kernel_sum(self, x, y, w, profile, *, xp):
         return kernel_sum(x, y, w, profile, xp=xp)
 
-    def attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp, for_backward=False):
-        out, aux = attention(q, k, v, profile, key_mask=key_mask, center=center, normalizer=normalizer, xp=xp)
+    def attention(self, inputs, form, *, xp, for_backward=False):
+        out, aux = attention(inputs, form, xp=xp)
         return out, self.residuals_of(aux)
 
-    def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
-        out, aux = causal_attention(Inputs(q, k, v, key_mask), Form(profile, normalizer, center), xp=xp)
+    def causal_attention(self, inputs, form, *, xp):
+        out, aux = causal_attention(inputs, form, xp=xp)
         return out, self.residuals_of(aux)
 
     def causal_profile_sums(self, x, y, w, profiles, *, xp):

@@ -12,11 +12,11 @@ per-query divisor of the final combination (NaN where bad), not as a pass over t
 from __future__ import annotations
 
 from ..._lib.namespace import array_device, clamp_min
-from ..._spec import Normalizer
 from ...backends import quiet_nonfinite
 from ...kernels import Profile
 from .._combine import empty_attention
 from .._nanpolicy import screen
+from .._vjp import Form, Inputs
 from ..sortscan.sums import combine_sums, profile_terms, queries, searches, sort_keys
 from ..sortscan.wide import arithmetic, power_of_two_scaled, unscaled
 
@@ -49,21 +49,19 @@ def kernel_sum(x, y, w, profile: Profile, *, xp):
     return unscaled(ar.value(out), unscale)
 
 
-def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer: Normalizer, xp):
+def attention(inputs: Inputs, form: Form, *, xp):
     """Normalised kernel attention, docs/mathematics.rst, "Attention"; returns ``(out, aux)``.
 
     Parameters
     ----------
-    q : (..., Lq), k : (..., Lk), v : (..., Lk, Dv), key_mask : (..., Lk) bool or None
-        Equal leading shapes; q and k in the work dtype, v in any floating dtype.
-    profile : Profile
-        The value kernel ``f``.
-    center : bool
-        Use ``v_j - mean_valid(v)``; folded in as ``N - mu R`` (``R`` = kernel sum of the valid-key
-        indicator) so that no centred copy of ``v`` is rounded.
-    normalizer : Normalizer
-        A profile normaliser is summed over the valid-key indicator; the divisor's rule is
-        :meth:`~slicedkern._spec.Normalizer.divisor`.
+    inputs : Inputs
+        ``q`` (..., Lq), ``k`` (..., Lk), ``v`` (..., Lk, Dv), ``key_mask`` (..., Lk) bool or None:
+        equal leading shapes; q and k in the work dtype, v in any floating dtype.
+    form : Form
+        ``profile`` the value kernel ``f``; ``normalizer``: a profile normaliser is summed over the
+        valid-key indicator, the divisor's rule is :meth:`~slicedkern._spec.Normalizer.divisor`;
+        ``center``: use ``v_j - mean_valid(v)``, folded in as ``N - mu R`` (``R`` = kernel sum of
+        the valid-key indicator) so that no centred copy of ``v`` is rounded.
 
     Returns
     -------
@@ -81,6 +79,7 @@ def attention(q, k, v, profile: Profile, *, key_mask, center: bool, normalizer: 
     P0[total]) / den``, the centring being the last term and the normaliser and the NaN policy one
     divisor per query. Everything of size (Lq, Dv) is written once, in the work dtype.
     """
+    (q, k, v, key_mask), (profile, normalizer, center) = inputs, form
     lq, lk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
     dt = q.dtype
     if lq == 0 or lk == 0:

@@ -34,6 +34,7 @@ from ...backends import backend_of, compiled_threads, to_host
 from ...kernels import Profile, is_fixed
 from .. import _vjp
 from .._base import Engine
+from .._vjp import Form, Inputs
 from ..sortscan.pullback import ColumnSums, column_range
 from . import _layout
 
@@ -184,7 +185,8 @@ class SweepEngine(Engine):
 
         return _call(compute, [(tuple(x.shape) + (w.shape[-1],), _F64)], x, y, w, *params)[0]
 
-    def attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp, for_backward=False):
+    def attention(self, inputs, form, *, xp, for_backward=False):
+        (q, k, v, key_mask), (profile, normalizer, center) = inputs, form
         params, build = _profile_args(profile, tuple(q.shape[:-1]), xp)
         masks = () if key_mask is None else (key_mask,)
 
@@ -215,7 +217,8 @@ class SweepEngine(Engine):
         return tuple((shape, getattr(xp, dtype)) for shape, dtype in
                      _layout.attention_residuals(tuple(q.shape[:-1]), q.shape[-1], k.shape[-1], v.shape[-1]))
 
-    def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
+    def causal_attention(self, inputs, form, *, xp):
+        (q, k, v, key_mask), (profile, normalizer, center) = inputs, form
         params, build = _profile_args(profile, tuple(q.shape[:-1]), xp)
         masks = () if key_mask is None else (key_mask,)
 
@@ -232,10 +235,10 @@ class SweepEngine(Engine):
             residuals += (as_work(xp, den, q.dtype)[..., None],)
         return out, residuals
 
-    def causal_attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
+    def causal_attention_vjp(self, inputs, form, g, out, residuals, *, xp):
+        (q, k, v, key_mask), (profile, normalizer, center) = inputs, form
         if backend_of(q).host_readable(q):
-            return self._causal_vjp_here(q, k, v, profile, g, out, residuals, key_mask=key_mask, center=center,
-                                         normalizer=normalizer, xp=xp)
+            return self._causal_vjp_here(inputs, form, g, out, residuals, xp=xp)
         # JAX: the same on NumPy arrays, in one host callback (the choice between the fused and the
         # generic backward reads the values)
         batch, n_knots = tuple(q.shape[:-1]), len(profile.knots)
@@ -247,9 +250,9 @@ class SweepEngine(Engine):
         def compute(q, k, v, g, out, *rest):
             residuals, rest = rest[:n_residuals], rest[n_residuals:]
             mask, params = (rest[0], rest[1:]) if masks else (None, rest)
-            host = _host_profile_of(profile, build(params))
-            dq, dk, dv, (gk, gc) = self._causal_vjp_here(q, k, v, host, g, out, residuals, key_mask=mask,
-                                                         center=center, normalizer=normalizer, xp=array_namespace(q))
+            host = Form(_host_profile_of(profile, build(params)), normalizer, center)
+            dq, dk, dv, (gk, gc) = self._causal_vjp_here(Inputs(q, k, v, mask), host, g, out, residuals,
+                                                         xp=array_namespace(q))
             grads = [dq, dk, dv]
             if param_grads:
                 grads += [np.stack([np.zeros(batch) if a is None else np.broadcast_to(a, batch) for a in part],
@@ -263,10 +266,11 @@ class SweepEngine(Engine):
         dknots, dcoeffs = pgrads if param_grads else (None, None)
         return dq, dk, dv, _param_tuple(profile, dknots, dcoeffs)
 
-    def _causal_vjp_here(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
+    def _causal_vjp_here(self, inputs, form, g, out, residuals, *, xp):
         """:meth:`causal_attention_vjp` on readable arrays: the fused backward (two sweeps) where its
         preconditions hold, else the generic one over this engine's causal profile-sum pull-backs
         (engines/_vjp.py)."""
+        (q, k, v, key_mask), (profile, normalizer, center) = inputs, form
         aux = self.aux_of(residuals)
         grads = None
         if aux is not None and _fused_causal_applies(q, key_mask, aux, xp):
@@ -279,8 +283,7 @@ class SweepEngine(Engine):
                     eps=normalizer.eps, strict_knots=profile.strict_knots, param_grads=param_grads,
                     vanishes=vanishes, **_host_profile(profile, tuple(q.shape[:-1]), xp))
         if grads is None:
-            return super().causal_attention_vjp(q, k, v, profile, g, out, residuals, key_mask=key_mask,
-                                                center=center, normalizer=normalizer, xp=xp)
+            return super().causal_attention_vjp(inputs, form, g, out, residuals, xp=xp)
         dq, dk, dv, dkn, dco = grads
         dq, dk = (as_work(xp, a, q.dtype) for a in (dq, dk))
         return dq, dk, as_work(xp, dv, v.dtype), _param_tuple(profile, dkn, dco)
@@ -323,7 +326,8 @@ class SweepEngine(Engine):
         dknots, dcoeffs = pgrads if param_grads else (None, None)
         return dx, dy, dw, _param_tuple(profile, dknots, dcoeffs)
 
-    def attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
+    def attention_vjp(self, inputs, form, g, out, residuals, *, xp):
+        (q, k, v, key_mask), (profile, normalizer, center) = inputs, form
         # the kernels read the cotangent in the values' dtype (float64 running sums either way)
         g = as_work(xp, g, v.dtype)
         params, build = _profile_args(profile, tuple(q.shape[:-1]), xp)

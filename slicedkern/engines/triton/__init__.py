@@ -59,7 +59,7 @@ from .._columns import MaskedValues
 from .._combine import empty_attention
 from .._dyadic import causal_attention, causal_profile_sums, causal_profiles_vjp
 from .._nanpolicy import screen
-from .._vjp import Form, Inputs
+from .._vjp import Inputs
 from ..sortscan.pullback import ColumnSums, column_range, no_pairs_knot_grads
 from . import _sums
 from ._backward import attention_bwd, causal_bwd, cotangent_tables, kernel_knot_grads
@@ -171,7 +171,8 @@ class TritonEngine(Engine):
                           strict=True, factor=factor)
         return xp.reshape(out, batch + (n, out.shape[-1]))
 
-    def attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp, for_backward=False, row_ok=None):
+    def attention(self, inputs, form, *, xp, for_backward=False, row_ok=None):
+        (q, k, v, key_mask), (profile, normalizer, center) = inputs, form
         batch, lq, lk, dv = tuple(q.shape[:-1]), q.shape[-1], k.shape[-1], v.shape[-1]
         if lq == 0 or lk == 0:
             out, aux = empty_attention(xp, q, k, v, key_mask)
@@ -214,14 +215,14 @@ class TritonEngine(Engine):
         :data:`CAUSAL_LEAF` positions."""
         return TritonLevels(self.profiles_vjp, CAUSAL_LEAF, runs, narrow)
 
-    def causal_attention(self, q, k, v, profile, *, key_mask, center, normalizer, xp):
+    def causal_attention(self, inputs, form, *, xp):
+        q, k, v, key_mask = inputs
         runs = {}
         # values narrower than float64: scores of float32 or narrower (attention's forward, above),
         # and values scaled where the float32 running sums could overflow
         narrow = v.dtype != xp.float64
-        v, up = value_scale(xp, q, k, v, profile)
-        out, aux = causal_attention(Inputs(q, k, v, key_mask), Form(profile, normalizer, center), xp=xp,
-                                    levels=self._levels(runs, narrow=narrow))
+        v, up = value_scale(xp, q, k, v, form.profile)
+        out, aux = causal_attention(Inputs(q, k, v, key_mask), form, xp=xp, levels=self._levels(runs, narrow=narrow))
         out = scaled_up(xp, out, up, in_place=True)
         residuals = self.residuals_of(aux)
         # the combination's block carry of the running totals (n / 64 rows) goes to the backward's
@@ -230,38 +231,32 @@ class TritonEngine(Engine):
         kept = tuple(runs[name] for name in ("position_carry",) + RUN_NAMES if name in runs)
         return out, residuals[:2] + kept + residuals[2:]
 
-    def attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
-        return self._scaled_vjp(self._attention_vjp, q, k, v, profile, g, out, residuals, key_mask=key_mask,
-                                center=center, normalizer=normalizer, xp=xp)
+    def attention_vjp(self, inputs, form, g, out, residuals, *, xp):
+        inputs, out, up = self._scaled(inputs, form, out, xp=xp)
+        return scaled_grads(xp, attention_bwd(self, inputs, form, g, out, self.aux_of(residuals), xp=xp), up)
 
-    def causal_attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
-        return self._scaled_vjp(self._causal_vjp, q, k, v, profile, g, out, residuals, key_mask=key_mask,
-                                center=center, normalizer=normalizer, xp=xp)
-
-    @staticmethod
-    def _scaled_vjp(vjp, q, k, v, profile, g, out, residuals, *, key_mask, xp, **options):
-        """``vjp`` of the forward that scaled the values (:func:`._scale.value_scale`): over the same
-        scaled values and the output scaled alike (the forward's residuals are theirs), the score
-        and parameter gradients scaled up again (attention is linear in the values; ``dv`` does not
-        depend on them)."""
-        v, up = value_scale(xp, q, k, v, profile)
-        if up is not None:
-            out = scaled_up(xp, out, 1.0 / up)
-        grads = vjp(q, k, v, profile, g, out, residuals, key_mask=key_mask, xp=xp, **options)
-        return scaled_grads(xp, grads, up)
-
-    def _attention_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
-        return attention_bwd(self, Inputs(q, k, v, key_mask), Form(profile, normalizer, center), g, out,
-                             self.aux_of(residuals), xp=xp)
-
-    def _causal_vjp(self, q, k, v, profile, g, out, residuals, *, key_mask, center, normalizer, xp):
-        kept = len(residuals) - 2 - int(normalizer.summed)     # 0, 1 (the carry) or 1 + 4 (and the runs)
+    def causal_attention_vjp(self, inputs, form, g, out, residuals, *, xp):
+        inputs, out, up = self._scaled(inputs, form, out, xp=xp)
+        kept = len(residuals) - 2 - int(form.normalizer.summed)     # 0, 1 (the carry) or 1 + 4 (and the runs)
         aux = self.aux_of(residuals[:2] + residuals[2 + kept:])
         if kept:
             aux["position_carry"] = residuals[2]
         if kept > 1:
             aux["runs"] = dict(zip(RUN_NAMES, residuals[3:2 + kept]))
-        return causal_bwd(self, Inputs(q, k, v, key_mask), Form(profile, normalizer, center), g, out, aux, xp=xp)
+        return scaled_grads(xp, causal_bwd(self, inputs, form, g, out, aux, xp=xp), up)
+
+    @staticmethod
+    def _scaled(inputs, form, out, *, xp):
+        """The backward's inputs and output as the forward that scaled the values
+        (:func:`._scale.value_scale`) saw them: the same scaled values and the output scaled alike
+        (the forward's residuals are theirs), and the factor ``up`` that scales the score and
+        parameter gradients up again (attention is linear in the values; ``dv`` does not depend on
+        them)."""
+        q, k, v, key_mask = inputs
+        v, up = value_scale(xp, q, k, v, form.profile)
+        if up is not None:
+            out = scaled_up(xp, out, 1.0 / up)
+        return Inputs(q, k, v, key_mask), out, up
 
     def causal_profile_sums(self, x, y, w, profiles, *, xp):
         return causal_profile_sums(x, y, w, profiles, xp=xp, levels=self._levels())

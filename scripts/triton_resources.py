@@ -6,8 +6,8 @@ GPU on a machine without one (Triton's compiler and the ``ptxas`` / ``cuobjdump`
 
 The launches of a call are captured with their real arguments from the engine's own functions on
 CPU tensors, without running them, then compiled for ``sm_<arch>``: ``forward`` (the small-L sort
-``sort_rows`` of 1024 float32 scores, pass 1 ``tile_sums``, pass 2 ``merge_eval`` in attention's
-mode, ReLU with the "abs" normaliser, centred), ``small`` (the same forward of short rows in one
+``sort_rows`` of 1024 float32 scores, pass 1 ``tile_sums``, pass 2 ``attend_eval``
+(attention's epilogue), ReLU with the "abs" normaliser, centred), ``small`` (the same forward of short rows in one
 launch, ``small_attend``), ``causal`` (the same kernels as a level of causal
 attention runs them: indicator column, no epilogue; the merge of its bottom-up merge sort and its
 dense leaves),
@@ -70,7 +70,7 @@ def forward_launches(dtype, length: int = 1024, rows: int = 8, dv: int = 64) -> 
             def launch(*args, **kwargs):
                 captured.append((self.name, self.fn, args, kwargs))
             return launch
-    originals = {name: getattr(kernels, name) for name in ("sort_rows", "tile_sums", "merge_eval")}
+    originals = {name: getattr(kernels, name) for name in ("sort_rows", "tile_sums", "attend_eval")}
     g = torch.Generator().manual_seed(0)
     y, x = torch.randn(rows, length, generator=g), torch.randn(rows, length, generator=g)
     w = torch.randn(rows, length, dv, generator=g).to(dtype)
@@ -104,6 +104,20 @@ def small_launches(dtype, length: int = 1024, rows: int = 8, dv: int = 64) -> li
     return _captured(("small_attend",), run)
 
 
+def _variant(args, kwargs) -> str:
+    """What makes a launch a compiled variant: its constexpr keywords, the constexpr fields of its
+    records and which of its optional arrays are absent (the kernels' heuristics read those)."""
+    def constants(value):
+        if isinstance(value, triton.language.constexpr):
+            return repr(value.value)
+        if value is None:
+            return "None"
+        if isinstance(value, tuple):
+            return "(" + ",".join(constants(v) for v in value) + ")"
+        return "_"
+    return repr(sorted(kwargs.items())) + "".join(constants(a) for a in args)
+
+
 def _captured(names, run, variants: bool = False) -> list:
     """``(name, jitted function, args, kwargs)`` of the launches of the kernels ``names`` that
     ``run()`` makes, captured, not run: the first of each name, or with ``variants`` the first of
@@ -119,7 +133,7 @@ def _captured(names, run, variants: bool = False) -> list:
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                key = (self.name, repr(sorted(kwargs.items()))) if variants else self.name
+                key = (self.name, _variant(args, kwargs)) if variants else self.name
                 if key not in captured:
                     number = sum(seen[0] == self.name for seen in captured)
                     label = f"{self.name}_{number}" if variants else self.name
@@ -152,8 +166,8 @@ def causal_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> 
     def run():
         out = slicedkern.relu_attention(q, k, v, causal=True, engine="triton")
         torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-    return _captured(("leaf_eval", "tile_sums", "merge_eval", "merge_runs", "causal_epilogue", "leaf_pullback",
-                      "row_dots", "causal_dv", "position_sums", "causal_row_dots", "sort_rows"), run)
+    return _captured(("leaf_eval", "tile_sums", "sums_eval", "dots_eval", "merge_runs", "causal_epilogue",
+                      "leaf_pullback", "row_dots", "causal_dv", "position_sums", "causal_row_dots", "sort_rows"), run)
 
 
 def backward_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -> list:
@@ -173,7 +187,8 @@ def backward_launches(dtype, length: int = 1024, heads: int = 8, dv: int = 64) -
             torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
         finally:
             _sums.SMALL_FUSED = fused
-    return _captured(("sort_rows", "tile_sums", "merge_eval", "row_dots", "column_sums"), run, variants=True)
+    return _captured(("sort_rows", "tile_sums", "attend_eval", "sums_eval", "dots_eval", "row_dots",
+                      "column_sums"), run, variants=True)
 
 
 def decode_launches(dtype, length: int = 1000, heads: int = 4, dv: int = 16) -> list:
@@ -191,18 +206,41 @@ def decode_launches(dtype, length: int = 1000, heads: int = 4, dv: int = 16) -> 
     return _captured(("decode_attend",), run)
 
 
+def _signature(value, path: tuple, constants: dict):
+    """The signature of a launch argument: a type, or for a record (a named tuple) one per field, its
+    constexpr fields' values into ``constants`` at their paths."""
+    if isinstance(value, triton.language.constexpr):
+        constants[path] = value.value
+        return "constexpr"
+    if value is None:
+        constants[path] = None
+        return "constexpr"
+    if isinstance(value, tuple):
+        fields = [_signature(v, path + (j,), constants) for j, v in enumerate(value)]
+        return type(value)(*fields) if hasattr(value, "_fields") else tuple(fields)
+    return _type(value)
+
+
 def resources(fn, args, kwargs, arch: int) -> dict:
     """Compile ``fn`` for ``sm_<arch>`` at these arguments: ``REG`` (per thread), ``STACK`` (spilled
-    bytes per thread), static ``SHARED`` (cuobjdump) and the dynamic shared memory Triton asks for."""
+    bytes per thread), static ``SHARED`` (cuobjdump) and the dynamic shared memory Triton asks for.
+    A kernel with heuristics (its flags derived from its arguments) is compiled with their values."""
+    kwargs = dict(kwargs)
     options = {"num_warps": kwargs.pop("num_warps")} if "num_warps" in kwargs else {}
+    heuristics = {}
+    while isinstance(fn, triton.runtime.Heuristics):
+        heuristics.update(fn.values)
+        fn = fn.fn
     values = dict(zip(fn.arg_names, args), **kwargs)
+    for name, rule in heuristics.items():
+        values[name] = rule(values)
     signature, constants = {}, {}
     for i, param in enumerate(fn.params):
         if param.is_constexpr:
             signature[param.name] = "constexpr"
             constants[(i,)] = values[param.name]
         else:
-            signature[param.name] = _type(values[param.name])
+            signature[param.name] = _signature(values[param.name], (i,), constants)
     compiled = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", arch, 32),
                               options=options)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

@@ -29,9 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.exhaustive
 def test_kernels_compile_for_hopper_without_spills():
     """Forward (with the small-L sort), the one-launch forward of short rows, a causal level (with
-    the sort of its runs, its merge sort's step, the dense leaves, their pull-back, the combination with its running
-    totals' block sums, and the backward's row dots and finish of ``dv``), a forward with
-    its backward (every variant compiled: 3 of pass 1, 6 of pass 2, and the quotient rule's row
+    the sort of its runs, its merge sort's step, its level sums and dots, the dense leaves, their
+    pull-back, the combination with its running totals' block sums, and the backward's row dots
+    and finish of ``dv``), a forward with its backward (every variant compiled: 3 of pass 1, 6 of
+    pass 2 (the forward's attention, 4 of the dots, 1 of the sums), and the quotient rule's row
     dots and column sums) and decoding, float32 and bfloat16 values: every kernel compiles for
     ``sm_90``; all but the decoding kernel keep everything in registers (no stack), that one at
     most a few bytes of it."""
@@ -45,7 +46,9 @@ def test_kernels_compile_for_hopper_without_spills():
     found = {}
     for call, kernel, dtype, usage in re.findall(r"^\s+(\w+)\s+(\w+)\s+(\w+)\s+(\{.*\})$", done.stdout, re.M):
         found[(call, kernel, dtype)] = ast.literal_eval(usage)
-    expected = {(call, kernel, dtype) for call in ("forward", "causal") for kernel in ("tile_sums", "merge_eval")
+    expected = {(call, kernel, dtype) for call, kernel in (("forward", "tile_sums"), ("forward", "attend_eval"),
+                                                           ("causal", "tile_sums"), ("causal", "sums_eval"),
+                                                           ("causal", "dots_eval"))
                 for dtype in ("float32", "bfloat16")} | {("decode", "decode_attend", "float64")} | {
         ("small", "small_attend", dtype) for dtype in ("float32", "bfloat16")} | {
         ("causal", kernel, dtype) for kernel in ("merge_runs", "leaf_eval", "leaf_pullback", "causal_epilogue",
@@ -55,7 +58,8 @@ def test_kernels_compile_for_hopper_without_spills():
         (call, kernel, dtype) for call, kernel in (("forward", "sort_rows"), ("backward", "sort_rows_0"))
         for dtype in ("float32", "bfloat16")} | {
         ("backward", f"{kernel}_{i}", dtype)
-        for kernel, variants in (("tile_sums", 3), ("merge_eval", 6), ("row_dots", 1), ("column_sums", 1))
+        for kernel, variants in (("tile_sums", 3), ("attend_eval", 1), ("dots_eval", 4), ("sums_eval", 1),
+                                 ("row_dots", 1), ("column_sums", 1))
         for i in range(variants) for dtype in ("float32", "bfloat16")}
     assert set(found) == expected, done.stdout
     for (call, kernel, dtype), usage in found.items():

@@ -644,7 +644,7 @@ def test_host_work_of_a_warm_call_makes_no_profile_arrays(monkeypatch, fused, en
     for backward in (False, True):
         found = _traffic().host_cost(16, 4, 2, backward, repeat=1)
         assert not {"full", "stack", "fill"} & set(found["by op"]), found["by op"]
-        assert found["operators"] > 0 and found["launches"]["small_attend" if fused else "merge_eval"] >= 1
+        assert found["operators"] > 0 and found["launches"]["small_attend" if fused else "attend_eval"] >= 1
         # float32 values: their finiteness is read off the table's totals, and the backward reuses
         # the forward's verdicts, so no pass for it over the values, forward or backward; the
         # aminmax are the values' scaling's bound (issue 49, item 2: the values, the queries and
@@ -664,7 +664,7 @@ def test_traffic_of_the_forward(two_passes, engine_tiles):
     both = _traffic().count(48, 8, 1, backward=True)
     found = both["forward"]
     # the two sorts are one launch each of the small-L sort (float32 scores, 48 per row)
-    assert found["launches"] == {"sort_rows": 2, "tile_sums": 1, "merge_eval": 1}
+    assert found["launches"] == {"sort_rows": 2, "tile_sums": 1, "attend_eval": 1}
     assert found["sorts"] == 2
     # float32 scores, lifted to float64 by the op, are sorted as the float32 numbers they are
     assert found["sorted dtypes"] == ["float32"]
@@ -690,8 +690,9 @@ def test_traffic_of_the_backward(two_passes, engine_tiles):
     found = _traffic().count(48, 8, 1, backward=True)
     # pass 1 over the cotangent rows twice: dk's table, and dv's with the rows whose normaliser sum
     # is exactly 0 scaled by 0 (``_silent_rows``, a mask: nothing read back to the host to skip it)
-    assert found["launches"] == {"sort_rows": 2, "tile_sums": 1 + 3, "merge_eval": 1 + 3 + 3 + 1, "row_dots": 2,
-                                 "column_sums": 1}
+    # pass 2: the forward's attention, the dots of dq and dk (three profiles each), dv's sums
+    assert found["launches"] == {"sort_rows": 2, "tile_sums": 1 + 3, "attend_eval": 1, "dots_eval": 3 + 3,
+                                 "sums_eval": 1, "row_dots": 2, "column_sums": 1}
     # three: the values scaled by the forward and by the backward, and the output by the backward
     # (_scale.value_scale, issue 49, item 2)
     assert found["large intermediates"] == 3 and found["by op"] == {"mul": 3}, found
@@ -713,8 +714,8 @@ def test_traffic_of_the_forward_of_short_rows(monkeypatch, engine_tiles):
     assert forward["launches"] == {"small_attend": 1}
     assert forward["sorts"] == 2 and forward["sorted dtypes"] == ["float32"]
     assert forward["large intermediates"] == 1, forward          # the scaled values (issue 49, item 2)
-    assert found["launches"] == {"small_attend": 1, "tile_sums": 3, "merge_eval": 3 + 3 + 1, "row_dots": 2,
-                                 "column_sums": 1}
+    assert found["launches"] == {"small_attend": 1, "tile_sums": 3, "dots_eval": 3 + 3, "sums_eval": 1,
+                                 "row_dots": 2, "column_sums": 1}
     assert found["sorts"] == 2 and found["large intermediates"] == 3 and found["host reads"] == 0, found
     fused = traffic.host_cost(48, 8, 2, False, repeat=1)["operators"]
     monkeypatch.setattr(_sums, "SMALL_FUSED", 0)
@@ -950,7 +951,7 @@ def test_traffic_of_the_causal_forward(small_leaves, engine_tiles):
     # the dense leaves are one launch per profile, their (positions, leaf) products in registers;
     # the output is combined from the running sums by one launch more, in its own dtype
     # float32 scores: each array's runs sorted as float32 in one launch of the engine's own sort
-    assert found["launches"] == {"sort_rows": 2, "leaf_eval": 2, "tile_sums": 4, "merge_eval": 4,
+    assert found["launches"] == {"sort_rows": 2, "leaf_eval": 2, "tile_sums": 4, "sums_eval": 4,
                                  "merge_runs": 2 * 3, "position_sums": 1, "causal_epilogue": 1}
     assert found["sorted dtypes"] == ["float32"]
     assert found["sorts"] == 2

@@ -24,7 +24,7 @@ def leaf_eval(x_ptr, y_ptr, w_ptr, take_ptr, knots_ptr, coeffs_ptr, lin_ptr, out
     """The dense leaves of causal attention's divide and conquer: for one block of ``LEAF``
     positions of one row, ``out[i] = sum over j <= i in the block, take_j of f(x_i - y_j) [w_j | 1]``
     over the columns ``col0 .. col0 + width`` (column ``c`` the indicator), (R, n, width) in ``out``'s dtype.
-    ``f`` (knots, coefficients, slope and intercept per row, as :func:`merge_eval` reads them) is
+    ``f`` (knots, coefficients, slope and intercept per row, as pass 2 reads them: :class:`._args.ProfileArgs`) is
     formed pair by pair in float64 and rounded once to ACC for the product with the weights, in
     sub-tiles of ``SUB`` keys (no (positions, leaf) array in memory)."""
     row = tl.program_id(0).to(tl.int64)
@@ -250,7 +250,7 @@ def causal_epilogue(num_ptr, den_ptr, w_ptr, take_ptr, carry_ptr, carry_rows, go
     good = tl.load(good_ptr + row * lq + i, mask=i < lq, other=0) != 0
     acc = tl.where(good[:, None], acc, float("nan"))
     if out_ptr.dtype.element_ty != tl.float64:
-        acc = acc.to(tl.float32)              # through float32, as pass 2 writes (_kernels.merge_eval)
+        acc = acc.to(tl.float32)              # through float32, as pass 2 writes (_device._store_rows)
     tl.store(out_ptr + row * lq * dv + i[:, None] * dv + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(i < lq)[:, None] & cm[None, :])
 
@@ -331,5 +331,5 @@ def causal_dv(dw_ptr, g_ptr, weights_ptr, factor_ptr, out_ptr, lq, lk, d, shift,
         factor = tl.load(factor_ptr + row * lk + j, mask=jm, other=0.0)
         acc = acc * factor[:, None]
         if out_ptr.dtype.element_ty != tl.float64:
-            acc = acc.to(tl.float32)           # through float32, as merge_eval's epilogue says why
+            acc = acc.to(tl.float32)           # through float32, as pass 2's _device._store_rows says why
         tl.store(out_ptr + row * lk * d + j[:, None] * d + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)

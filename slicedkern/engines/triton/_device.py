@@ -21,37 +21,39 @@ def _tile_moments(wv, y):
 
 
 @triton.jit
-def _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, sk_r, HAS_TAKE: tl.constexpr):
-    """The sorted keys ``j``: their original positions, their shifted keys in float64 (exact for
-    float32 keys: the shift is one of them; zero for the keys that take no part) and whether they
-    take part."""
-    jm = j < m
-    p = tl.load(perm_ptr + row * m + j, mask=jm, other=0).to(tl.int64)
-    shift = tl.load(shift_ptr + row)
-    y = tl.load(keys_ptr + row * m + j, mask=jm, other=0.0).to(tl.float64) - shift
+def _key_tile(keys, row, j):
+    """The sorted keys ``j`` (a :class:`._args.KeyArgs`): their original positions, their shifted keys
+    in float64 (exact for float32 keys: the shift is one of them; zero for the keys that take no
+    part) and whether they take part."""
+    jm = j < keys.m
+    p = tl.load(keys.perm + row * keys.m + j, mask=jm, other=0).to(tl.int64)
+    shift = tl.load(keys.shift + row)
+    y = tl.load(keys.keys + row * keys.m + j, mask=jm, other=0.0).to(tl.float64) - shift
     ok = jm
-    if HAS_TAKE:
-        ok = ok & (tl.load(take_ptr + row * m + p, mask=jm, other=0) != 0)
+    if keys.HAS_TAKE:
+        ok = ok & (tl.load(keys.take + row * keys.m + p, mask=jm, other=0) != 0)
     return p, tl.where(ok, y, 0.0), ok
 
 
 @triton.jit
-def _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, row, j, cols, m, c, sw_r, sw_m, sw_c, sk_r,
-          HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr):
-    """The weight rows of the sorted keys ``j`` (gathered through ``perm``, zero for the keys that
-    take no part, times the key's ``scale`` (R, m) float64 when SCALE, the indicator in column ``c``
-    when ONES), their shifted keys in float64 and whether they take part."""
-    p, y, ok = _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, sk_r, HAS_TAKE)
+def _tile(keys, weights, row, j, cols):
+    """The weight rows (:class:`._args.WeightArgs`) of the sorted keys ``j``, gathered through the
+    keys' permutation (zero for the keys that take no part, times the key's ``scale`` when SCALE,
+    the indicator in column ``c`` when ONES), their shifted keys in float64 and whether they take
+    part."""
+    p, y, ok = _key_tile(keys, row, j)
+    c = weights.c
     wm = ok[:, None] & (cols[None, :] < c)
-    wv = tl.load(w_ptr + row * sw_r + p[:, None] * sw_m + cols[None, :] * sw_c, mask=wm, other=0.0)
+    wv = tl.load(weights.w + row * weights.row_stride + p[:, None] * weights.key_stride
+                 + cols[None, :] * weights.col_stride, mask=wm, other=0.0)
     # ``where``, not a product: a masked key's weight may be NaN and must not reach the sums
-    wv = tl.where(wm, wv.to(ACC), 0.0)
-    if SCALE:
+    wv = tl.where(wm, wv.to(weights.ACC), 0.0)
+    if weights.SCALE:
         # the backward's cotangent rows g_i times the quotient rule's factor of query i: the scaled
         # rows are never written (docs/architecture.rst, "Engines")
-        wv = wv * tl.load(scale_ptr + row * sk_r + p, mask=ok, other=0.0).to(ACC)[:, None]
-    if ONES:
-        wv = tl.where(ok[:, None] & (cols[None, :] == c), 1.0, wv).to(ACC)
+        wv = wv * tl.load(weights.scale + row * weights.scale_rows + p, mask=ok, other=0.0).to(weights.ACC)[:, None]
+    if weights.ONES:
+        wv = tl.where(ok[:, None] & (cols[None, :] == c), 1.0, wv).to(weights.ACC)
     return wv, y, ok
 
 
@@ -79,14 +81,14 @@ def _rank(keys_ptr, row, m, d, e, log_m, STRICT: tl.constexpr):
 
 
 @triton.jit
-def _knot_ranks(x, t, nm, keys_ptr, row, m, log_m, STRICT: tl.constexpr, BLOCK_M: tl.constexpr):
+def _knot_ranks(x, t, nm, keys, row, STRICT: tl.constexpr, BLOCK_M: tl.constexpr):
     """The ranks of ``x - t`` among the sorted keys (exact ties, see :func:`_rank`) and the tiles a
     block of sorted queries reads for them: ``first`` up to ``last`` (exclusive)."""
     d = x - t
     bb = d - x
     e = (x - (d - bb)) + (-t - bb)          # x - t = d + e exactly (TwoSum)
-    rank = _rank(keys_ptr, row, m, d, e, log_m, STRICT)
-    first = tl.min(tl.where(nm, rank, m)) // BLOCK_M
+    rank = _rank(keys.keys, row, keys.m, d, e, keys.log_m, STRICT)
+    first = tl.min(tl.where(nm, rank, keys.m)) // BLOCK_M
     last = tl.cdiv(tl.max(tl.where(nm, rank, 0)), BLOCK_M)
     return rank, first, last
 
@@ -106,10 +108,11 @@ def _below_sum(below, wv, into, ACC: tl.constexpr):
 
 
 @triton.jit
-def _indicator_carry(carry_ptr, ind, first, C, shape):
+def _indicator_carry(carry, ind, first, shape):
     """The indicator's sums ``[count, sum of shifted keys]`` over the tiles before ``first``, float64."""
-    i0 = tl.zeros(shape, dtype=tl.float64) + tl.load(carry_ptr + ind + first * 2 * C)
-    i1 = tl.zeros(shape, dtype=tl.float64) + tl.load(carry_ptr + ind + first * 2 * C + C)
+    at = carry.carry + ind + first * 2 * carry.C
+    i0 = tl.zeros(shape, dtype=tl.float64) + tl.load(at)
+    i1 = tl.zeros(shape, dtype=tl.float64) + tl.load(at + carry.C)
     return i0, i1
 
 
@@ -123,35 +126,35 @@ def _pairs(s, y, j, rank):
 
 
 @triton.jit
-def _indicator_linear(carry_ptr, ind, nb, C, xs, slope, intercept):
+def _indicator_linear(carry, ind, xs, slope, intercept):
     """The linear part ``intercept + slope r`` of a profile summed over the valid keys, and their
     number (the indicator's totals, the last row of the carry)."""
-    valid = tl.load(carry_ptr + ind + nb * 2 * C)
-    keysum = tl.load(carry_ptr + ind + nb * 2 * C + C)
+    at = carry.carry + ind + carry.nb * 2 * carry.C
+    valid = tl.load(at)
+    keysum = tl.load(at + carry.C)
     return (intercept + slope * xs) * valid - slope * keysum, valid
 
 
 @triton.jit
-def _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry_ptr, knots_ptr, coeffs_ptr,
-                       lin_ptr, row, m, sk_r, C, c, nb, log_m, K: tl.constexpr, STRICT: tl.constexpr,
-                       HAS_TAKE: tl.constexpr, ACC: tl.constexpr, BLOCK_M: tl.constexpr):
-    """A profile summed over the keys that take part (the indicator, column ``c`` of the carry) at
-    a block of sorted queries, float64: the normaliser's sum. Reads the keys only, never a weight."""
-    ind = row * (nb + 1) * 2 * C + c
+def _indicator_profile(x, xs, nm, keys, carry, profile, row, c, BLOCK_M: tl.constexpr):
+    """A profile (:class:`._args.ProfileArgs`) summed over the keys that take part (the indicator,
+    column ``c`` of the carry) at a block of sorted queries, float64: the normaliser's sum. Reads
+    the keys only, never a weight."""
+    ind = row * (carry.nb + 1) * 2 * carry.C + c
     total = tl.zeros(x.shape, dtype=tl.float64)
-    for k in range(K):
-        t = tl.load(knots_ptr + row * K + k)
-        cf = tl.load(coeffs_ptr + row * K + k)
-        rank, first, last = _knot_ranks(x, t, nm, keys_ptr, row, m, log_m, STRICT, BLOCK_M)
-        i0, i1 = _indicator_carry(carry_ptr, ind, first, C, x.shape)
+    for k in range(profile.K):
+        t = tl.load(profile.knots + row * profile.K + k)
+        cf = tl.load(profile.coeffs + row * profile.K + k)
+        rank, first, last = _knot_ranks(x, t, nm, keys, row, profile.STRICT, BLOCK_M)
+        i0, i1 = _indicator_carry(carry, ind, first, x.shape)
         s = xs - t
         span = tl.zeros(x.shape, dtype=tl.float64)
         for blk in range(first, last):
             j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-            _, y, ok = _key_tile(keys_ptr, shift_ptr, perm_ptr, take_ptr, row, j, m, sk_r, HAS_TAKE)
+            _, y, ok = _key_tile(keys, row, j)
             span += tl.sum(tl.where(ok[None, :], _pairs(s, y, j, rank), 0.0), 1)
         total += cf * (s * i0 - i1 + span)
-    linear, _ = _indicator_linear(carry_ptr, ind, nb, C, xs, tl.load(lin_ptr + row * 2), tl.load(lin_ptr + row * 2 + 1))
+    linear, _ = _indicator_linear(carry, ind, xs, tl.load(profile.lin + row * 2), tl.load(profile.lin + row * 2 + 1))
     return total + linear
 
 
@@ -175,120 +178,119 @@ def _attention_epilogue(acc, relu_count, count, totals, den, eps, CENTER: tl.con
 
 
 @triton.jit
-def _eval_block(row, i, cl, cb, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr,
-                scale_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr, out_ptr, nknots_ptr,
-                ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, dot_ptr, sd_r, sd_n, sd_c, dot_col0, dot_take_ptr,
-                out_rs, out_off, out_qs, n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, sk_r, sq_r, log_m,
-                K: tl.constexpr,
-                STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_FACTOR: tl.constexpr, SUB: tl.constexpr,
-                ADD: tl.constexpr, HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
-                ATTN: tl.constexpr, CENTER: tl.constexpr, NORM: tl.constexpr, KN: tl.constexpr, DOT: tl.constexpr,
-                DOT_TAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Pass 2 on the sorted queries ``i`` of row ``row`` and the columns ``cl`` of column block
-    ``cb``: :func:`merge_eval`'s body (which see), shared with :func:`small_attend`; the
-    NaN policy's ``factor`` times ``row_factor`` (1, or NaN: the values' verdict of a fused call)."""
+def _block_sums(row, i, cl, queries, keys, weights, carry, profile, cols, blocks, COUNT: tl.constexpr):
+    """Pass 2's sums on the sorted queries ``i`` of row ``row`` and the columns ``cl`` of a column
+    block (:mod:`._kernels`' docstring): ``(acc, relu_count, x, xs, nm, cm, dest, t0, valid)``, the
+    profile's sums (BLOCK_N, BLOCK_C) float64 over the table columns ``cols.start + cl``; with COUNT
+    the same profile over the indicator (column ``c``), summed in the same tile loop
+    (``relu_count``), and the number of valid keys (``valid``); the sorted queries ``x``, shifted
+    ``xs``, the masks of the queries and columns, the queries' original positions ``dest`` and the
+    columns' totals ``t0``.
+
+    Per knot the block's ranks are increasing (``x - t`` keeps the order of ``x``), so its queries
+    read one contiguous range of sorted keys: the carry (float64 sums of the tiles before it) plus,
+    tile by tile over the range, the terms of the keys below each query as a product ``[(s_i - y_j)
+    if j < rank_i else 0] @ rows_j`` (DERIV: ``[j < rank_i] @ rows_j``) in ACC.
+    """
+    n = queries.n
     nm = i < n
-    cm = cl < width
-    cols = col0 + cl
-    x = tl.load(xs_ptr + row * n + i, mask=nm, other=0.0)
-    shift = tl.load(shift_ptr + row)
-    xs = x - shift
-    acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float64)
-    ind = row * (nb + 1) * 2 * C + c                # the indicator's column of the carry (ATTN)
-    relu_count = tl.zeros((BLOCK_N,), dtype=tl.float64)
-    for k in range(K):
-        t = tl.load(knots_ptr + row * K + k)
-        cf = tl.load(coeffs_ptr + row * K + k)
-        rank, first, last = _knot_ranks(x, t, nm, keys_ptr, row, m, log_m, STRICT, BLOCK_M)
+    cm = cl < cols.width
+    tc = cols.start + cl
+    C, c = carry.C, weights.c
+    x = tl.load(queries.sorted + row * n + i, mask=nm, other=0.0)
+    xs = x - tl.load(keys.shift + row)
+    acc = tl.zeros((blocks.N, blocks.C), dtype=tl.float64)
+    ind = row * (carry.nb + 1) * 2 * C + c                # the indicator's column of the carry (COUNT)
+    relu_count = tl.zeros((blocks.N,), dtype=tl.float64)
+    for k in range(profile.K):
+        t = tl.load(profile.knots + row * profile.K + k)
+        cf = tl.load(profile.coeffs + row * profile.K + k)
+        rank, first, last = _knot_ranks(x, t, nm, keys, row, profile.STRICT, blocks.M)
         s = xs - t
         # the span's sums in ACC (float32 for float32 / half weights): a block's span is a few
         # tiles when the queries and keys are alike, and float64 tiles here spill registers on an
         # H100 (scripts/triton_resources.py; docs/benchmarks.rst, "On a GPU"). The profile's
         # terms are formed pair by pair (_pairs, in float64, then rounded once): the span's sum
         # is then accurate to ACC's rounding of itself, not of the scores' size
-        q = tl.zeros((BLOCK_N, BLOCK_C), dtype=ACC)
-        if ATTN:
-            i0, i1 = _indicator_carry(carry_ptr, ind, first, C, (BLOCK_N,))
-            ispan = tl.zeros((BLOCK_N,), dtype=tl.float64)
+        q = tl.zeros((blocks.N, blocks.C), dtype=weights.ACC)
+        if COUNT:
+            i0, i1 = _indicator_carry(carry, ind, first, (blocks.N,))
+            ispan = tl.zeros((blocks.N,), dtype=tl.float64)
         for blk in range(first, last):
-            j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-            wv, y, ok = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, row, j, cols, m, c, sw_r,
-                              sw_m, sw_c, sk_r, HAS_TAKE, ONES, SCALE, ACC)
-            if DERIV:
-                q = _below_sum((j[None, :] < rank[:, None]).to(ACC), wv, q, ACC)
+            j = blk * blocks.M + tl.arange(0, blocks.M)
+            wv, y, ok = _tile(keys, weights, row, j, tc)
+            if profile.DERIV:
+                q = _below_sum((j[None, :] < rank[:, None]).to(weights.ACC), wv, q, weights.ACC)
             else:
                 pairs = _pairs(s, y, j, rank)
-                q = _below_sum(pairs.to(ACC), wv, q, ACC)
-                if ATTN:
+                q = _below_sum(pairs.to(weights.ACC), wv, q, weights.ACC)
+                if COUNT:
                     ispan += tl.sum(tl.where(ok[None, :], pairs, 0.0), 1)
         # then the float64 carry: the sums of the tiles before the span
-        base = row * (nb + 1) * 2 * C + first * 2 * C + cols
-        p0 = tl.load(carry_ptr + base, mask=cm, other=0.0)[None, :]
-        if DERIV:
+        base = carry.carry + row * (carry.nb + 1) * 2 * C + first * 2 * C + tc
+        p0 = tl.load(base, mask=cm, other=0.0)[None, :]
+        if profile.DERIV:
             acc += cf * (p0 + q.to(tl.float64))
         else:
-            p1 = tl.load(carry_ptr + base + C, mask=cm, other=0.0)[None, :]
+            p1 = tl.load(base + C, mask=cm, other=0.0)[None, :]
             acc += cf * (s[:, None] * p0 - p1 + q.to(tl.float64))
-            if ATTN:
+            if COUNT:
                 relu_count += cf * (s * i0 - i1 + ispan)
-    slope = tl.load(lin_ptr + row * 2)
-    intercept = tl.load(lin_ptr + row * 2 + 1)
-    total = row * (nb + 1) * 2 * C + nb * 2 * C + cols
-    t0 = tl.load(carry_ptr + total, mask=cm, other=0.0)
-    t1 = tl.load(carry_ptr + total + C, mask=cm, other=0.0)
-    if DERIV:
+    slope = tl.load(profile.lin + row * 2)
+    intercept = tl.load(profile.lin + row * 2 + 1)
+    total = carry.carry + row * (carry.nb + 1) * 2 * C + carry.nb * 2 * C + tc
+    t0 = tl.load(total, mask=cm, other=0.0)
+    t1 = tl.load(total + C, mask=cm, other=0.0)
+    if profile.DERIV:
         acc += slope * t0[None, :]
     else:
         acc += (intercept + slope * xs)[:, None] * t0[None, :] - slope * t1[None, :]
-    dest = tl.load(xperm_ptr + row * n + i, mask=nm, other=0).to(tl.int64)
-    if ATTN:
-        linear, valid = _indicator_linear(carry_ptr, ind, nb, C, xs, slope, intercept)
+    dest = tl.load(queries.perm + row * n + i, mask=nm, other=0).to(tl.int64)
+    valid = tl.zeros((blocks.N,), dtype=tl.float64)
+    if COUNT:
+        linear, valid = _indicator_linear(carry, ind, xs, slope, intercept)
         relu_count += linear
-        first_block = cb == 0
+    return acc, relu_count, x, xs, nm, cm, dest, t0, valid
+
+
+@triton.jit
+def _store_rows(acc, out, row, dest, cl, nm, cm):
+    """Write (or with ``out.ADD`` add, in float64, rounding once) a block's rows (:class:`._args.OutArgs`)."""
+    where = out.out + out.offset + row * out.row_stride + dest[:, None] * out.query_stride + cl[None, :]
+    result = acc
+    if out.ADD:
+        # added in float64 and rounded once: a float32 running sum gains one rounding per level
+        result += tl.load(where, mask=nm[:, None] & cm[None, :], other=0.0).to(tl.float64)
+    if out.out.dtype.element_ty != tl.float64:
+        # through float32: the interpreter casts float64 to bfloat16 wrongly (Triton 3.x); the
+        # double rounding moves a 16-bit result by one unit only when the float32 value falls on
+        # a midpoint
+        result = result.to(tl.float32)
+    tl.store(where, result.to(out.out.dtype.element_ty), mask=nm[:, None] & cm[None, :])
+
+
+@triton.jit
+def _attend_block(row, i, cl, cb, row_factor, queries, keys, weights, carry, profile, norm, divisor, factor, out,
+                  cols, blocks, HAS_FACTOR: tl.constexpr):
+    """Attention's forward on a block of sorted queries (:func:`._kernels.attend_eval`, which see;
+    :func:`._order.small_attend` too): the sums, the epilogue of :func:`_attention_epilogue`, the
+    NaN policy's ``factor`` times ``row_factor`` (1, or NaN: the values' verdict of a fused call),
+    and the first column block writes the residuals ``relu_count`` and the normaliser's sum."""
+    acc, relu_count, x, xs, nm, cm, dest, t0, valid = _block_sums(row, i, cl, queries, keys, weights, carry,
+                                                                   profile, cols, blocks, True)
+    n = queries.n
+    first_block = cb == 0
+    if first_block:
+        tl.store(divisor.count + row * n + dest, relu_count, mask=nm)
+    raw = relu_count                  # read by _attention_epilogue only for a summed normaliser
+    if divisor.NORM == 1 or divisor.NORM == 2:
+        raw = _indicator_profile(x, xs, nm, keys, carry, norm, row, weights.c, blocks.M)
         if first_block:
-            tl.store(count_ptr + row * n + dest, relu_count, mask=nm)
-        raw = relu_count                  # read by _attention_epilogue only for a summed normaliser
-        if NORM == 1 or NORM == 2:
-            raw = _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry_ptr, nknots_ptr,
-                                     ncoeffs_ptr, nlin_ptr, row, m, sk_r, C, c, nb, log_m, KN, STRICT, HAS_TAKE, ACC,
-                                     BLOCK_M)
-            if first_block:
-                tl.store(raw_ptr + row * n + dest, raw, mask=nm)
-        acc = _attention_epilogue(acc, relu_count, valid, t0[None, :], raw, eps, CENTER, NORM)
-    elif ADD:
-        if NORM == 1 or NORM == 2:
-            # a causal level: the normaliser's sums ride the values' launch (one launch per level, not two)
-            if cb == 0:
-                den = _indicator_profile(x, xs, nm, keys_ptr, shift_ptr, perm_ptr, take_ptr, carry_ptr, nknots_ptr,
-                                         ncoeffs_ptr, nlin_ptr, row, m, sk_r, C, c, nb, log_m, KN, STRICT, HAS_TAKE,
-                                         ACC, BLOCK_M)
-                at = raw_ptr + (out_off + row * out_rs) // out_qs + dest
-                den += tl.load(at, mask=nm, other=0.0).to(tl.float64)
-                tl.store(at, den.to(raw_ptr.dtype.element_ty), mask=nm)
-    if SUB:
-        acc = acc - tl.load(sub_ptr + row * width + cl, mask=cm, other=0.0)[None, :]
+            tl.store(divisor.raw + row * n + dest, raw, mask=nm)
+    acc = _attention_epilogue(acc, relu_count, valid, t0[None, :], raw, divisor.eps, divisor.CENTER, divisor.NORM)
     if HAS_FACTOR:
-        acc = acc * (tl.load(factor_ptr + row * sq_r + dest, mask=nm, other=1.0) * row_factor)[:, None]
-    if DOT:
-        dm = nm
-        if DOT_TAKE:
-            dm = dm & (tl.load(dot_take_ptr + row * sq_r + dest, mask=nm, other=0) != 0)
-        gv = tl.load(dot_ptr + row * sd_r + dest[:, None] * sd_n + (dot_col0 + cl)[None, :] * sd_c,
-                     mask=dm[:, None] & cm[None, :], other=0.0).to(tl.float64)
-        prod = tl.where(cm[None, :], acc * gv, 0.0)        # columns past the range hold other sums
-        tl.store(out_ptr + out_off + row * out_rs + dest * out_qs + cb, tl.sum(prod, 1), mask=nm)
-    else:
-        result = acc
-        where = out_ptr + out_off + row * out_rs + dest[:, None] * out_qs + cl[None, :]
-        if ADD:
-            # added in float64 and rounded once: a float32 running sum gains one rounding per level
-            result += tl.load(where, mask=nm[:, None] & cm[None, :], other=0.0).to(tl.float64)
-        if out_ptr.dtype.element_ty != tl.float64:
-            # through float32: the interpreter casts float64 to bfloat16 wrongly (Triton 3.x); the
-            # double rounding moves a 16-bit result by one unit only when the float32 value falls on
-            # a midpoint
-            result = result.to(tl.float32)
-        tl.store(where, result.to(out_ptr.dtype.element_ty), mask=nm[:, None] & cm[None, :])
+        acc = acc * (tl.load(factor + row * queries.rows_apart + dest, mask=nm, other=1.0) * row_factor)[:, None]
+    _store_rows(acc, out, row, dest, cl, nm, cm)
 
 
 @triton.jit

@@ -7,22 +7,25 @@ Triton, and Triton's interpreter setting (``TRITON_INTERPRET``), which ``triton.
 then (docs/architecture.rst, "Engines"; doctest collection leaves these modules out, the root
 ``conftest.py``). The device functions the kernels share live in :mod:`._device`.
 
-Layout (the batch flattened to ``R`` rows):
+Layout (the batch flattened to ``R`` rows; the kernels take it as the records of :mod:`._args`):
 
 * ``keys`` (R, m) the sorted keys (float32 for float32 / half scores, float64 for float64), ``perm``
   (R, m) int32 their original positions, ``shift`` (R,) float64 the median key (subtracted in the
-  arithmetic, as in the scan engine);
+  arithmetic, as in the scan engine), ``take`` (R, m) int8 the keys that take part (the others
+  weigh zero, whatever they hold): :class:`._args.KeyArgs`;
 * ``w`` (R, m, c) the weights in their own order, dtype and strides (gathered through ``perm`` by
-  both passes), ``take`` (R, m) int8 the keys that take part (the others weigh zero, whatever they
-  hold);
+  both passes): :class:`._args.WeightArgs`;
 * pass 1, :func:`tile_sums`: per tile of ``BLOCK_M`` sorted keys the sums ``[w, (y - shift) w]``
   (``C = c + ONES`` columns, ``ONES`` the indicator column ``take``), float64; their exclusive prefix
-  is the ``carry`` (R, nb + 1, 2 C), the last row the totals;
-* pass 2, :func:`merge_eval`: per block of sorted queries and per knot, the carry at the block's
-  first rank plus the sums of the tiles its ranks span, their terms formed pair by pair
-  (:func:`_pairs`) and accumulated in the accumulator dtype (float32 for float32 / half weights)
-  over the tiles a block of queries spans, in float64 in the carry (docs/mathematics.rst,
-  "Numerics"); the output row is written through the query permutation.
+  is the ``carry`` (R, nb + 1, 2 C), the last row the totals (:class:`._args.CarryArgs`);
+* pass 2, one kernel per job over the same block sums (:func:`._device._block_sums`): per block of
+  sorted queries and per knot, the carry at the block's first rank plus the sums of the tiles its
+  ranks span, their terms formed pair by pair (:func:`._device._pairs`) and accumulated in the
+  accumulator dtype (float32 for float32 / half weights) over the tiles a block of queries spans,
+  in float64 in the carry (docs/mathematics.rst, "Numerics"); then attention's epilogue
+  (:func:`attend_eval`), a sum written or added in place (:func:`sums_eval`), or its dot products
+  with rows at the queries (:func:`dots_eval`), through the query permutation. Their optional
+  arrays are ``None`` when absent, the kernel's flags derived from them (``triton.heuristics``).
 
 The sorts (:mod:`._order`) and the dense kernels (:mod:`._dense`: causal leaves, the backward's row
 reductions) live beside this module, which imports them: every kernel the engine launches is an
@@ -45,119 +48,142 @@ from ._dense import (
     position_sums,
     row_dots,
 )
-from ._device import _attention_epilogue, _eval_block, _run_profile, _tile, _tile_moments
+from ._device import (
+    _attend_block,
+    _attention_epilogue,
+    _block_sums,
+    _indicator_profile,
+    _run_profile,
+    _store_rows,
+    _tile,
+    _tile_moments,
+)
 from ._order import merge_runs, small_attend, sort_rows
 
-__all__ = ["KERNELS", "INTERPRETED", "tile_sums", "merge_eval", "decode_attend", "sort_rows",
-           "small_attend", "merge_runs", "leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots", "column_sums",
-           "causal_dv", "position_sums", "causal_row_dots"]
+__all__ = ["KERNELS", "INTERPRETED", "tile_sums", "attend_eval", "sums_eval", "dots_eval", "decode_attend",
+           "sort_rows", "small_attend", "merge_runs", "leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots",
+           "column_sums", "causal_dv", "position_sums", "causal_row_dots"]
 
 #: Every kernel the engine launches, as attributes of this module: this module's and those of
 #: :mod:`._order` and :mod:`._dense`
-KERNELS = ("tile_sums", "merge_eval", "decode_attend", "sort_rows", "small_attend", "merge_runs", "leaf_eval",
-           "leaf_pullback", "causal_epilogue", "row_dots", "column_sums", "causal_dv", "position_sums",
-           "causal_row_dots")
+KERNELS = ("tile_sums", "attend_eval", "sums_eval", "dots_eval", "decode_attend", "sort_rows", "small_attend",
+           "merge_runs", "leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots", "column_sums", "causal_dv",
+           "position_sums", "causal_row_dots")
 #: whether ``triton.jit`` made interpreted functions of the kernels (the setting when this module
 #: was first imported)
 INTERPRETED = bool(knobs.runtime.interpret)
 
 
 @triton.jit
-def tile_sums(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, agg_ptr,
-              m, c, C, nb, sw_r, sw_m, sw_c, sk_r,
-              HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+def tile_sums(keys, weights, carry, blocks):
     """Pass 1: one tile of sorted keys x one block of columns: the tile's sums ``[w | (y - shift) w]``
-    (float64), nothing per key, into row ``tile + 1`` of ``agg`` (R, nb + 1, 2 C); the first tile's
-    programs zero row 0 (the caller's cumulative sum in place makes the exclusive prefix). ``scale``,
-    one number per key in its original order, has rows ``sk_r`` apart (a causal level's blocks are
+    (float64), nothing per key, into row ``tile + 1`` of the carry (R, nb + 1, 2 C); the first
+    tile's programs zero row 0 (the caller's cumulative sum in place makes the exclusive prefix).
+    The weights' per-key ``scale`` has its rows ``scale_rows`` apart (a causal level's blocks are
     strided views of the positions); ``take`` has them ``m`` apart."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     cb = tl.program_id(2)
-    j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    wv, y, _ = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, row, j, cols, m, c, sw_r, sw_m,
-                     sw_c, sk_r, HAS_TAKE, ONES, SCALE, ACC)
-    base = row * (nb + 1) * 2 * C
+    j = blk * blocks.M + tl.arange(0, blocks.M)
+    cols = cb * blocks.C + tl.arange(0, blocks.C)
+    wv, y, _ = _tile(keys, weights, row, j, cols)
+    C = carry.C
+    base = carry.carry + row * (carry.nb + 1) * 2 * C
     tot = base + (blk + 1) * 2 * C + cols
     cm = cols < C
     if blk == 0:
-        zero = tl.zeros((BLOCK_C,), dtype=tl.float64)
-        tl.store(agg_ptr + base + cols, zero, mask=cm)
-        tl.store(agg_ptr + base + C + cols, zero, mask=cm)
+        zero = tl.zeros((blocks.C,), dtype=tl.float64)
+        tl.store(base + cols, zero, mask=cm)
+        tl.store(base + C + cols, zero, mask=cm)
     sum_w, sum_yw = _tile_moments(wv, y)
-    tl.store(agg_ptr + tot, sum_w, mask=cm)
-    tl.store(agg_ptr + tot + C, sum_yw, mask=cm)
+    tl.store(tot, sum_w, mask=cm)
+    tl.store(tot + C, sum_yw, mask=cm)
 
 
+def _given(name):
+    """A heuristic: whether the optional array argument ``name`` was passed (not None)."""
+    return lambda args: args[name] is not None
+
+
+@triton.heuristics({"HAS_FACTOR": _given("factor")})
 @triton.jit
-def merge_eval(xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, scale_ptr, carry_ptr,
-               knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr, out_ptr,
-               nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps,
-               dot_ptr, sd_r, sd_n, sd_c, dot_col0, dot_take_ptr, out_rs, out_off, out_qs,
-               n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, sk_r, sq_r, log_m,
-               K: tl.constexpr, STRICT: tl.constexpr, DERIV: tl.constexpr, HAS_FACTOR: tl.constexpr,
-               SUB: tl.constexpr, ADD: tl.constexpr,
-               HAS_TAKE: tl.constexpr, ONES: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
-               ATTN: tl.constexpr, CENTER: tl.constexpr, NORM: tl.constexpr, KN: tl.constexpr, DOT: tl.constexpr,
-               DOT_TAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Pass 2: ``out[perm_i, :] = (profile sum over columns col0 .. col0 + width) / div_i``
-    for one block of *sorted* queries.
-
-    Per knot the block's ranks are increasing (``x - t`` keeps the order of ``x``), so its queries
-    read one contiguous range of sorted keys: the carry (float64 sums of the tiles before it) plus,
-    tile by tile over the range, the profile's terms of the keys below each query as a product
-    ``[(s_i - y_j) if j < rank_i else 0] @ rows_j`` (DERIV: ``[j < rank_i] @ rows_j``) in ACC
-    (float32 over the span, float64 in the carry). The rows are
-    re-gathered from ``w`` through the key permutation (times ``scale`` when SCALE, as pass 1 read
-    them): nothing per key is stored between the passes.
-    The profile ``intercept + slope r + sum_k coeffs[k] ReLU(r - knots[k])`` (per batch row:
-    ``knots``, ``coeffs`` (R, K), ``lin`` (R, 2) = slope, intercept), or its derivative when DERIV.
-
-    ATTN (attention's epilogue, one launch for the whole forward; the table carries the indicator
-    in column ``c``): the same profile over the indicator, summed in the same tile loop, is the
-    query's ``relu_count``; CENTER adds ``-relu_count / count`` times the totals; the divisor is
-    NORM's (``Normalizer.code``: 0 none, 3 the count of valid keys, 1 or 2 the normaliser profile
-    ``nknots``, ``ncoeffs``,
-    ``nlin`` (KN knots) over the indicator, floored at ``eps``, 1 for a query that sees no key;
-    docs/mathematics.rst, "Attention"). The first column block writes ``relu_count`` and the
+def attend_eval(queries, keys, weights, carry, profile, norm, divisor, factor, out, cols, blocks,
+                HAS_FACTOR: tl.constexpr):
+    """Pass 2 of attention's forward, one launch for all of it: per block of sorted queries the
+    profile sums of the values (:func:`._device._block_sums`), and over the indicator (the table's
+    column ``c``) the query's ``relu_count``; CENTER subtracts ``relu_count / count`` times the
+    totals; the divisor is NORM's (``Normalizer.code``: 0 none, 3 the count of valid keys, 1 or 2
+    the normaliser profile ``norm`` over the indicator, floored at ``eps``, 1 for a query that sees
+    no key; docs/mathematics.rst, "Attention"); ``factor`` (R, n), when given, the NaN policy's (1,
+    or NaN on a bad query or row). The first column block writes ``relu_count`` and the
     normaliser's sum (R, n), float64 in the queries' original order: the backward's residuals.
-    Then SUB subtracts the row ``sub`` (R, width) float64 from every query's sums, and HAS_FACTOR
-    multiplies them by the query's ``factor`` (R, n): the NaN policy's (1, or NaN on a bad query or
-    row) in the forward, the key mask's and the NaN policy's on ``dv`` in the backward, whose SUB
-    is the centring mean's term.
-
-    The rows are written at ``out[out_off + row * out_rs + dest * out_qs + column]`` (``out_rs = n
-    width``, ``out_off = 0``, ``out_qs = width`` for an (R, n, width) array); ADD adds them, in
-    float64, to what ``out`` (float32 or float64) holds there, rounding once: a causal level's sums
-    into the running sums of its right blocks, and its pull-back's value gradients into the
-    leaves' of its left blocks, in place. ADD with a summed NORM (ATTN off): the first column block
-    also adds the profile ``nknots``, ``ncoeffs``, ``nlin`` over the indicator (column ``c``) to
-    ``raw``, the normaliser's running sums, query ``i`` at ``raw[(out_off + row out_rs) / out_qs + i]``.
-
-    DOT (the backward's score gradients): instead of the rows, their dot product with the rows of
-    ``dot`` (strides ``sd_*``, columns from ``dot_col0``) at the same queries, read in their own
-    dtype; each column block ``cb`` writes its partial dot to ``out[out_off + row * out_rs + dest *
-    out_qs + cb]``, float64 ((R, n, column blocks), or a slice of the blocks of several dots), so
-    that no (n, width) array is written and the sum over the blocks keeps a fixed order. DOT_TAKE:
-    those rows are read only where ``dot_take`` (R, n) int8 is nonzero, 0 elsewhere (the values of
-    keys that take no part, which may hold anything).
-
-    The per-key ``scale`` has rows ``sk_r`` apart (``take`` ``m``: a stride for it too spills
-    registers on ``sm_90``) and the per-query ``factor`` and ``dot_take`` rows ``sq_r`` apart: a
-    causal level's blocks are strided views of the positions, read without a copy.
-    """
+    The rows are written through the query permutation (:class:`._args.OutArgs`)."""
     row = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cl = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    _eval_block(row, i, cl, tl.program_id(2), 1.0, xs_ptr, xperm_ptr, keys_ptr, shift_ptr,
-                perm_ptr, w_ptr, take_ptr, scale_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, sub_ptr,
-                out_ptr, nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, dot_ptr, sd_r, sd_n, sd_c,
-                dot_col0, dot_take_ptr, out_rs, out_off, out_qs, n, m, c, C, nb, col0, width, sw_r, sw_m, sw_c, sk_r,
-                sq_r, log_m,
-                K, STRICT, DERIV, HAS_FACTOR, SUB, ADD, HAS_TAKE, ONES, SCALE, ACC, ATTN, CENTER, NORM, KN, DOT,
-                DOT_TAKE, BLOCK_M, BLOCK_N, BLOCK_C)
+    i = tl.program_id(1) * blocks.N + tl.arange(0, blocks.N)
+    cl = tl.program_id(2) * blocks.C + tl.arange(0, blocks.C)
+    _attend_block(row, i, cl, tl.program_id(2), 1.0, queries, keys, weights, carry, profile, norm, divisor, factor,
+                  out, cols, blocks, HAS_FACTOR)
+
+
+@triton.heuristics({"HAS_FACTOR": _given("factor"), "SUB": _given("sub"), "NORM_INTO": _given("raw")})
+@triton.jit
+def sums_eval(queries, keys, weights, carry, profile, factor, sub, out, cols, blocks, norm, raw,
+              HAS_FACTOR: tl.constexpr, SUB: tl.constexpr, NORM_INTO: tl.constexpr):
+    """Pass 2 of a profile sum: ``out[perm_i, :] = (profile sum over columns cols - sub) * factor_i``
+    for one block of *sorted* queries (:func:`._device._block_sums`). ``sub`` (R, width) float64
+    (the centring mean's term of the backward's ``dv``) and ``factor`` (R, n) (the key mask's and
+    the NaN policy's on ``dv``) when given. With ``out.ADD`` the rows are added in place, in
+    float64, rounding once: a causal level's sums into the running sums of its right blocks, and
+    its pull-back's value gradients into the leaves' of its left blocks; ``raw`` given (with ADD):
+    the first column block also adds the profile ``norm`` over the indicator (column ``c``) to
+    ``raw``, the normaliser's running sums, query ``i`` at ``raw[(out.offset + row out.row_stride)
+    / out.query_stride + i]`` (one launch per level, not two)."""
+    row = tl.program_id(0).to(tl.int64)
+    cb = tl.program_id(2)
+    i = tl.program_id(1) * blocks.N + tl.arange(0, blocks.N)
+    cl = cb * blocks.C + tl.arange(0, blocks.C)
+    acc, _, x, xs, nm, cm, dest, _, _ = _block_sums(row, i, cl, queries, keys, weights, carry, profile, cols,
+                                                    blocks, False)
+    if NORM_INTO:
+        if cb == 0:
+            den = _indicator_profile(x, xs, nm, keys, carry, norm, row, weights.c, blocks.M)
+            at = raw + (out.offset + row * out.row_stride) // out.query_stride + dest
+            den += tl.load(at, mask=nm, other=0.0).to(tl.float64)
+            tl.store(at, den.to(raw.dtype.element_ty), mask=nm)
+    if SUB:
+        acc = acc - tl.load(sub + row * cols.width + cl, mask=cm, other=0.0)[None, :]
+    if HAS_FACTOR:
+        acc = acc * tl.load(factor + row * queries.rows_apart + dest, mask=nm, other=1.0)[:, None]
+    _store_rows(acc, out, row, dest, cl, nm, cm)
+
+
+@triton.heuristics({"HAS_FACTOR": _given("factor"), "DOT_TAKE": _given("take")})
+@triton.jit
+def dots_eval(queries, keys, weights, carry, profile, factor, dot, take, out, cols, blocks,
+              HAS_FACTOR: tl.constexpr, DOT_TAKE: tl.constexpr):
+    """Pass 2 of the backward's score gradients: per block of sorted queries the profile sums
+    (:func:`._device._block_sums`, times ``factor`` (R, n) when given) dotted with the rows of
+    ``dot`` (:class:`._args.DotArgs`, read in their own dtype) at the same queries; each column
+    block ``cb`` writes its partial dot to ``out[offset + row row_stride + dest query_stride + cb]``,
+    float64 ((R, n, column blocks), or a slice of the blocks of several dots), so that no (n, width)
+    array is written and the sum over the blocks keeps a fixed order. ``take`` (R, n) int8, when
+    given: the rows are read only where it is nonzero, 0 elsewhere (the values of keys that take no
+    part, which may hold anything)."""
+    row = tl.program_id(0).to(tl.int64)
+    cb = tl.program_id(2)
+    i = tl.program_id(1) * blocks.N + tl.arange(0, blocks.N)
+    cl = cb * blocks.C + tl.arange(0, blocks.C)
+    acc, _, _, _, nm, cm, dest, _, _ = _block_sums(row, i, cl, queries, keys, weights, carry, profile, cols,
+                                                   blocks, False)
+    if HAS_FACTOR:
+        acc = acc * tl.load(factor + row * queries.rows_apart + dest, mask=nm, other=1.0)[:, None]
+    dm = nm
+    if DOT_TAKE:
+        dm = dm & (tl.load(take + row * queries.rows_apart + dest, mask=nm, other=0) != 0)
+    gv = tl.load(dot.rows + row * dot.row_stride + dest[:, None] * dot.query_stride
+                 + (dot.col0 + cl)[None, :] * dot.col_stride, mask=dm[:, None] & cm[None, :], other=0.0).to(tl.float64)
+    prod = tl.where(cm[None, :], acc * gv, 0.0)        # columns past the range hold other sums
+    tl.store(out.out + out.offset + row * out.row_stride + dest * out.query_stride + cb, tl.sum(prod, 1), mask=nm)
 
 
 @triton.jit

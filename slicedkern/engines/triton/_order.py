@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._device import _eval_block, _tile, _tile_moments
+from ._device import _attend_block, _tile, _tile_moments
 
 __all__ = ["sort_rows", "small_attend", "merge_runs"]
 
@@ -47,72 +47,65 @@ def sort_rows(a_ptr, values_ptr, perm_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def small_attend(y_ptr, x_ptr, keys_ptr, perm_ptr, xs_ptr, xperm_ptr, shift_ptr, w_ptr, take_ptr, carry_ptr,
-                 knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, out_ptr, nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr,
-                 raw_ptr, eps, n, m, c, C, nb, width, sw_r, sw_m, sw_c, log_m, per_program, query_blocks,
-                 K: tl.constexpr, HAS_TAKE: tl.constexpr, ACC: tl.constexpr, CENTER: tl.constexpr,
-                 NORM: tl.constexpr, KN: tl.constexpr, SORT: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Attention's forward on short rows in one launch: one program per row,
-    slice of ``per_program`` blocks of sorted queries and block of output columns.
+def small_attend(y_ptr, x_ptr, queries, keys, weights, carry, profile, norm, divisor, factor, out, cols, schedule,
+                 blocks, SORT: tl.constexpr):
+    """Attention's forward on short rows in one launch: one program per row, slice of
+    ``schedule = (per_program, query_blocks)`` blocks of sorted queries and block of output
+    columns.
 
-    Each program sorts its row's keys ``y`` and queries ``x`` (:func:`_sort_row`, ``SORT`` at least
-    both lengths), sums the tiles of sorted keys over **every** column of ``[w | take]`` into the
-    float64 carry as a running sum (pass 1, :func:`._kernels.tile_sums`' sums added in the order of
-    its cumulative sum), takes the NaN policy's verdict on the values off the carry's totals (a
-    non-finite value makes the row NaN: ``factor`` times NaN, as the two-pass forward's deferred
-    check has it), and evaluates its query blocks as pass 2 does (:func:`._device._eval_block`,
-    attention's epilogue). The programs of a row compute the same sorts and carry and write them,
-    all alike, as the backward's residuals (``keys``, ``perm``, ``xs``, ``xperm``, ``shift``,
-    ``carry``); a block barrier orders each program's writes before its reads. Nothing but the
-    output and the residuals is written.
+    Each program sorts its row's keys ``y`` into ``keys`` and queries ``x`` into ``queries``
+    (:func:`_sort_row`, ``SORT`` at least both lengths), sums the tiles of sorted keys over **every**
+    column of ``[w | take]`` into the float64 carry as a running sum (pass 1,
+    :func:`._kernels.tile_sums`' sums added in the order of its cumulative sum), takes the NaN
+    policy's verdict on the values off the carry's totals (a non-finite value makes the row NaN:
+    ``factor`` times NaN, as the two-pass forward's deferred check has it), and evaluates its query
+    blocks as pass 2 does (:func:`._device._attend_block`). The programs of a row compute the same
+    sorts and carry and write them, all alike, as the backward's residuals (the sorted keys, their
+    permutation and shift, the sorted queries and theirs, the carry); a block barrier orders each
+    program's writes before its reads. Nothing but the output and the residuals is written.
     """
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     cb = tl.program_id(2)
-    _sort_row(y_ptr, keys_ptr, perm_ptr, row, m, SORT)
-    _sort_row(x_ptr, xs_ptr, xperm_ptr, row, n, SORT)
+    m, n, C, c, nb = keys.m, queries.n, carry.C, weights.c, carry.nb
+    _sort_row(y_ptr, keys.keys, keys.perm, row, m, SORT)
+    _sort_row(x_ptr, queries.sorted, queries.perm, row, n, SORT)
     tl.debug_barrier()
-    tl.store(shift_ptr + row, tl.load(keys_ptr + row * m + m // 2).to(tl.float64))
+    tl.store(keys.shift + row, tl.load(keys.keys + row * m + m // 2).to(tl.float64))
     tl.debug_barrier()
-    base = row * (nb + 1) * 2 * C
-    for cc in range(0, tl.cdiv(C, BLOCK_C)):
-        cols = cc * BLOCK_C + tl.arange(0, BLOCK_C)
-        cm = cols < C
-        s0 = tl.zeros((BLOCK_C,), dtype=tl.float64)
-        s1 = tl.zeros((BLOCK_C,), dtype=tl.float64)
-        tl.store(carry_ptr + base + cols, s0, mask=cm)
-        tl.store(carry_ptr + base + C + cols, s1, mask=cm)
+    base = carry.carry + row * (nb + 1) * 2 * C
+    for cc in range(0, tl.cdiv(C, blocks.C)):
+        tc = cc * blocks.C + tl.arange(0, blocks.C)
+        cm = tc < C
+        s0 = tl.zeros((blocks.C,), dtype=tl.float64)
+        s1 = tl.zeros((blocks.C,), dtype=tl.float64)
+        tl.store(base + tc, s0, mask=cm)
+        tl.store(base + C + tc, s1, mask=cm)
         for blk in range(0, nb):
-            j = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-            wv, y, _ = _tile(keys_ptr, shift_ptr, perm_ptr, w_ptr, take_ptr, shift_ptr, row, j, cols, m, c, sw_r,
-                             sw_m, sw_c, m, HAS_TAKE, True, False, ACC)
+            j = blk * blocks.M + tl.arange(0, blocks.M)
+            wv, y, _ = _tile(keys, weights, row, j, tc)
             sum_w, sum_yw = _tile_moments(wv, y)
             s0 += sum_w
             s1 += sum_yw
-            tl.store(carry_ptr + base + (blk + 1) * 2 * C + cols, s0, mask=cm)
-            tl.store(carry_ptr + base + (blk + 1) * 2 * C + C + cols, s1, mask=cm)
+            tl.store(base + (blk + 1) * 2 * C + tc, s0, mask=cm)
+            tl.store(base + (blk + 1) * 2 * C + C + tc, s1, mask=cm)
     tl.debug_barrier()
     # the values' verdict: float64 sums of narrower values cannot overflow, so the sum of their
     # totals is finite exactly when every value that takes part is (_nanpolicy's deferred check)
-    totals = tl.zeros((BLOCK_C,), dtype=tl.float64)
-    for cc in range(0, tl.cdiv(c, BLOCK_C)):
-        cols = cc * BLOCK_C + tl.arange(0, BLOCK_C)
-        totals += tl.load(carry_ptr + base + nb * 2 * C + cols, mask=cols < c, other=0.0)
+    totals = tl.zeros((blocks.C,), dtype=tl.float64)
+    for cc in range(0, tl.cdiv(c, blocks.C)):
+        tc = cc * blocks.C + tl.arange(0, blocks.C)
+        totals += tl.load(base + nb * 2 * C + tc, mask=tc < c, other=0.0)
     verdict = tl.sum(totals, 0)
     row_factor = tl.where(verdict - verdict == 0.0, 1.0, float("nan"))
-    cl = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    cl = cb * blocks.C + tl.arange(0, blocks.C)
+    per_program, query_blocks = schedule
     first = part * per_program
     last = tl.minimum(first + per_program, query_blocks)
     for qb in range(first, last):
-        i = qb * BLOCK_N + tl.arange(0, BLOCK_N)
-        _eval_block(row, i, cl, cb, row_factor, xs_ptr, xperm_ptr, keys_ptr, shift_ptr, perm_ptr,
-                    w_ptr, take_ptr, shift_ptr, carry_ptr, knots_ptr, coeffs_ptr, lin_ptr, factor_ptr, xs_ptr, out_ptr,
-                    nknots_ptr, ncoeffs_ptr, nlin_ptr, count_ptr, raw_ptr, eps, w_ptr, 0, 0, 0, 0, take_ptr,
-                    n * width, 0, width, n, m, c, C, nb, 0, width, sw_r, sw_m, sw_c, m, n, log_m, K, True, False,
-                    True,
-                    False, False, HAS_TAKE, True, False, ACC, True, CENTER, NORM, KN, False, False, BLOCK_M, BLOCK_N,
-                    BLOCK_C)
+        i = qb * blocks.N + tl.arange(0, blocks.N)
+        _attend_block(row, i, cl, cb, row_factor, queries, keys, weights, carry, profile, norm, divisor, factor, out,
+                      cols, blocks, True)
 
 
 @triton.jit

@@ -16,9 +16,20 @@ import os
 import sys
 from typing import Any, NamedTuple
 
-from ..._spec import NORMALIZER_CODES
 from ...kernels import Profile, is_fixed
 from .._columns import ScaledRows
+from ._args import (
+    Blocks,
+    CarryArgs,
+    Columns,
+    DivisorArgs,
+    DotArgs,
+    KeyArgs,
+    OutArgs,
+    ProfileArgs,
+    QueryArgs,
+    WeightArgs,
+)
 
 __all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_sum_into", "profile_dot",
            "profile_dots", "DotTerm", "unit_rows",
@@ -42,7 +53,7 @@ SMALL_SORT = 4096
 #: each. (Under Triton's interpreter, where every stage of the network is Python work, the tests
 #: lower it so that short rows sort in short networks.)
 SORT_MIN_BLOCK = 256
-#: warps of a pass-2 program (:func:`._kernels.merge_eval`)
+#: warps of a pass-2 program (:func:`._kernels.attend_eval`, ``sums_eval``, ``dots_eval``)
 MERGE_WARPS = 8
 _MODULE = "slicedkern.engines.triton._kernels"
 
@@ -222,11 +233,8 @@ def build_table(xp, y, w, *, take=None, ones=False, scale=None, presorted: Queri
         carry = xp.empty((rows, nb + 1, 2 * C), dtype=xp.float64, device=dev)
         grid = (rows, nb, triton_cdiv(C, block_c))
         k = loaded()
-        k.tile_sums[grid](keys, shift, perm, w, take_arg if take is not None else perm,
-                          scale_arg if scale is not None else shift, carry,
-                          m, c, C, nb, w.stride(0), w.stride(1), w.stride(2), _rows_apart(m, scale_arg),
-                          HAS_TAKE=take is not None, ONES=ones, SCALE=scale is not None,
-                          ACC=_tl_dtype(k, _acc_dtype(xp, w, scale), xp), BLOCK_M=block_m, BLOCK_C=block_c)
+        k.tile_sums[grid](_key_args(k, keys, perm, shift, take_arg, 1), _weight_args(k, xp, w, scale_arg, ones=ones),
+                          CarryArgs(carry, nb, C), _block_args(k, xp, w, scale))
         carry.cumsum_(dim=1)
     return Table(keys, perm, shift, carry, w, take_arg, C, ones, scale_arg)
 
@@ -277,72 +285,103 @@ def _build_profile_args(xp, pairs, slope, intercept, batch, rows: int, dev):
     return knots, coeffs, lin, len(pairs)
 
 
-def _normaliser_args(xp, normalizer, batch, rows: int, dev, fill: tuple):
-    """Attention's divisor as pass 2's epilogue reads it: ``(nknots, ncoeffs, nlin, KN, NORM, eps)``,
-    NORM its ``code`` (a summed normaliser's profile arguments; otherwise ``fill``, any
-    three float64 arrays, stands in for them)."""
-    args = _profile_args(xp, normalizer.profile, batch, rows, dev) if normalizer.summed else (*fill, 0)
-    return (*args, normalizer.code, float(normalizer.eps))
+def _key_args(k, keys, perm, shift, take, log_m: int) -> KeyArgs:
+    """The sorted keys as the kernels read them (``take`` None: every key takes part)."""
+    return KeyArgs(keys, perm, shift, perm if take is None else take, keys.shape[-1], log_m,
+                   k.tl.constexpr(take is not None))
 
 
-def _evaluate(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, out, *, strict: bool,
-              factor=None, sub=None, attention=None, dot=None, add=None, layout=None, norm_into=None):
-    """Launch pass 2 into ``out`` (R, n, len(cols)); ``attention`` = ``(center, normalizer, count, raw)``
-    for attention's fused epilogue (``count`` and ``raw`` the (R, n) float64 residuals it writes);
-    ``dot`` = ``(rows, col0, take)``: write the rows' dot products with ``rows[..., col0:col0 + len(cols)]``
-    ((R, n, ...) in any strides and dtype; read where ``take`` (R, n) int8 is nonzero, or
-    everywhere for None) into ``out`` (R, n, column blocks) instead; ``sub``
-    (R, len(cols)) float64 subtracted from every query's sums, then ``factor`` (R, n) multiplying them;
-    ``add`` = ``(row_stride, offset, query_stride)``: add query ``i``'s row to ``out`` (float64, any
-    size) at ``offset + row * row_stride + i * query_stride`` instead of writing an (R, n,
-    len(cols)) array; ``layout`` = ``(row_stride, offset, query_stride)``: where ``dot``'s partial
-    dots go, column block ``b`` of query ``i`` at ``offset + row * row_stride + i * query_stride +
-    b`` (default: an (R, n, column blocks) array). ``norm_into`` = ``(profile, raw)`` with ``add``:
-    that profile over the indicator (column ``c``) added to ``raw`` too, the normaliser's running
-    sums on the same positions as ``out`` (a causal level's; :func:`profile_sum_into`)."""
-    x = queries.sorted
-    rows, n = x.shape
-    m = table.keys.shape[-1]
-    dev = x.device
-    width = len(cols)
+def _weight_args(k, xp, w, scale, *, ones: bool) -> WeightArgs:
+    """The weight rows as the kernels read them (``scale`` None: unscaled)."""
+    acc = _tl_dtype(k, _acc_dtype(xp, w, scale), xp)
+    return WeightArgs(w, w if scale is None else scale, w.shape[-1], w.stride(0), w.stride(1), w.stride(2),
+                      _rows_apart(w.shape[1], scale), k.tl.constexpr(ones), k.tl.constexpr(scale is not None),
+                      k.tl.constexpr(acc))
+
+
+def _block_args(k, xp, w, scale=None) -> Blocks:
+    return Blocks(*(k.tl.constexpr(b) for b in _blocks(xp, w, scale)))
+
+
+def _log_steps(m: int) -> int:
+    """The steps of a rank search among ``m`` sorted keys: ceil(log2(m + 1)), a runtime argument (a
+    constant would compile every kernel again for each power of two of the length)."""
+    return max(1, math.ceil(math.log2(m + 1)))
+
+
+def _profile_record(k, xp, profile: Profile, batch, rows: int, dev, *, strict: bool) -> ProfileArgs:
     knots, coeffs, lin, K = _profile_args(xp, profile, batch, rows, dev)
-    center, count, raw = False, x, x
-    nknots, ncoeffs, nlin, kn, norm, eps = knots, coeffs, lin, 0, NORMALIZER_CODES[None], 0.0
-    if attention is not None:
-        center, normalizer, count, raw = attention
-        nknots, ncoeffs, nlin, kn, norm, eps = _normaliser_args(xp, normalizer, batch, rows, dev, (knots, coeffs, lin))
-    elif norm_into is not None:
-        nprofile, raw = norm_into
-        nknots, ncoeffs, nlin, kn = _profile_args(xp, nprofile, batch, rows, dev)
-        norm = NORMALIZER_CODES["relu"]     # any summed code: the kernel sums the profile it is given
-    nb = table.carry.shape[1] - 1
-    w = table.w
-    c = w.shape[-1]
-    block_m, block_n, block_c = _blocks(xp, w, table.scale)
-    grid = (rows, triton_cdiv(n, block_n), triton_cdiv(width, block_c))
-    against, dot_col0, dot_take = dot if dot is not None else (w, 0, None)
-    factor, dot_take = per_key_rows(xp, factor, dot_take)
+    const = k.tl.constexpr
+    return ProfileArgs(knots, coeffs, lin, const(K), const(strict), const(bool(profile.derivative)))
+
+
+def _no_profile(k, like: ProfileArgs) -> ProfileArgs:
+    """A profile of no knots standing in for an absent one (any three float64 arrays)."""
+    const = k.tl.constexpr
+    return like._replace(K=const(0), STRICT=const(True), DERIV=const(False))
+
+
+def _out_args(k, out, row_stride: int, offset: int, query_stride: int, *, add: bool = False) -> OutArgs:
+    return OutArgs(out, row_stride, offset, query_stride, k.tl.constexpr(add))
+
+
+def _pass2(k, xp, table: Table, queries: Queries, *, rows_apart: int):
+    """The records every pass-2 launch over ``table`` at ``queries`` reads, and its block sizes."""
+    keys = _key_args(k, table.keys, table.perm, table.shift, table.take, _log_steps(table.keys.shape[-1]))
+    weights = _weight_args(k, xp, table.w, table.scale, ones=table.ones)
+    carry = CarryArgs(table.carry, table.carry.shape[1] - 1, table.C)
+    rows, n = queries.sorted.shape
+    return (QueryArgs(queries.sorted, queries.perm, n, rows_apart), keys, weights, carry,
+            _block_args(k, xp, table.w, table.scale))
+
+
+def _grid(rows: int, n: int, width: int, blocks: Blocks) -> tuple:
+    return rows, triton_cdiv(n, blocks.N.value), triton_cdiv(width, blocks.C.value)
+
+
+def _launch_sums(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, out: OutArgs, *,
+                 strict: bool, factor=None, sub=None, norm_into=None):
+    """:func:`._kernels.sums_eval` into ``out`` (an :class:`._args.OutArgs`); ``norm_into = (profile,
+    raw)`` with an added ``out``: that profile over the indicator added to ``raw`` too."""
     k = loaded()
-    k.merge_eval[grid](
-        x, queries.perm, table.keys, table.shift, table.perm, w,
-        table.take if table.take is not None else table.perm,
-        table.scale if table.scale is not None else table.shift, table.carry, knots, coeffs, lin,
-        factor if factor is not None else x, sub if sub is not None else x, out,
-        nknots, ncoeffs, nlin, count, raw, eps,
-        against, against.stride(0), against.stride(1), against.stride(2), dot_col0,
-        dot_take if dot_take is not None else queries.perm,
-        *(add if add is not None else layout if layout is not None else (n * width, 0, width)),
-        n, m, c, table.C, nb, cols.start, width, w.stride(0), w.stride(1), w.stride(2),
-        _rows_apart(m, table.scale), _rows_apart(n, factor, dot_take),
-        max(1, math.ceil(math.log2(m + 1))),
-        K=K, STRICT=strict, DERIV=bool(profile.derivative),
-        HAS_FACTOR=factor is not None, SUB=sub is not None, ADD=add is not None, HAS_TAKE=table.take is not None,
-        ONES=table.ones,
-        SCALE=table.scale is not None, ACC=_tl_dtype(k, _acc_dtype(xp, w, table.scale), xp),
-        ATTN=attention is not None, CENTER=bool(center), NORM=norm,
-        KN=kn, DOT=dot is not None, DOT_TAKE=dot_take is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_C=block_c, num_warps=MERGE_WARPS)
-    return out
+    rows, n = queries.sorted.shape
+    (factor,) = per_key_rows(xp, factor)
+    qa, keys, weights, carry, blocks = _pass2(k, xp, table, queries, rows_apart=_rows_apart(n, factor))
+    dev = queries.sorted.device
+    value = _profile_record(k, xp, profile, batch, rows, dev, strict=strict)
+    if norm_into is None:
+        norm, raw = _no_profile(k, value), None
+    else:
+        norm, raw = _profile_record(k, xp, norm_into[0], batch, rows, dev, strict=strict), norm_into[1]
+    k.sums_eval[_grid(rows, n, len(cols), blocks)](qa, keys, weights, carry, value, factor, sub, out,
+                                                   Columns(cols.start, len(cols)), blocks, norm, raw,
+                                                   num_warps=MERGE_WARPS)
+
+
+def _launch_dots(xp, term, batch, out: OutArgs):
+    """:func:`._kernels.dots_eval` of one :class:`DotTerm` into ``out`` (its partial dots)."""
+    k = loaded()
+    rows, n = term.queries.sorted.shape
+    factor, take = per_key_rows(xp, term.factor, None if term.take is None else as_int8(xp, term.take))
+    qa, keys, weights, carry, blocks = _pass2(k, xp, term.table, term.queries, rows_apart=_rows_apart(n, factor, take))
+    value = _profile_record(k, xp, term.profile, batch, rows, term.queries.sorted.device, strict=term.strict)
+    r = term.rows
+    dot = DotArgs(r, r.stride(0), r.stride(1), r.stride(2), term.col0)
+    k.dots_eval[_grid(rows, n, len(term.cols), blocks)](qa, keys, weights, carry, value, factor, dot, take, out,
+                                                        Columns(term.cols.start, len(term.cols)), blocks,
+                                                        num_warps=MERGE_WARPS)
+
+
+def _divisor_args(k, xp, value: ProfileArgs, normalizer, batch, rows: int, dev, *, center: bool, count, raw):
+    """Attention's epilogue as the kernels read it: ``(norm, divisor)``, the normaliser's profile (a
+    profile of no knots unless it is summed) and :class:`._args.DivisorArgs`."""
+    const = k.tl.constexpr
+    if normalizer.summed:
+        norm = _profile_record(k, xp, normalizer.profile, batch, rows, dev, strict=True)
+    else:
+        norm = _no_profile(k, value)
+    return norm, DivisorArgs(count, count if raw is None else raw, float(normalizer.eps), const(bool(center)),
+                             const(normalizer.code))
 
 
 def profile_sum(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, *, strict: bool,
@@ -359,7 +398,9 @@ def profile_sum(xp, table: Table, queries: Queries, profile: Profile, batch, col
     out = xp.empty((rows, n, len(cols)), dtype=dtype or xp.float64, device=queries.sorted.device)
     if len(cols) == 0 or rows == 0 or n == 0:
         return out
-    return _evaluate(xp, table, queries, profile, batch, cols, out, strict=strict, factor=factor, sub=sub)
+    _launch_sums(xp, table, queries, profile, batch, cols, _out_args(loaded(), out, n * len(cols), 0, len(cols)),
+                 strict=strict, factor=factor, sub=sub)
+    return out
 
 
 def profile_sum_into(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, into, row_stride: int,
@@ -371,8 +412,9 @@ def profile_sum_into(xp, table: Table, queries: Queries, profile: Profile, batch
     the same launch to ``raw`` (contiguous, one number per position of ``into``)."""
     rows, n = queries.sorted.shape
     if len(cols) and rows and n:
-        add = (row_stride, offset, len(cols) if query_stride is None else query_stride)
-        _evaluate(xp, table, queries, profile, batch, cols, into, strict=strict, add=add, norm_into=norm_into)
+        out = _out_args(loaded(), into, row_stride, offset, len(cols) if query_stride is None else query_stride,
+                        add=True)
+        _launch_sums(xp, table, queries, profile, batch, cols, out, strict=strict, norm_into=norm_into)
     return into
 
 
@@ -427,9 +469,7 @@ def profile_dots(xp, terms, batch):
     at = 0
     for t, width in zip(terms, widths):
         if width:
-            take = None if t.take is None else as_int8(xp, t.take)
-            _evaluate(xp, t.table, t.queries, t.profile, batch, t.cols, partial, strict=t.strict, factor=t.factor,
-                      dot=(t.rows, t.col0, take), layout=(n * total, at, total))
+            _launch_dots(xp, t, batch, _out_args(loaded(), partial, n * total, at, total))
         at += width
     return partial[..., 0] if total == 1 else xp.sum(partial, axis=-1)
 
@@ -453,8 +493,14 @@ def attend(xp, table: Table, queries: Queries, profile: Profile, normalizer, bat
     count = xp.empty((rows, n), dtype=xp.float64, device=dev)
     raw = xp.empty((rows, n), dtype=xp.float64, device=dev) if normalizer.summed else None
     if rows and n:
-        _evaluate(xp, table, queries, profile, batch, range(0, width), out, strict=True, factor=factor,
-                  attention=(center, normalizer, count, raw if raw is not None else count))
+        k = loaded()
+        (factor,) = per_key_rows(xp, factor)
+        qa, keys, weights, carry, blocks = _pass2(k, xp, table, queries, rows_apart=_rows_apart(n, factor))
+        value = _profile_record(k, xp, profile, batch, rows, dev, strict=True)
+        norm, divisor = _divisor_args(k, xp, value, normalizer, batch, rows, dev, center=center, count=count, raw=raw)
+        k.attend_eval[_grid(rows, n, width, blocks)](qa, keys, weights, carry, value, norm, divisor, factor,
+                                                     _out_args(k, out, n * width, 0, width), Columns(0, width),
+                                                     blocks, num_warps=MERGE_WARPS)
     return out[..., :dv], count, raw
 
 
@@ -490,17 +536,17 @@ def attend_small(xp, y, x, w, take, profile: Profile, normalizer, batch, *, cent
     raw = xp.empty((rows, n), dtype=xp.float64, device=dev) if normalizer.summed else None
     take_arg = xp.astype(take, xp.int8).contiguous() if take is not None else None
     if rows and n and m:
-        knots, coeffs, lin, K = _profile_args(xp, profile, batch, rows, dev)
-        nknots, ncoeffs, nlin, kn, norm, eps = _normaliser_args(xp, normalizer, batch, rows, dev, (knots, coeffs, lin))
+        k = loaded()
+        value = _profile_record(k, xp, profile, batch, rows, dev, strict=True)
+        norm, divisor = _divisor_args(k, xp, value, normalizer, batch, rows, dev, center=center, count=count, raw=raw)
         query_blocks = triton_cdiv(n, block_n)
         grid = (rows, triton_cdiv(query_blocks, SMALL_BLOCKS), triton_cdiv(width, block_c))
-        k = loaded()
         k.small_attend[grid](
-            y.contiguous(), x.contiguous(), keys, perm, xs, xperm, shift, w, take_arg if take is not None else perm,
-            carry, knots, coeffs, lin, factor, out, nknots, ncoeffs, nlin, count, raw if raw is not None else count,
-            eps, n, m, c, C, nb, width, w.stride(0), w.stride(1), w.stride(2), max(1, math.ceil(math.log2(m + 1))),
-            SMALL_BLOCKS, query_blocks, K=K, HAS_TAKE=take is not None, ACC=_tl_dtype(k, _acc_dtype(xp, w), xp),
-            CENTER=bool(center), NORM=norm, KN=kn, SORT=max(SORT_MIN_BLOCK, 1 << (max(m, n) - 1).bit_length()),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=block_c, num_warps=MERGE_WARPS)
+            y.contiguous(), x.contiguous(), QueryArgs(xs, xperm, n, n), _key_args(k, keys, perm, shift, take_arg,
+                                                                                  _log_steps(m)),
+            _weight_args(k, xp, w, None, ones=True), CarryArgs(carry, nb, C), value, norm, divisor, factor,
+            _out_args(k, out, n * width, 0, width), Columns(0, width), (SMALL_BLOCKS, query_blocks),
+            _block_args(k, xp, w), SORT=max(SORT_MIN_BLOCK, 1 << (max(m, n) - 1).bit_length()),
+            num_warps=MERGE_WARPS)
     table = Table(keys, perm, shift, carry, w, take_arg, C, True)
     return out[..., :c], count, raw, table, Queries(xs, xperm)

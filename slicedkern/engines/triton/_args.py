@@ -5,18 +5,24 @@ sixty numbers and pointers (docs/architecture.rst, "Engines").
 Triton passes a named tuple to a kernel field by field and a device function reads its fields by
 name; a field holding a ``tl.constexpr`` is a compile-time constant (a mode of the record: its
 fields' upper-case names). This module imports nothing of Triton: the host builds the records
-(:mod:`._sums`) with the ``constexpr`` of the kernel module it has loaded, and ``import slicedkern``
-never imports Triton.
+with the ``constexpr`` of the kernel module it has loaded (``k`` below), and ``import slicedkern``
+never imports Triton; the profile and divisor records are built here, the others where their arrays
+are made (:mod:`._sums`, :mod:`._causal`).
 
 Layout (the batch flattened to ``R`` rows) as :mod:`._kernels`' docstring describes it.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, NamedTuple
 
+from ...kernels import Profile, is_fixed
+
 __all__ = ["QueryArgs", "KeyArgs", "WeightArgs", "CarryArgs", "ProfileArgs", "DivisorArgs", "OutArgs", "DotArgs",
-           "Columns", "Blocks"]
+           "Columns", "Blocks", "Strided", "Positions", "Runs", "strided", "given", "profile_record", "no_profile",
+           "divisor_args", "log_steps", "tl_dtype"]
 
 
 class QueryArgs(NamedTuple):
@@ -110,3 +116,123 @@ class Blocks(NamedTuple):
     M: Any
     N: Any
     C: Any
+
+
+class Strided(NamedTuple):
+    """An (R, n, c) array read in its own dtype through its strides."""
+    ptr: Any
+    row: int
+    item: int
+    col: int
+
+
+class Positions(NamedTuple):
+    """Values on the positions of causal attention and the sums of their blocks: ``w`` (R, n, c),
+    ``take`` (R, n) int8, ``carry`` (R, carry_rows, c + 1) float64 the exclusive prefix of the
+    sums of ``[w take | take]`` over blocks of positions (:func:`._dense.position_sums`)."""
+    w: Strided
+    take: Any
+    carry: Any
+    carry_rows: int
+    n: int
+    c: int
+
+
+class Runs(NamedTuple):
+    """A ``DecodeCache``'s sorted runs on the device (:class:`._decode.DeviceRuns`), per batch row
+    ``cap`` positions."""
+    bounds: Any       # (2, n_runs) int64 the runs' [start, end)
+    count: int        # n_runs
+    keys: Any         # (B, cap) the runs' sorted keys
+    prefix: Any       # (B, cap, 2 cw) the runs' inclusive prefix rows of [w, take, (y - shift) w, (y - shift) take]
+    shifts: Any       # (B, cap) the run's median key at its first position
+    totals: Any       # (B, cw) the values' sum and the count of the keys taken
+    bad: Any          # (B,) int8 a row that took a non-finite key
+    cap: int
+    log_cap: int
+
+
+def strided(a) -> Strided:
+    """A torch tensor (R, n, c) as :class:`Strided`."""
+    return Strided(a, a.stride(0), a.stride(1), a.stride(2))
+
+
+def given(name: str):
+    """A ``triton.heuristics`` rule: whether the kernel's optional array argument ``name`` was passed
+    (not None), the flag that says so derived rather than passed."""
+    return lambda args: args[name] is not None
+
+
+def tl_dtype(k, dtype, xp):
+    """The Triton dtype a kernel accumulates in for the torch ``dtype`` (float64, else float32)."""
+    return k.tl.float64 if dtype == xp.float64 else k.tl.float32
+
+
+def _per_row(xp, value, batch, rows, dev):
+    """A profile parameter (float or batch-broadcastable array) as a (R,) float64 tensor."""
+    if is_fixed(value):
+        return xp.full((rows,), float(value), dtype=xp.float64, device=dev)
+    value = xp.broadcast_to(xp.astype(value, xp.float64), batch)
+    return xp.reshape(value, (rows,))
+
+
+def _profile_arrays(xp, profile: Profile, batch, rows: int, dev):
+    """A profile as the kernels read it: ``knots``, ``coeffs`` (R, K) and ``lin`` (R, 2) = slope,
+    intercept, float64, the knots of zero fixed coefficient left out; and ``K``.
+
+    A profile of fixed numbers (ReLU, |r|, a hat of fixed width) is made once per device and row
+    count and reused: the kernels only read it, and on a GPU its dozen small operators would cost
+    more host time than the kernels (docs/benchmarks.rst, "On a GPU").
+    """
+    pairs = tuple((t, cf) for t, cf in zip(profile.knots, profile.coeffs) if not (is_fixed(cf) and cf == 0))
+    if profile.is_fixed:
+        return _fixed_profile_arrays(xp, pairs, float(profile.slope), float(profile.intercept), rows, dev)
+    return _build_profile_arrays(xp, pairs, profile.slope, profile.intercept, batch, rows, dev)
+
+
+@functools.lru_cache(maxsize=64)
+def _fixed_profile_arrays(xp, pairs, slope: float, intercept: float, rows: int, dev):
+    return _build_profile_arrays(xp, pairs, slope, intercept, (rows,), rows, dev)
+
+
+def _build_profile_arrays(xp, pairs, slope, intercept, batch, rows: int, dev):
+    if pairs:
+        knots = xp.stack([_per_row(xp, t, batch, rows, dev) for t, _ in pairs], axis=-1).contiguous()
+        coeffs = xp.stack([_per_row(xp, cf, batch, rows, dev) for _, cf in pairs], axis=-1).contiguous()
+    else:
+        knots = coeffs = xp.zeros((rows, 1), dtype=xp.float64, device=dev)
+    lin = xp.stack([_per_row(xp, slope, batch, rows, dev), _per_row(xp, intercept, batch, rows, dev)],
+                   axis=-1).contiguous()
+    return knots, coeffs, lin, len(pairs)
+
+
+def log_steps(m: int) -> int:
+    """The steps of a rank search among ``m`` sorted keys: ceil(log2(m + 1)), a runtime argument (a
+    constant would compile every kernel again for each power of two of the length)."""
+    return max(1, math.ceil(math.log2(m + 1)))
+
+
+def profile_record(k, xp, profile: Profile, batch, rows: int, dev, *, strict: bool) -> ProfileArgs:
+    """``profile`` as a :class:`ProfileArgs` for ``rows`` rows (its array parameters broadcast to
+    ``batch``); ``strict`` the tie rule at its knots (:func:`._device._rank`)."""
+    knots, coeffs, lin, K = _profile_arrays(xp, profile, batch, rows, dev)
+    const = k.tl.constexpr
+    return ProfileArgs(knots, coeffs, lin, const(K), const(strict), const(bool(profile.derivative)))
+
+
+def no_profile(k, like: ProfileArgs) -> ProfileArgs:
+    """A profile of no knots standing in for an absent one (any three float64 arrays)."""
+    const = k.tl.constexpr
+    return like._replace(K=const(0), STRICT=const(True), DERIV=const(False))
+
+
+def divisor_args(k, xp, value: ProfileArgs, normalizer, batch, rows: int, dev, *, center: bool, count, raw):
+    """Attention's epilogue as the kernels read it: ``(norm, divisor)``, the normaliser's profile (a
+    profile of no knots unless it is summed) and :class:`DivisorArgs`."""
+    const = k.tl.constexpr
+    if normalizer.summed:
+        norm = profile_record(k, xp, normalizer.profile, batch, rows, dev, strict=True)
+    else:
+        norm = no_profile(k, value)
+    return norm, DivisorArgs(count, count if raw is None else raw, float(normalizer.eps), const(bool(center)),
+                             const(normalizer.code))

@@ -19,6 +19,7 @@ from .._causal_grid import CausalGrid
 from .._columns import MaskedValues, ScaledRows
 from .._combine import pullback
 from .._dyadic import causal_profiles_vjp
+from ._args import strided
 from ._causal import causal_dv, causal_row_dots
 from ._sums import (
     BLOCK_COLS,
@@ -216,10 +217,10 @@ def row_dots(xp, a, b):
     rows, n, d = a.shape
     out = xp.empty((rows, n), dtype=xp.float64, device=a.device)
     if rows and n:
-        sb_n = 0 if b.shape[1] == 1 else b.stride(1)
+        one = strided(b)
         loaded().row_dots[(rows, triton_cdiv(n, BLOCK_ROWS))](
-            a, b, out, n, d, a.stride(0), a.stride(1), a.stride(2), b.stride(0), sb_n, b.stride(2),
-            BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS)
+            strided(a), one._replace(item=0) if b.shape[1] == 1 else one, out, n, d, BLOCK_N=BLOCK_ROWS,
+            BLOCK_D=BLOCK_COLS)
     return out
 
 
@@ -231,5 +232,5 @@ def column_sums(xp, weights, g):
     out = xp.zeros((rows, d), dtype=xp.float64, device=g.device)
     if rows and d and n:
         loaded().column_sums[(rows, triton_cdiv(d, BLOCK_COLS))](
-            weights, g, out, n, d, g.stride(0), g.stride(1), g.stride(2), BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS)
+            weights, strided(g), out, n, d, BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS)
     return out

@@ -21,14 +21,13 @@ from ..._lib.causal import key_offset
 from ...kernels import Profile, is_fixed
 from .._columns import MaskedValues
 from ..sortscan.pullback import column_range
+from ._args import Blocks, Columns, Positions, profile_record, strided, tl_dtype
 from ._sums import (
     BLOCK_COLS,
     BLOCK_ROWS,
     Queries,
     _acc_dtype,
     _blocks,
-    _profile_args,
-    _tl_dtype,
     as_int8,
     build_table,
     cotangent_rows,
@@ -196,12 +195,16 @@ def causal_epilogue(xp, num, den, w, take, good, offset: int, carry, *, center: 
     dv, lq = width - 1, good.shape[-1]
     out = xp.empty((rows, lq, dv), dtype=dtype, device=num.device)
     if rows and lq and dv:
-        take = xp.astype(take, xp.int8, copy=False)
         loaded().causal_epilogue[(rows, triton_cdiv(lq, BLOCK_ROWS), triton_cdiv(dv, BLOCK_COLS))](
-            num, den if den is not None else num, w, take, carry, carry.shape[1], xp.astype(good, xp.int8), out, n, lq,
-            dv, offset, float(normalizer.eps), w.stride(0), w.stride(1), w.stride(2), CENTER=bool(center),
-            NORM=normalizer.code, BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=8)
+            num, den if den is not None else num, _positions(xp, w, take, carry), xp.astype(good, xp.int8), out, lq,
+            offset, float(normalizer.eps), CENTER=bool(center), NORM=normalizer.code, BLOCK_N=BLOCK_ROWS,
+            BLOCK_C=BLOCK_COLS, num_warps=8)
     return out
+
+
+def _positions(xp, w, take, carry) -> Positions:
+    """The values on the positions as the dense kernels read them (:class:`._args.Positions`)."""
+    return Positions(strided(w), xp.astype(take, xp.int8, copy=False), carry, carry.shape[1], w.shape[1], w.shape[2])
 
 
 def position_carry(xp, w, take):
@@ -214,7 +217,7 @@ def position_carry(xp, w, take):
     carry = xp.zeros((rows, blocks + 1, c + 1), dtype=xp.float64, device=w.device)
     if rows and blocks:
         loaded().position_sums[(rows, blocks, triton_cdiv(c + 1, BLOCK_COLS))](
-            w, take, carry, n, c, w.stride(0), w.stride(1), w.stride(2), BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
+            _positions(xp, w, take, carry), BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
         carry.cumsum_(dim=1)
     return carry
 
@@ -227,14 +230,13 @@ def causal_row_dots(xp, g, w, take, offset: int, carry=None):
     ``carry`` given: the forward's, over at least the ``n`` positions); ``g`` (R, lq, c) in its own
     dtype and strides."""
     rows, lq, c = g.shape
-    n = w.shape[1]
     out = xp.empty((rows, lq), dtype=xp.float64, device=g.device)
     if rows and lq:
         take = xp.astype(take, xp.int8, copy=False)
         carry = position_carry(xp, w, take) if carry is None else carry
         loaded().causal_row_dots[(rows, triton_cdiv(lq, BLOCK_ROWS))](
-            g, w, take, carry, carry.shape[1], out, n, lq, c, offset, g.stride(0), g.stride(1), g.stride(2),
-            w.stride(0), w.stride(1), w.stride(2), BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=8)
+            strided(g), _positions(xp, w, take, carry), out, lq, offset, BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS,
+            num_warps=8)
     return out
 
 
@@ -266,12 +268,12 @@ def leaf_sums(xp, x, y, w, take, profile: Profile, batch, cols: range, leaf: int
     c, width = w.shape[-1], len(cols)
     out = xp.empty((rows, n, width), dtype=running_dtype(xp, w), device=x.device)
     if rows and n and width:
-        knots, coeffs, lin, K = _profile_args(xp, profile, batch, rows, x.device)
         block_c = _blocks(xp, w)[2]
         k = loaded()
         k.leaf_eval[(rows, n // leaf, triton_cdiv(width, block_c))](
-            x, y, w, xp.astype(take, xp.int8), knots, coeffs, lin, out, n, c, cols.start, width,
-            w.stride(0), w.stride(1), w.stride(2), K=K, ACC=_tl_dtype(k, _acc_dtype(xp, w), xp), LEAF=leaf,
+            x, y, strided(w), xp.astype(take, xp.int8), profile_record(k, xp, profile, batch, rows, x.device,
+                                                                        strict=True),
+            out, Columns(cols.start, width), n, c, ACC=tl_dtype(k, _acc_dtype(xp, w), xp), LEAF=leaf,
             SUB=min(16, leaf), BLOCK_C=block_c)
     return out
 
@@ -305,20 +307,18 @@ def leaf_vjp(xp, x, y, w, profiles, cotangents, batch, leaf: int, *, param_grads
     for p, (g, scale, value_scale) in zip(profiles, cotangents):
         cols = range(c + int(take is not None))[p.columns]
         indicator = take is not None and cols.start >= c
-        knots, coeffs, lin, K = _profile_args(xp, p, batch, rows, dev)
-        # the kernel's knots are the profile's less those of fixed zero coefficient (_profile_args)
+        profile = profile_record(k, xp, p, batch, rows, dev, strict=True)
+        K = profile.K.value
+        # the kernel's knots are the profile's less those of fixed zero coefficient (_args._profile_arrays)
         kept = [i for i, cf in enumerate(p.coeffs) if not (is_fixed(cf) and cf == 0)]
         learned = param_grads and any(not (is_fixed(t) and is_fixed(cf)) for t, cf in zip(p.knots, p.coeffs))
-        dpar = xp.zeros((rows, n // leaf, 2 * max(K, 1)), dtype=xp.float64, device=dev) if learned else dx
+        dpar = xp.zeros((rows, n // leaf, 2 * max(K, 1)), dtype=xp.float64, device=dev) if learned else None
         strict = _strict_knots(xp, tuple(bool(p.strict_knots[i]) for i in kept), dev)
         if rows and n and len(cols):
+            blocks = Blocks(*(k.tl.constexpr(b) for b in (min(LEAF_SUB, leaf), leaf, LEAF_COLS)))
             k.leaf_pullback[(rows, n // leaf)](
-                x, y, w, take8 if take8 is not None else x, g, scale if scale is not None else x,
-                value_scale if value_scale is not None else x, knots, coeffs, lin, strict, dx, dy, dw, dpar, n, c,
-                cols.start, len(cols), w.stride(0), w.stride(1), w.stride(2), g.stride(0), g.stride(1), g.stride(2),
-                K=K, PARAMS=learned, HAS_TAKE=take8 is not None, INDICATOR=indicator, SCALE=scale is not None,
-                VALUE_SCALE=value_scale is not None, LEAF=leaf, SUB=min(LEAF_SUB, leaf), BLOCK_C=LEAF_COLS,
-                num_warps=8)
+                x, y, strided(w), take8, strided(g), scale, value_scale, profile, strict, (dx, dy, dw), dpar,
+                Columns(cols.start, len(cols)), n, c, blocks, INDICATOR=indicator, num_warps=8)
         params.append(_leaf_params(xp, p, kept, dpar if learned else None, batch, param_grads))
     return dx, dy, dw, params
 
@@ -326,7 +326,7 @@ def leaf_vjp(xp, x, y, w, profiles, cotangents, batch, leaf: int, *, param_grads
 @functools.lru_cache(maxsize=64)
 def _strict_knots(xp, strict: tuple, dev):
     """The tie side of each knot as :func:`._dense.leaf_pullback` reads it, (K,) int8: made once per
-    device and pattern, as :func:`_fixed_profile_args` makes fixed profiles (no host-to-device copy
+    device and pattern, as :func:`._args._fixed_profile_arrays` makes fixed profiles (no host-to-device copy
     per backward)."""
     return xp.asarray([int(s) for s in strict] or [0], dtype=xp.int8, device=dev)
 
@@ -365,10 +365,9 @@ def causal_dv(xp, dw, g, weights, factor, dtype):
         sub = g is not None
         lq = g.shape[1] if sub else lk
         weights = xp.astype(weights, xp.float64).contiguous() if sub else factor
-        g = g if sub else dw                              # not read without SUB
         loaded().causal_dv[(rows, triton_cdiv(d, BLOCK_COLS))](
-            dw, g, weights, factor, out, lq, lk, d, -key_offset(lq, lk), dw.stride(0), dw.stride(1), dw.stride(2),
-            g.stride(0), g.stride(1), g.stride(2), SUB=sub, BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS, num_warps=8)
+            strided(dw), strided(g) if sub else None, weights, factor, out, lq, lk, d, -key_offset(lq, lk),
+            BLOCK_N=BLOCK_ROWS, BLOCK_D=BLOCK_COLS, num_warps=8)
     return out
 
 

@@ -18,7 +18,8 @@ from ..._spec import Normalizer
 from ...backends import finite, finite_keys
 from ...kernels import Profile
 from .._runs import RunCounter
-from ._sums import _profile_args, loaded
+from ._args import Runs, log_steps, profile_record
+from ._sums import loaded
 
 __all__ = ["DeviceRuns"]
 
@@ -52,9 +53,9 @@ class DeviceRuns(RunCounter):
     def _setup(self, batch: tuple, bsz: int, device) -> None:
         xp = self.xp
         self._batch, self._bsz, self._device = batch, bsz, device
-        self._args = _profile_args(xp, self.profile, batch, bsz, device)
+        self._args = profile_record(loaded(), xp, self.profile, batch, bsz, device, strict=True)
         if self.normalizer.summed:
-            self._nargs = _profile_args(xp, self.normalizer.profile, batch, bsz, device)
+            self._nargs = profile_record(loaded(), xp, self.normalizer.profile, batch, bsz, device, strict=True)
         else:
             self._nargs = self._args
         self.totals = xp.zeros((bsz, self.dv + 1), dtype=xp.float64, device=device)
@@ -124,16 +125,14 @@ class DeviceRuns(RunCounter):
         m = q.shape[-1]
         out = xp.empty((self._bsz, m, self.dv), dtype=xp.float64, device=self._device)
         if m and self._bsz and self.dv:
-            knots, coeffs, lin, K = self._args
-            nknots, ncoeffs, nlin, KN = self._nargs
             bounds = xp.asarray(self.bounds[:, :self.n_runs].copy(), device=self._device)
             grid = (self._bsz, -(-m // BLOCK_Q))
+            runs = Runs(bounds, self.n_runs, self.sorted_keys, self.prefix, self.shifts, self.totals,
+                        xp.astype(self.bad, xp.int8), self.capacity, log_steps(self.capacity))
             loaded().decode_attend[grid](
-                xp.reshape(xp.astype(q.detach(), xp.float64), (self._bsz, m)).contiguous(), bounds, self.n_runs,
-                self.sorted_keys, self.prefix, self.shifts, self.totals, xp.astype(self.bad, xp.int8),
-                knots, coeffs, lin, nknots, ncoeffs, nlin, out,
-                m, self.capacity, self.dv, float(self.normalizer.eps), max(1, math.ceil(math.log2(self.capacity + 1))),
-                K=K, KN=KN, CENTER=bool(self.center), NORM=self.normalizer.code, BLOCK_Q=BLOCK_Q,
+                xp.reshape(xp.astype(q.detach(), xp.float64), (self._bsz, m)).contiguous(), runs, self._args,
+                self._nargs, out, m, self.dv, float(self.normalizer.eps), CENTER=bool(self.center),
+                NORM=self.normalizer.code, BLOCK_Q=BLOCK_Q,
                 BLOCK_W=max(2, 1 << self.dv.bit_length()))      # a power of two >= dv + 1
         out = xp.reshape(out, self._batch + (m, self.dv))
         return out if dtype is None else xp.astype(out, dtype)

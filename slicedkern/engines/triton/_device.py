@@ -294,25 +294,27 @@ def _attend_block(row, i, cl, cb, row_factor, queries, keys, weights, carry, pro
 
 
 @triton.jit
-def _run_profile(x, xs, qm, keys_ptr, prefix_ptr, run_base, size, knots_ptr, coeffs_ptr, lin_ptr, b, w, wm,
-                 cw, log_cap, K: tl.constexpr):
+def _run_profile(x, xs, qm, runs, run_base, size, profile, b, w, wm, cw):
     """One run's profile sums at the queries ``x`` (BLOCK_Q,) over the prefix columns ``w``
     (BLOCK_W,): the linear part on the run's totals, then per knot one exact rank search (the strict
-    tie rule of :func:`_rank`) and one prefix row; (BLOCK_Q, BLOCK_W) float64."""
-    tot = prefix_ptr + (run_base + size - 1) * 2 * cw
+    tie rule of :func:`_rank`) and one prefix row; (BLOCK_Q, BLOCK_W) float64. ``runs`` a
+    :class:`._args.Runs`, ``profile`` a :class:`._args.ProfileArgs`."""
+    prefix = runs.prefix
+    tot = prefix + (run_base + size - 1) * 2 * cw
     t0 = tl.load(tot + w, mask=wm, other=0.0)
     t1 = tl.load(tot + cw + w, mask=wm, other=0.0)
-    slope = tl.load(lin_ptr + b * 2)
-    intercept = tl.load(lin_ptr + b * 2 + 1)
+    slope = tl.load(profile.lin + b * 2)
+    intercept = tl.load(profile.lin + b * 2 + 1)
     sums = (intercept + slope * xs)[:, None] * t0[None, :] - slope * t1[None, :]
+    K: tl.constexpr = profile.K
     for k in range(K):
-        t = tl.load(knots_ptr + b * K + k)
-        cf = tl.load(coeffs_ptr + b * K + k)
+        t = tl.load(profile.knots + b * K + k)
+        cf = tl.load(profile.coeffs + b * K + k)
         d = x - t
         bb = d - x
         e = (x - (d - bb)) + (-t - bb)          # x - t = d + e exactly (TwoSum)
-        rank = _rank(keys_ptr + run_base, 0, size, d, e, log_cap, True)
-        row = prefix_ptr + (run_base + rank - 1) * 2 * cw
+        rank = _rank(runs.keys + run_base, 0, size, d, e, runs.log_cap, True)
+        row = prefix + (run_base + rank - 1) * 2 * cw
         seen = qm & (rank > 0)
         p0 = tl.load(row[:, None] + w[None, :], mask=seen[:, None] & wm[None, :], other=0.0)
         p1 = tl.load(row[:, None] + cw + w[None, :], mask=seen[:, None] & wm[None, :], other=0.0)

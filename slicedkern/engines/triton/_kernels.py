@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from ._args import given
 from ._dense import (
     causal_dv,
     causal_epilogue,
@@ -100,12 +101,7 @@ def tile_sums(keys, weights, carry, blocks):
     tl.store(tot + C, sum_yw, mask=cm)
 
 
-def _given(name):
-    """A heuristic: whether the optional array argument ``name`` was passed (not None)."""
-    return lambda args: args[name] is not None
-
-
-@triton.heuristics({"HAS_FACTOR": _given("factor")})
+@triton.heuristics({"HAS_FACTOR": given("factor")})
 @triton.jit
 def attend_eval(queries, keys, weights, carry, profile, norm, divisor, factor, out, cols, blocks,
                 HAS_FACTOR: tl.constexpr):
@@ -125,7 +121,7 @@ def attend_eval(queries, keys, weights, carry, profile, norm, divisor, factor, o
                   out, cols, blocks, HAS_FACTOR)
 
 
-@triton.heuristics({"HAS_FACTOR": _given("factor"), "SUB": _given("sub"), "NORM_INTO": _given("raw")})
+@triton.heuristics({"HAS_FACTOR": given("factor"), "SUB": given("sub"), "NORM_INTO": given("raw")})
 @triton.jit
 def sums_eval(queries, keys, weights, carry, profile, factor, sub, out, cols, blocks, norm, raw,
               HAS_FACTOR: tl.constexpr, SUB: tl.constexpr, NORM_INTO: tl.constexpr):
@@ -157,7 +153,7 @@ def sums_eval(queries, keys, weights, carry, profile, factor, sub, out, cols, bl
     _store_rows(acc, out, row, dest, cl, nm, cm)
 
 
-@triton.heuristics({"HAS_FACTOR": _given("factor"), "DOT_TAKE": _given("take")})
+@triton.heuristics({"HAS_FACTOR": given("factor"), "DOT_TAKE": given("take")})
 @triton.jit
 def dots_eval(queries, keys, weights, carry, profile, factor, dot, take, out, cols, blocks,
               HAS_FACTOR: tl.constexpr, DOT_TAKE: tl.constexpr):
@@ -187,22 +183,19 @@ def dots_eval(queries, keys, weights, carry, profile, factor, dot, take, out, co
 
 
 @triton.jit
-def decode_attend(q_ptr, bounds_ptr, n_runs, keys_ptr, prefix_ptr, shifts_ptr, totals_ptr, bad_ptr,
-                  knots_ptr, coeffs_ptr, lin_ptr, nknots_ptr, ncoeffs_ptr, nlin_ptr, out_ptr,
-                  M, cap, dv, eps, log_cap,
-                  K: tl.constexpr, KN: tl.constexpr, CENTER: tl.constexpr, NORM: tl.constexpr,
+def decode_attend(q_ptr, runs, profile, norm, out_ptr, M, dv, eps, CENTER: tl.constexpr, NORM: tl.constexpr,
                   BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr):
     """Decoding's attention: one program per batch row and block of queries, over every sorted run of
     :class:`slicedkern.engines.triton._decode.DeviceRuns` (docs/mathematics.rst, "Decoding").
 
-    Storage per row ``b`` (``cap`` positions): ``keys`` the runs' sorted keys, ``prefix`` (cap, 2 cw)
-    the runs' inclusive prefix rows of ``[w, take, (y - shift) w, (y - shift) take]`` (``cw = dv +
-    1``), ``shifts`` the run's median key at its first position; ``bounds`` (2, n_runs) int64 the
-    runs' ``[start, end)``; ``totals`` (B, cw) the values' sum and the count of the keys taken;
-    ``bad`` (B,) int8 a row that took a non-finite key. Per query the profile sums over the runs
-    (values and indicator: ``knots``, ``coeffs``, ``lin``), NORM's divisor (0 none, 3 the count, 1 or 2 the
-    normaliser profile ``nknots``... over the indicator, floored at ``eps``, 1 for a query that sees
-    no key), CENTER's running mean, and NaN for a non-finite query or a ``bad`` row: the arithmetic
+    Storage (:class:`._args.Runs`) per row ``b`` (``cap`` positions): ``keys`` the runs' sorted
+    keys, ``prefix`` (cap, 2 cw) the runs' inclusive prefix rows of ``[w, take, (y - shift) w, (y -
+    shift) take]`` (``cw = dv + 1``), ``shifts`` the run's median key at its first position;
+    ``bounds`` (2, n_runs) int64 the runs' ``[start, end)``; ``totals`` (B, cw) the values' sum and
+    the count of the keys taken; ``bad`` (B,) int8 a row that took a non-finite key. Per query the
+    profile sums over the runs (values and indicator: ``profile``), NORM's divisor (0 none, 3 the
+    count, 1 or 2 the normaliser profile ``norm`` over the indicator, floored at ``eps``, 1 for a
+    query that sees no key), CENTER's running mean, and NaN for a non-finite query or a ``bad`` row: the arithmetic
     of :func:`slicedkern.engines._combine.combine`. ``out`` (B, M, dv) float64.
     """
     b = tl.program_id(0).to(tl.int64)
@@ -217,21 +210,19 @@ def decode_attend(q_ptr, bounds_ptr, n_runs, keys_ptr, prefix_ptr, shifts_ptr, t
     x = tl.where(finite, x, 0.0)
     sums = tl.zeros((BLOCK_Q, BLOCK_W), dtype=tl.float64)
     den = tl.zeros((BLOCK_Q,), dtype=tl.float64)
-    for r in range(n_runs):
-        start = tl.load(bounds_ptr + r)
-        size = tl.load(bounds_ptr + n_runs + r) - start
-        run_base = b * cap + start
-        xs = x - tl.load(shifts_ptr + run_base)
-        sums += _run_profile(x, xs, qm, keys_ptr, prefix_ptr, run_base, size, knots_ptr, coeffs_ptr, lin_ptr, b,
-                             w, wm, cw, log_cap, K)
+    for r in range(runs.count):
+        start = tl.load(runs.bounds + r)
+        size = tl.load(runs.bounds + runs.count + r) - start
+        run_base = b * runs.cap + start
+        xs = x - tl.load(runs.shifts + run_base)
+        sums += _run_profile(x, xs, qm, runs, run_base, size, profile, b, w, wm, cw)
         if NORM == 1 or NORM == 2:
-            nsums = _run_profile(x, xs, qm, keys_ptr, prefix_ptr, run_base, size, nknots_ptr, ncoeffs_ptr,
-                                 nlin_ptr, b, w, wm, cw, log_cap, KN)
+            nsums = _run_profile(x, xs, qm, runs, run_base, size, norm, b, w, wm, cw)
             den += tl.sum(tl.where((w == dv)[None, :], nsums, 0.0), 1)
-    totals = tl.load(totals_ptr + b * cw + w, mask=wm, other=0.0)
+    totals = tl.load(runs.totals + b * cw + w, mask=wm, other=0.0)
     count = tl.sum(tl.where(w == dv, totals, 0.0), 0)
     relu_count = tl.sum(tl.where((w == dv)[None, :], sums, 0.0), 1)
     acc = _attention_epilogue(sums, relu_count, count, totals[None, :], den, eps, CENTER, NORM)
-    poisoned = tl.load(bad_ptr + b) != 0
+    poisoned = tl.load(runs.bad + b) != 0
     acc = tl.where((finite & ~poisoned)[:, None], acc, float("nan"))
     tl.store(out_ptr + b * M * dv + i[:, None] * dv + w[None, :], acc, mask=qm[:, None] & (w < dv)[None, :])

@@ -11,24 +11,26 @@ rows here and restored by the caller.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import sys
 from typing import Any, NamedTuple
 
-from ...kernels import Profile, is_fixed
+from ...kernels import Profile
 from .._columns import ScaledRows
 from ._args import (
     Blocks,
     CarryArgs,
     Columns,
-    DivisorArgs,
     DotArgs,
     KeyArgs,
     OutArgs,
-    ProfileArgs,
     QueryArgs,
     WeightArgs,
+    divisor_args,
+    log_steps,
+    no_profile,
+    profile_record,
+    tl_dtype,
 )
 
 __all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_sum_into", "profile_dot",
@@ -239,50 +241,8 @@ def build_table(xp, y, w, *, take=None, ones=False, scale=None, presorted: Queri
     return Table(keys, perm, shift, carry, w, take_arg, C, ones, scale_arg)
 
 
-def _tl_dtype(k, dtype, xp):
-    return k.tl.float64 if dtype == xp.float64 else k.tl.float32
-
-
 def triton_cdiv(a: int, b: int) -> int:
     return max(1, -(-a // b))
-
-
-def _per_row(xp, value, batch, rows, dev):
-    """A profile parameter (float or batch-broadcastable array) as a (R,) float64 tensor."""
-    if is_fixed(value):
-        return xp.full((rows,), float(value), dtype=xp.float64, device=dev)
-    value = xp.broadcast_to(xp.astype(value, xp.float64), batch)
-    return xp.reshape(value, (rows,))
-
-
-def _profile_args(xp, profile: Profile, batch, rows: int, dev):
-    """A profile as the kernels read it: ``knots``, ``coeffs`` (R, K) and ``lin`` (R, 2) = slope,
-    intercept, float64, the knots of zero fixed coefficient left out; and ``K``.
-
-    A profile of fixed numbers (ReLU, |r|, a hat of fixed width) is made once per device and row
-    count and reused: the kernels only read it, and on a GPU its dozen small operators would cost
-    more host time than the kernels (docs/benchmarks.rst, "On a GPU").
-    """
-    pairs = tuple((t, cf) for t, cf in zip(profile.knots, profile.coeffs) if not (is_fixed(cf) and cf == 0))
-    if profile.is_fixed:
-        return _fixed_profile_args(xp, pairs, float(profile.slope), float(profile.intercept), rows, dev)
-    return _build_profile_args(xp, pairs, profile.slope, profile.intercept, batch, rows, dev)
-
-
-@functools.lru_cache(maxsize=64)
-def _fixed_profile_args(xp, pairs, slope: float, intercept: float, rows: int, dev):
-    return _build_profile_args(xp, pairs, slope, intercept, (rows,), rows, dev)
-
-
-def _build_profile_args(xp, pairs, slope, intercept, batch, rows: int, dev):
-    if pairs:
-        knots = xp.stack([_per_row(xp, t, batch, rows, dev) for t, _ in pairs], axis=-1).contiguous()
-        coeffs = xp.stack([_per_row(xp, cf, batch, rows, dev) for _, cf in pairs], axis=-1).contiguous()
-    else:
-        knots = coeffs = xp.zeros((rows, 1), dtype=xp.float64, device=dev)
-    lin = xp.stack([_per_row(xp, slope, batch, rows, dev), _per_row(xp, intercept, batch, rows, dev)],
-                   axis=-1).contiguous()
-    return knots, coeffs, lin, len(pairs)
 
 
 def _key_args(k, keys, perm, shift, take, log_m: int) -> KeyArgs:
@@ -293,7 +253,7 @@ def _key_args(k, keys, perm, shift, take, log_m: int) -> KeyArgs:
 
 def _weight_args(k, xp, w, scale, *, ones: bool) -> WeightArgs:
     """The weight rows as the kernels read them (``scale`` None: unscaled)."""
-    acc = _tl_dtype(k, _acc_dtype(xp, w, scale), xp)
+    acc = tl_dtype(k, _acc_dtype(xp, w, scale), xp)
     return WeightArgs(w, w if scale is None else scale, w.shape[-1], w.stride(0), w.stride(1), w.stride(2),
                       _rows_apart(w.shape[1], scale), k.tl.constexpr(ones), k.tl.constexpr(scale is not None),
                       k.tl.constexpr(acc))
@@ -303,31 +263,13 @@ def _block_args(k, xp, w, scale=None) -> Blocks:
     return Blocks(*(k.tl.constexpr(b) for b in _blocks(xp, w, scale)))
 
 
-def _log_steps(m: int) -> int:
-    """The steps of a rank search among ``m`` sorted keys: ceil(log2(m + 1)), a runtime argument (a
-    constant would compile every kernel again for each power of two of the length)."""
-    return max(1, math.ceil(math.log2(m + 1)))
-
-
-def _profile_record(k, xp, profile: Profile, batch, rows: int, dev, *, strict: bool) -> ProfileArgs:
-    knots, coeffs, lin, K = _profile_args(xp, profile, batch, rows, dev)
-    const = k.tl.constexpr
-    return ProfileArgs(knots, coeffs, lin, const(K), const(strict), const(bool(profile.derivative)))
-
-
-def _no_profile(k, like: ProfileArgs) -> ProfileArgs:
-    """A profile of no knots standing in for an absent one (any three float64 arrays)."""
-    const = k.tl.constexpr
-    return like._replace(K=const(0), STRICT=const(True), DERIV=const(False))
-
-
 def _out_args(k, out, row_stride: int, offset: int, query_stride: int, *, add: bool = False) -> OutArgs:
     return OutArgs(out, row_stride, offset, query_stride, k.tl.constexpr(add))
 
 
 def _pass2(k, xp, table: Table, queries: Queries, *, rows_apart: int):
     """The records every pass-2 launch over ``table`` at ``queries`` reads, and its block sizes."""
-    keys = _key_args(k, table.keys, table.perm, table.shift, table.take, _log_steps(table.keys.shape[-1]))
+    keys = _key_args(k, table.keys, table.perm, table.shift, table.take, log_steps(table.keys.shape[-1]))
     weights = _weight_args(k, xp, table.w, table.scale, ones=table.ones)
     carry = CarryArgs(table.carry, table.carry.shape[1] - 1, table.C)
     rows, n = queries.sorted.shape
@@ -348,11 +290,11 @@ def _launch_sums(xp, table: Table, queries: Queries, profile: Profile, batch, co
     (factor,) = per_key_rows(xp, factor)
     qa, keys, weights, carry, blocks = _pass2(k, xp, table, queries, rows_apart=_rows_apart(n, factor))
     dev = queries.sorted.device
-    value = _profile_record(k, xp, profile, batch, rows, dev, strict=strict)
+    value = profile_record(k, xp, profile, batch, rows, dev, strict=strict)
     if norm_into is None:
-        norm, raw = _no_profile(k, value), None
+        norm, raw = no_profile(k, value), None
     else:
-        norm, raw = _profile_record(k, xp, norm_into[0], batch, rows, dev, strict=strict), norm_into[1]
+        norm, raw = profile_record(k, xp, norm_into[0], batch, rows, dev, strict=strict), norm_into[1]
     k.sums_eval[_grid(rows, n, len(cols), blocks)](qa, keys, weights, carry, value, factor, sub, out,
                                                    Columns(cols.start, len(cols)), blocks, norm, raw,
                                                    num_warps=MERGE_WARPS)
@@ -364,24 +306,12 @@ def _launch_dots(xp, term, batch, out: OutArgs):
     rows, n = term.queries.sorted.shape
     factor, take = per_key_rows(xp, term.factor, None if term.take is None else as_int8(xp, term.take))
     qa, keys, weights, carry, blocks = _pass2(k, xp, term.table, term.queries, rows_apart=_rows_apart(n, factor, take))
-    value = _profile_record(k, xp, term.profile, batch, rows, term.queries.sorted.device, strict=term.strict)
+    value = profile_record(k, xp, term.profile, batch, rows, term.queries.sorted.device, strict=term.strict)
     r = term.rows
     dot = DotArgs(r, r.stride(0), r.stride(1), r.stride(2), term.col0)
     k.dots_eval[_grid(rows, n, len(term.cols), blocks)](qa, keys, weights, carry, value, factor, dot, take, out,
                                                         Columns(term.cols.start, len(term.cols)), blocks,
                                                         num_warps=MERGE_WARPS)
-
-
-def _divisor_args(k, xp, value: ProfileArgs, normalizer, batch, rows: int, dev, *, center: bool, count, raw):
-    """Attention's epilogue as the kernels read it: ``(norm, divisor)``, the normaliser's profile (a
-    profile of no knots unless it is summed) and :class:`._args.DivisorArgs`."""
-    const = k.tl.constexpr
-    if normalizer.summed:
-        norm = _profile_record(k, xp, normalizer.profile, batch, rows, dev, strict=True)
-    else:
-        norm = _no_profile(k, value)
-    return norm, DivisorArgs(count, count if raw is None else raw, float(normalizer.eps), const(bool(center)),
-                             const(normalizer.code))
 
 
 def profile_sum(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, *, strict: bool,
@@ -496,8 +426,8 @@ def attend(xp, table: Table, queries: Queries, profile: Profile, normalizer, bat
         k = loaded()
         (factor,) = per_key_rows(xp, factor)
         qa, keys, weights, carry, blocks = _pass2(k, xp, table, queries, rows_apart=_rows_apart(n, factor))
-        value = _profile_record(k, xp, profile, batch, rows, dev, strict=True)
-        norm, divisor = _divisor_args(k, xp, value, normalizer, batch, rows, dev, center=center, count=count, raw=raw)
+        value = profile_record(k, xp, profile, batch, rows, dev, strict=True)
+        norm, divisor = divisor_args(k, xp, value, normalizer, batch, rows, dev, center=center, count=count, raw=raw)
         k.attend_eval[_grid(rows, n, width, blocks)](qa, keys, weights, carry, value, norm, divisor, factor,
                                                      _out_args(k, out, n * width, 0, width), Columns(0, width),
                                                      blocks, num_warps=MERGE_WARPS)
@@ -537,13 +467,13 @@ def attend_small(xp, y, x, w, take, profile: Profile, normalizer, batch, *, cent
     take_arg = xp.astype(take, xp.int8).contiguous() if take is not None else None
     if rows and n and m:
         k = loaded()
-        value = _profile_record(k, xp, profile, batch, rows, dev, strict=True)
-        norm, divisor = _divisor_args(k, xp, value, normalizer, batch, rows, dev, center=center, count=count, raw=raw)
+        value = profile_record(k, xp, profile, batch, rows, dev, strict=True)
+        norm, divisor = divisor_args(k, xp, value, normalizer, batch, rows, dev, center=center, count=count, raw=raw)
         query_blocks = triton_cdiv(n, block_n)
         grid = (rows, triton_cdiv(query_blocks, SMALL_BLOCKS), triton_cdiv(width, block_c))
         k.small_attend[grid](
             y.contiguous(), x.contiguous(), QueryArgs(xs, xperm, n, n), _key_args(k, keys, perm, shift, take_arg,
-                                                                                  _log_steps(m)),
+                                                                                  log_steps(m)),
             _weight_args(k, xp, w, None, ones=True), CarryArgs(carry, nb, C), value, norm, divisor, factor,
             _out_args(k, out, n * width, 0, width), Columns(0, width), (SMALL_BLOCKS, query_blocks),
             _block_args(k, xp, w), SORT=max(SORT_MIN_BLOCK, 1 << (max(m, n) - 1).bit_length()),

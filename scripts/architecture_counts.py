@@ -69,14 +69,25 @@ def _exported(root: pathlib.Path, every) -> set[str]:
     return names
 
 
+def _planners(tree) -> set[str]:
+    """The functions a module passes to ``@composite(...)``: a public op's planner, which takes the
+    op's own parameters (:func:`slicedkern.adapters.vjp.composite`; tests/test_architecture.py,
+    ``test_planners_take_their_ops_parameters``)."""
+    return {d.args[0].id for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+            for d in node.decorator_list if isinstance(d, ast.Call) and getattr(d.func, "id", None) == "composite"
+            and d.args and isinstance(d.args[0], ast.Name)}
+
+
 def internal_wide(root: pathlib.Path, every) -> list[str]:
     """The internal host functions over 8 parameters: neither a kernel (Triton, numba) nor a public
-    signature (a public function, or a method of a public class: of a public module, or exported by
-    one), whose keyword options follow torch's SDPA and ``nn.MultiheadAttention``."""
+    signature (a public function, a public op's planner, or a method of a public class: of a public
+    module, or exported by one), whose keyword options follow torch's SDPA and
+    ``nn.MultiheadAttention``."""
     found, exported = [], _exported(root, every)
     for path in every:
         tree = ast.parse(path.read_text())
         private = _private(path, root)
+        planners = _planners(tree)
         scopes = [(node, private and getattr(node, "name", None) not in exported) for node in tree.body]
         while scopes:
             node, inner = scopes.pop()
@@ -85,7 +96,8 @@ def internal_wide(root: pathlib.Path, every) -> list[str]:
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 named_private = node.name.startswith("_") and not (node.name.startswith("__")
                                                                     and node.name.endswith("__"))
-                if _parameters(node) > 8 and not _compiled(node) and (inner or named_private):
+                if (_parameters(node) > 8 and not _compiled(node) and (inner or named_private)
+                        and node.name not in planners):
                     found.append(f"{path.relative_to(root.parent)}:{node.name}")
                 scopes += [(child, True) for child in ast.walk(node) if child is not node
                            and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))]

@@ -340,3 +340,21 @@ def test_op_signatures_restate_the_one_table_of_defaults(module):
         params = inspect.signature(fn).parameters
         got = {name: params[name].default for name in defaults}
         assert got == defaults, (module, op, got)
+
+
+@pytest.mark.parametrize("module", ["slicedkern.sliced.ops", "slicedkern.sliced.stats"])
+def test_planners_take_their_ops_parameters(module):
+    """A composite op's planner is called with the op's own arguments (``adapters.vjp.composite``):
+    its parameters are the op's, names, kinds and defaults (scripts/architecture_counts.py counts it
+    as a public signature)."""
+    import importlib
+    import inspect
+
+    mod = importlib.import_module(module)
+    ops = [getattr(mod, n) for n in mod.__all__ if hasattr(getattr(mod, n), "__slicedkern_planner__")]
+    assert ops
+    for op in ops:
+        planner = op.__slicedkern_planner__
+        mine = [(p.name, p.kind, p.default) for p in inspect.signature(op).parameters.values()]
+        theirs = [(p.name, p.kind, p.default) for p in inspect.signature(planner).parameters.values()]
+        assert mine == theirs, (op.__name__, mine, theirs)

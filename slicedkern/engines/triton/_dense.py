@@ -19,6 +19,13 @@ __all__ = ["leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots", "column_
 
 
 @triton.jit
+def _strided_at(s, row, i, cols):
+    """The addresses of the items ``i`` and columns ``cols`` of row ``row`` of an :class:`._args.Strided`
+    array: (len(i), len(cols)) pointers."""
+    return s.ptr + row * s.row + i[:, None] * s.item + cols[None, :] * s.col
+
+
+@triton.jit
 def leaf_eval(x_ptr, y_ptr, w, take_ptr, profile, out_ptr, cols, n, c, ACC: tl.constexpr, LEAF: tl.constexpr,
               SUB: tl.constexpr, BLOCK_C: tl.constexpr):
     """The dense leaves of causal attention's divide and conquer: for one block of ``LEAF``
@@ -46,7 +53,7 @@ def leaf_eval(x_ptr, y_ptr, w, take_ptr, profile, out_ptr, cols, n, c, ACC: tl.c
             f += tl.load(profile.coeffs + row * K + k) * tl.maximum(r - tl.load(profile.knots + row * K + k), 0.0)
         f = tl.where((j[None, :] <= i[:, None]) & ok[None, :], f, 0.0)
         wm = ok[:, None] & (tc[None, :] < c)
-        wv = tl.load(w.ptr + row * w.row + j[:, None] * w.item + tc[None, :] * w.col, mask=wm, other=0.0)
+        wv = tl.load(_strided_at(w, row, j, tc), mask=wm, other=0.0)
         wv = tl.where(wm, wv.to(ACC), 0.0)
         wv = tl.where(ok[:, None] & (tc[None, :] == c), 1.0, wv).to(ACC)
         acc = _below_sum(f.to(ACC), wv, acc, ACC)
@@ -110,11 +117,11 @@ def leaf_pullback(x_ptr, y_ptr, w, take_ptr, g, scale_ptr, vscale_ptr, profile, 
         for c0 in range(0, width, BLOCK_C):
             cl = c0 + tl.arange(0, BLOCK_C)
             cm = cl < width
-            gv = tl.load(g.ptr + row * g.row + i[:, None] * g.item + cl[None, :] * g.col, mask=cm[None, :], other=0.0)
+            gv = tl.load(_strided_at(g, row, i, cl), mask=cm[None, :], other=0.0)
             if INDICATOR:
                 wv = tl.where(taken[:, None] & cm[None, :], 1.0, 0.0)
             else:
-                wv = tl.load(w.ptr + row * w.row + j[:, None] * w.item + (col0 + cl)[None, :] * w.col,
+                wv = tl.load(_strided_at(w, row, j, col0 + cl),
                              mask=taken[:, None] & cm[None, :], other=0.0)
             a += tl.sum(gv.to(tl.float64)[:, None, :] * wv.to(tl.float64)[None, :, :], 2)
         if SCALE:
@@ -143,7 +150,7 @@ def leaf_pullback(x_ptr, y_ptr, w, take_ptr, g, scale_ptr, vscale_ptr, profile, 
             for c0 in range(0, width, BLOCK_C):
                 cl = c0 + tl.arange(0, BLOCK_C)
                 cm = cl < width
-                gv = tl.load(g.ptr + row * g.row + i[:, None] * g.item + cl[None, :] * g.col, mask=cm[None, :],
+                gv = tl.load(_strided_at(g, row, i, cl), mask=cm[None, :],
                              other=0.0)
                 part = tl.sum(f[:, :, None] * gv.to(tl.float64)[:, None, :], 0)
                 where = dw_ptr + row * n * c + j[:, None] * c + (col0 + cl)[None, :]
@@ -158,7 +165,7 @@ def _position_rows(pos, row, j, jm, cols):
     (column ``c`` the indicator), float64, zero where ``jm`` is False (:class:`._args.Positions`)."""
     w, c = pos.w, pos.c
     ok = (tl.load(pos.take + row * pos.n + j, mask=jm, other=0) != 0) & jm
-    wv = tl.load(w.ptr + row * w.row + j[:, None] * w.item + cols[None, :] * w.col,
+    wv = tl.load(_strided_at(w, row, j, cols),
                  mask=ok[:, None] & (cols < c)[None, :], other=0.0).to(tl.float64)
     return tl.where(ok[:, None] & (cols == c)[None, :], 1.0, wv)
 
@@ -212,7 +219,7 @@ def causal_row_dots(g, pos, out_ptr, lq, offset, BLOCK_N: tl.constexpr, BLOCK_C:
         cols = c0 + tl.arange(0, BLOCK_C)
         cm = cols < c
         totals = _running_totals(pos, row, i0 + offset, cols, BLOCK_N)
-        gv = tl.load(g.ptr + row * g.row + i[:, None] * g.item + cols[None, :] * g.col, mask=im[:, None] & cm[None, :],
+        gv = tl.load(_strided_at(g, row, i, cols), mask=im[:, None] & cm[None, :],
                      other=0.0)
         acc += tl.sum(tl.where(cm[None, :], totals, 0.0) * gv.to(tl.float64), 1)
     tl.store(out_ptr + row * lq + i, acc, mask=im)
@@ -271,8 +278,8 @@ def row_dots(a, b, out_ptr, n, d, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     for start in range(0, d, BLOCK_D):
         cols = start + tl.arange(0, BLOCK_D)
         mask = im[:, None] & (cols < d)[None, :]
-        av = tl.load(a.ptr + row * a.row + i[:, None] * a.item + cols[None, :] * a.col, mask=mask, other=0.0)
-        bv = tl.load(b.ptr + row * b.row + i[:, None] * b.item + cols[None, :] * b.col, mask=mask, other=0.0)
+        av = tl.load(_strided_at(a, row, i, cols), mask=mask, other=0.0)
+        bv = tl.load(_strided_at(b, row, i, cols), mask=mask, other=0.0)
         acc += tl.sum(av.to(tl.float64) * bv.to(tl.float64), 1)
     tl.store(out_ptr + row * n + i, acc, mask=im)
 
@@ -290,7 +297,7 @@ def column_sums(weights_ptr, g, out_ptr, n, d, BLOCK_N: tl.constexpr, BLOCK_D: t
         i = start + tl.arange(0, BLOCK_N)
         im = i < n
         w = tl.load(weights_ptr + row * n + i, mask=im, other=0.0)
-        gv = tl.load(g.ptr + row * g.row + i[:, None] * g.item + cols[None, :] * g.col,
+        gv = tl.load(_strided_at(g, row, i, cols),
                      mask=im[:, None] & cm[None, :], other=0.0)
         acc += tl.sum(w[:, None] * gv.to(tl.float64), 0)
     tl.store(out_ptr + row * d + cols, acc, mask=cm)
@@ -320,14 +327,14 @@ def causal_dv(dw, g, weights_ptr, factor_ptr, out_ptr, lq, lk, d, shift, BLOCK_N
         j = (blocks - 1 - b) * BLOCK_N + tl.arange(0, BLOCK_N)
         jm = j < lk
         mask = jm[:, None] & cm[None, :]
-        acc = tl.load(dw.ptr + row * dw.row + j[:, None] * dw.item + cols[None, :] * dw.col, mask=mask,
+        acc = tl.load(_strided_at(dw, row, j, cols), mask=mask,
                       other=0.0).to(tl.float64)
         if SUB:
             # the query at key j's position; queries before position 0 see no key and are never read
             t = j + shift
             tm = jm & (t >= 0) & (t < lq)
             w = tl.load(weights_ptr + row * lq + t, mask=tm, other=0.0)
-            gv = tl.load(g.ptr + row * g.row + t[:, None] * g.item + cols[None, :] * g.col,
+            gv = tl.load(_strided_at(g, row, t, cols),
                          mask=tm[:, None] & cm[None, :], other=0.0)
             rows = w[:, None] * gv.to(tl.float64)
             acc -= carry[None, :] + tl.cumsum(rows, axis=0, reverse=True)

@@ -49,7 +49,12 @@ def main():
     import torch
 
     import slicedkern
+    from slicedkern._spec import Normalizer
+    from slicedkern.engines._vjp import Form, Inputs
     from slicedkern.engines.sweep import _host as _sweep
+    from slicedkern.kernels import Profile
+
+    relu = Form(Profile((0.0,), (1.0,)), Normalizer("abs"), center=True)
 
     torch.set_num_threads(args.threads)
     numba.set_num_threads(args.threads)
@@ -72,7 +77,7 @@ def main():
         return np.cumsum(np.take_along_axis(vn, perm[..., None], axis=1), axis=1)
 
     def sweep():
-        return _sweep.attention(qn, kn, vn, None, center=True, normalizer="abs")
+        return _sweep.attention(Inputs(qn, kn, vn, None), relu)
 
     def scan():
         return slicedkern.relu_attention(q, k, v)
@@ -113,13 +118,13 @@ def main():
     q64, k64, v64 = (a.astype(np.float64) for a in (q32, k32, v32))
     print(f"float32 error of the sweep vs float64 (same rounded inputs), n = {n}, D = {d}:")
     cases = {
-        "relu_attention (center, abs)": dict(center=True, normalizer="abs"),
-        "hat_attention b=0.01 (count)": dict(knots=(-0.01, 0.0, 0.01), coeffs=(100.0, -200.0, 100.0),
-                                             center=False, normalizer="count"),
+        "relu_attention (center, abs)": relu,
+        "hat_attention b=0.01 (count)": Form(Profile((-0.01, 0.0, 0.01), (100.0, -200.0, 100.0)),
+                                             Normalizer("count"), center=False),
     }
-    for name, kw in cases.items():
-        out32 = _sweep.attention(q32, k32, v32, None, **kw)
-        out64 = _sweep.attention(q64, k64, v64, None, **kw)
+    for name, form in cases.items():
+        out32 = _sweep.attention(Inputs(q32, k32, v32, None), form)
+        out64 = _sweep.attention(Inputs(q64, k64, v64, None), form)
         diff = out32.astype(np.float64) - out64
         rel = np.linalg.norm(diff) / np.linalg.norm(out64)
         print(f"  {name:30s} normwise {rel:.2e}   max abs {np.abs(diff).max():.2e}   "

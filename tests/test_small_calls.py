@@ -10,11 +10,14 @@ raised every time (nothing is remembered from a failed call). Speed itself is a 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 import slicedkern
 from slicedkern import reference
+from slicedkern._spec import Normalizer
 from slicedkern.ops import _validate
 
 
@@ -86,36 +89,41 @@ def test_broadcast_all_keeps_arrays_of_the_batch_shape(rng):
 
 
 numba = pytest.importorskip("numba")
+import _sweep_calls as sweep  # noqa: E402
+
 from slicedkern.engines.sweep import _convert  # noqa: E402
-from slicedkern.engines.sweep import _host as sweep  # noqa: E402
 
 
 def test_profile_memo_is_exact_and_read_only():
-    memo, n_user = _convert.profile_rows((0.0, 1.5), (1.0, -2.0), 0.25, -1.0, (3,), 3)
-    fresh, n_fresh = _convert.profile_rows(np.array([0.0, 1.5]), np.array([1.0, -2.0]), 0.25, -1.0, (3,), 3)
+    def rows(*params, batch=(3,)):
+        return _convert.profile_rows(sweep.profile(*params), batch, math.prod(batch))
+
+    memo, n_user = rows((0.0, 1.5), (1.0, -2.0), 0.25, -1.0)
+    fresh, n_fresh = rows(tuple(np.array([0.0, 1.5])), tuple(np.array([1.0, -2.0])), 0.25, -1.0)
     assert n_user == n_fresh == 2
     for a, b in zip(memo, fresh):
         np.testing.assert_array_equal(a, b)
         assert not a.flags.writeable
-    assert _convert.profile_rows((0.0, 1.5), (1.0, -2.0), 0.25, -1.0, (3,), 3)[0][0] is memo[0]
+    assert rows((0.0, 1.5), (1.0, -2.0), 0.25, -1.0)[0][0] is memo[0]
     # -0.0 and 0.0 are different keys (their signs reach the kernels); ints are their floats
     key = _convert._fixed_key
     assert key((-0.0,), (1.0,), 0.0, 0.0, 3) != key((0.0,), (1.0,), 0.0, 0.0, 3)
     assert key((0,), (1,), 0, 0, 3) == key((0.0,), (1.0,), 0.0, 0.0, 3)
-    assert np.signbit(_convert.profile_rows((-0.0,), (1.0,), 0.0, 0.0, (1,), 1)[0][0][0, 0])
+    assert np.signbit(rows((-0.0,), (1.0,), 0.0, 0.0, batch=(1,))[0][0][0, 0])
     assert key((10 ** 400,), (1.0,), 0.0, 0.0, 3) is None
     assert key((np.float64(0.0),), (1.0,), 0.0, 0.0, 3) is None           # only Python numbers
     assert key((0.0,), (1.0,), 0.0, 0.0, _convert.MEMO_ROWS + 1) is None
     for _ in range(2):          # errors are raised every time, not remembered
         with pytest.raises(ValueError, match="argument 'knots' must be finite"):
-            _convert.profile_rows((float("inf"),), (1.0,), 0.0, 0.0, (3,), 3)
+            rows((float("inf"),), (1.0,), 0.0, 0.0)
 
 
 @pytest.mark.parametrize("normalizer", ["abs", "relu", "count", None])
 def test_sweep_profile_matches_the_plain_path(normalizer):
-    memo = _convert.sweep_profile((-0.5, 0.5), (1.0, -1.0), 0.0, 0.0, (4,), 4, normalizer)
-    plain = _convert.with_zero_knot(_convert.profile_rows(np.array([-0.5, 0.5]), np.array([1.0, -1.0]), 0.0, 0.0,
-                                                          (4,), 4)[0], normalizer)
+    norm = Normalizer(normalizer)
+    memo = _convert.sweep_profile(sweep.profile((-0.5, 0.5), (1.0, -1.0)), (4,), 4, norm)
+    fresh = sweep.profile(tuple(np.array([-0.5, 0.5])), tuple(np.array([1.0, -1.0])))
+    plain = _convert.with_zero_knot(_convert.profile_rows(fresh, (4,), 4)[0], norm)
     assert memo[1] == plain[1] and memo[2] == 2
     for a, b in zip(memo[0], plain[0]):
         np.testing.assert_array_equal(a, b)

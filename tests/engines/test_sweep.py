@@ -16,11 +16,12 @@ import pytest
 
 pytest.importorskip("numba")
 
+import _sweep_calls as sweep  # noqa: E402
+
 import slicedkern  # noqa: E402
 from slicedkern import reference  # noqa: E402
 from slicedkern.engines import sweep as engine_package  # noqa: E402
 from slicedkern.engines.sweep import _convert  # noqa: E402
-from slicedkern.engines.sweep import _host as sweep  # noqa: E402
 from slicedkern.kernels import Abs, Hat, HatMixture, PiecewiseLinear, ReLU  # noqa: E402
 
 KERNELS = [

@@ -9,10 +9,11 @@ import pytest
 
 pytest.importorskip("numba")
 
+import _sweep_calls as sweep  # noqa: E402
+
 import slicedkern  # noqa: E402
 from slicedkern import reference  # noqa: E402
 from slicedkern.engines.sweep import _convert  # noqa: E402
-from slicedkern.engines.sweep import _host as sweep  # noqa: E402
 from slicedkern.kernels import Abs, Hat, HatMixture, PiecewiseLinear, ReLU  # noqa: E402
 
 from .test_sweep import GRID, NORMALIZERS, TIE_KERNELS, _fd, _loss, _tie_rows, attn, close, ksum  # noqa: E402

@@ -57,17 +57,18 @@ def _bridge():
 
 
 def _profile_args(profile, batch, xp):
-    """A profile as array arguments of a host call and a builder of what the kernels take from them.
+    """A profile as array arguments of a host call and a builder of the host's profile from them.
 
     Returns ``(params, build)``: ``params`` is empty when every knot and coefficient is a number, else
     the (batch..., M) knot and coefficient arrays stacked in ``xp`` (so that a traced or vmapped
-    parameter travels with the call); ``build(host_params)`` gives the kernels' float64 arrays.
+    parameter travels with the call); ``build(host_params)`` gives the :class:`Profile` the host
+    bridge takes (numbers, or float64 NumPy arrays of the batch shape, per knot).
     """
-    extra = {"slope": float(profile.slope), "intercept": float(profile.intercept)}
+    slope, intercept = float(profile.slope), float(profile.intercept)
     values = profile.knots + profile.coeffs
     if all(is_fixed(v) for v in values):
         # Python numbers as they are: the host builds (and, for small calls, keeps) their rows
-        fixed = {"knots": tuple(profile.knots), "coeffs": tuple(profile.coeffs), **extra}
+        fixed = Profile(profile.knots, profile.coeffs, slope, intercept, strict_knots=profile.strict_knots)
         return (), lambda host: fixed
     like = next(v for v in values if not is_fixed(v))
     dev = array_device(like)
@@ -78,24 +79,17 @@ def _profile_args(profile, batch, xp):
 
     def build(host):
         knots, coeffs = (np.asarray(to_host(a), dtype=np.float64) for a in host)
-        return {"knots": knots, "coeffs": coeffs, **extra}
+        return Profile(tuple(knots[..., i] for i in range(knots.shape[-1])),
+                       tuple(coeffs[..., i] for i in range(coeffs.shape[-1])), slope, intercept,
+                       strict_knots=profile.strict_knots)
 
     return (stack(profile.knots), stack(profile.coeffs)), build
 
 
-def _host_profile(profile, batch, xp) -> dict:
-    """The kernels' profile arguments read directly from host-readable arrays (the causal mode)."""
+def _host_profile(profile, batch, xp) -> Profile:
+    """The host bridge's profile read directly from host-readable arrays (the causal mode)."""
     params, build = _profile_args(profile, batch, xp)
     return build(params)
-
-
-def _host_profile_of(profile, host: dict):
-    """``profile`` with the host's knot and coefficient values (a host callback's view of it)."""
-    knots, coeffs = host["knots"], host["coeffs"]
-    if not isinstance(knots, tuple):                    # (batch..., M) arrays: one per knot
-        knots = tuple(knots[..., i] for i in range(knots.shape[-1]))
-        coeffs = tuple(coeffs[..., i] for i in range(coeffs.shape[-1]))
-    return Profile(knots, coeffs, host["slope"], host["intercept"], strict_knots=profile.strict_knots)
 
 
 def _call(fn, results, *arrays):
@@ -181,7 +175,7 @@ class SweepEngine(Engine):
         params, build = _profile_args(profile, tuple(x.shape[:-1]), xp)
 
         def compute(x, y, w, *params):
-            return (_bridge().kernel_sum(x, y, w, **build(params)),)
+            return (_bridge().kernel_sum(x, y, w, build(params)),)
 
         return _call(compute, [(tuple(x.shape) + (w.shape[-1],), _F64)], x, y, w, *params)[0]
 
@@ -196,14 +190,12 @@ class SweepEngine(Engine):
             # the backward neither sorts again nor re-sweeps the scores; a forward alone does not pay
             # for writing them
             with compiled_threads(q):
-                result = _bridge().attention(q, k, v, key_mask, center=center, normalizer=normalizer.name,
-                                             eps=normalizer.eps, keep=for_backward, **build(params))
+                result = _bridge().attention(inputs, Form(build(params), normalizer, center), keep=for_backward)
             return result if for_backward else (result, ())
 
         def compute(q, k, v, *rest):
             mask, params = (rest[0], rest[1:]) if masks else (None, rest)
-            return (_bridge().attention(q, k, v, mask, center=center, normalizer=normalizer.name,
-                                        eps=normalizer.eps, **build(params)),)
+            return (_bridge().attention(Inputs(q, k, v, mask), Form(build(params), normalizer, center)),)
 
         # a host callback (JAX) declares its results up front, so it keeps none: the backward sorts again
         out = _call(compute, [(tuple(q.shape) + (v.shape[-1],), v.dtype)], q, k, v, *masks, *params)[0]
@@ -224,8 +216,7 @@ class SweepEngine(Engine):
 
         def compute(q, k, v, *rest):
             mask, params = (rest[0], rest[1:]) if masks else (None, rest)
-            return _bridge().causal_attention(q, k, v, mask, center=center, normalizer=normalizer.name,
-                                              eps=normalizer.eps, **build(params))
+            return _bridge().causal_attention(Inputs(q, k, v, mask), Form(build(params), normalizer, center))
 
         results = [(tuple(q.shape) + (v.shape[-1],), v.dtype), (tuple(k.shape), np.bool_),
                    (tuple(q.shape), _F64), (tuple(q.shape), _F64)]
@@ -250,7 +241,7 @@ class SweepEngine(Engine):
         def compute(q, k, v, g, out, *rest):
             residuals, rest = rest[:n_residuals], rest[n_residuals:]
             mask, params = (rest[0], rest[1:]) if masks else (None, rest)
-            host = Form(_host_profile_of(profile, build(params)), normalizer, center)
+            host = Form(build(params), normalizer, center)
             dq, dk, dv, (gk, gc) = self._causal_vjp_here(Inputs(q, k, v, mask), host, g, out, residuals,
                                                          xp=array_namespace(q))
             grads = [dq, dk, dv]
@@ -270,7 +261,7 @@ class SweepEngine(Engine):
         """:meth:`causal_attention_vjp` on readable arrays: the fused backward (two sweeps) where its
         preconditions hold, else the generic one over this engine's causal profile-sum pull-backs
         (engines/_vjp.py)."""
-        (q, k, v, key_mask), (profile, normalizer, center) = inputs, form
+        (q, _, v, key_mask), (profile, normalizer, center) = inputs, form
         aux = self.aux_of(residuals)
         grads = None
         if aux is not None and _fused_causal_applies(q, key_mask, aux, xp):
@@ -278,10 +269,9 @@ class SweepEngine(Engine):
             vanishes = normalizer.summed and _vjp.vanishes_where_normalizer_does(profile, normalizer.profile)
             with compiled_threads(q):
                 grads = _bridge().causal_attention_vjp(
-                    q, k, v, key_mask, as_work(xp, g, v.dtype), out, aux["relu_count"][..., 0],
-                    aux["den"][..., 0] if normalizer.summed else None, center=center, normalizer=normalizer.name,
-                    eps=normalizer.eps, strict_knots=profile.strict_knots, param_grads=param_grads,
-                    vanishes=vanishes, **_host_profile(profile, tuple(q.shape[:-1]), xp))
+                    inputs, Form(_host_profile(profile, tuple(q.shape[:-1]), xp), normalizer, center),
+                    as_work(xp, g, v.dtype), out, aux["relu_count"][..., 0],
+                    aux["den"][..., 0] if normalizer.summed else None, param_grads=param_grads, vanishes=vanishes)
         if grads is None:
             return super().causal_attention_vjp(inputs, form, g, out, residuals, xp=xp)
         dq, dk, dv, dkn, dco = grads
@@ -298,8 +288,8 @@ class SweepEngine(Engine):
             want = param_grads and not p.is_fixed
             with compiled_threads(x):
                 px, py, pw, dkn, dco = _bridge().causal_profile_vjp(
-                    x, y, w[..., cols.start:cols.stop], g, strict_knots=p.strict_knots, param_grads=want,
-                    **_host_profile(p, tuple(x.shape[:-1]), xp))
+                    x, y, w[..., cols.start:cols.stop], _host_profile(p, tuple(x.shape[:-1]), xp), g,
+                    param_grads=want)
             px, py, pw = (as_work(xp, a, x.dtype) for a in (px, py, pw))
             dx = px if dx is None else dx + px
             dy = py if dy is None else dy + py
@@ -315,9 +305,8 @@ class SweepEngine(Engine):
         batch = tuple(x.shape[:-1])
 
         def compute(x, y, w, g, *params):
-            grads = _bridge().kernel_sum_vjp(
-                x, y, w, g=g, param_grads=param_grads, strict_knots=profile.strict_knots,
-                bad_query_poisons_row=False, **build(params))
+            grads = _bridge().kernel_sum_vjp(x, y, w, build(params), g, param_grads=param_grads,
+                                             bad_query_poisons_row=False)
             return grads if param_grads else grads[:3]
 
         results = [(tuple(x.shape), _F64), (tuple(y.shape), _F64), (tuple(w.shape), _F64)]
@@ -339,10 +328,8 @@ class SweepEngine(Engine):
             rest = list(rest)
             mask = rest.pop(0) if masks else None
             fwd = rest.pop(0) if outs else None
-            grads = _bridge().attention_vjp(
-                q, k, v, mask, g, fwd, center=center, normalizer=normalizer.name, eps=normalizer.eps,
-                param_grads=param_grads, strict_knots=profile.strict_knots, residuals=residuals,
-                **build(rest))
+            grads = _bridge().attention_vjp(Inputs(q, k, v, mask), Form(build(rest), normalizer, center), g, fwd,
+                                            residuals, param_grads=param_grads)
             return grads if param_grads else grads[:3]
 
         results = [(tuple(q.shape), q.dtype), (tuple(k.shape), q.dtype), (tuple(v.shape), v.dtype)]

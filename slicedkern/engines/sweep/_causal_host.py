@@ -15,12 +15,13 @@ from typing import Any
 import numba
 import numpy as np
 
+from ...kernels import Profile
+from .._vjp import Form, Inputs
 from ._convert import (
     F64,
     NO_MASK,
     PARALLEL_MIN_WORK,
     Array,
-    Param,
     attention_inputs,
     checked,
     common_float,
@@ -76,16 +77,14 @@ def _placeholder(dt, ndim):
     return np.zeros((1,) * ndim, dt)
 
 
-def causal_attention(q: Array, k: Array, v: Array, key_mask: Array | None, *, knots: Param, coeffs: Param,
-                     slope: Param = 0.0, intercept: Param = 0.0, center: bool = True,
-                     normalizer: str | None = "abs", eps: float = 1e-6) -> tuple[Any, Any, Any, Any]:
+def causal_attention(inputs: Inputs, form: Form) -> tuple[Any, Any, Any, Any]:
     """Causal normalised kernel attention by one Fenwick sweep per batch row.
 
     Parameters
     ----------
-    q : array, shape (..., Lq); k : array, shape (..., Lk); v : array, shape (..., Lk, Dv)
-    key_mask : bool array, shape (..., Lk), or None
-    knots, coeffs, slope, intercept, center, normalizer, eps
+    inputs : Inputs
+        ``(q (..., Lq), k (..., Lk), v (..., Lk, Dv), key_mask (..., Lk) bool or None)``.
+    form : Form
         As in :func:`._host.attention`; every sum runs over the keys each query sees.
 
     Returns
@@ -102,12 +101,16 @@ def causal_attention(q: Array, k: Array, v: Array, key_mask: Array | None, *, kn
     Examples
     --------
     >>> import numpy as np
+    >>> from slicedkern._spec import Normalizer
+    >>> from slicedkern.engines._vjp import Form, Inputs
     >>> from slicedkern.engines.sweep import _causal_host as sweep
+    >>> from slicedkern.kernels import Profile
     >>> q, k, v = np.array([[1.0, 3.0]]), np.array([[0.0, 2.0]]), np.array([[[1.0], [3.0]]])
-    >>> sweep.causal_attention(q, k, v, None, knots=(0.0,), coeffs=(1.0,), center=False,
-    ...                        normalizer=None)[0][..., 0]          # [1 * 1, 3 * 1 + 1 * 3]
+    >>> relu = Form(Profile((0.0,), (1.0,)), Normalizer(None), center=False)
+    >>> sweep.causal_attention(Inputs(q, k, v, None), relu)[0][..., 0]          # [1 * 1, 3 * 1 + 1 * 3]
     array([[1., 6.]])
     """
+    (q, k, v, key_mask), (profile, normalizer, center) = inputs, form
     code = normalizer_code(normalizer)
     q, k, v, tdt, batch, dt, out_dt = attention_inputs(q, k, v)
     lq, lk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
@@ -118,18 +121,18 @@ def causal_attention(q: Array, k: Array, v: Array, key_mask: Array | None, *, kn
         return (wrap(np.zeros(batch + (lq, dv), out_dt), tdt, narrow=True), wrap(take, tdt),
                 *(wrap(z, tdt) for z in zeros))
     mask, has_mask = mask_rows(key_mask, k.shape, bsz)
-    profile, _ = profile_rows(knots, coeffs, slope, intercept, batch, bsz)
-    profile, zero_knot = with_zero_knot(profile, normalizer)
-    strict = strict_rows(None, profile[0].shape[1])
+    rows_, _ = profile_rows(profile, batch, bsz)
+    rows_, zero_knot = with_zero_knot(rows_, normalizer)
+    strict = strict_rows(None, rows_[0].shape[1])
     src = (rows(k, bsz, (lk,), F64), rows(v, bsz, (lk, dv), dt), mask, has_mask)
     tgt = (rows(q, bsz, (lq,), F64), _placeholder(dt, 3))
     out = np.empty((bsz, lq, dv), dt)
     relu_count, den = np.empty((bsz, lq)), np.empty((bsz, lq))
     take = np.empty((bsz, lk), np.bool_)
     outs = (out, _placeholder(F64, 2), relu_count, den, take, _placeholder(F64, 2), _placeholder(F64, 2))
-    options = CausalOptions(center=bool(center), normalizer=code, zero_knot=zero_knot, eps=float(eps),
-                            want_params=False)
-    _sweep(ATTENTION, src, tgt, (*profile, strict), options, outs)
+    options = CausalOptions(center=bool(center), normalizer=code, zero_knot=zero_knot,
+                            eps=float(normalizer.eps), want_params=False)
+    _sweep(ATTENTION, src, tgt, (*rows_, strict), options, outs)
     out = out.reshape(batch + (lq, dv))
     if out.dtype != out_dt:
         out = out.astype(out_dt)
@@ -137,8 +140,7 @@ def causal_attention(q: Array, k: Array, v: Array, key_mask: Array | None, *, kn
             wrap(relu_count.reshape(batch + (lq,)), tdt), wrap(den.reshape(batch + (lq,)), tdt))
 
 
-def causal_profile_vjp(x: Array, y: Array, w: Array, g: Array, *, knots: Param, coeffs: Param,
-                       slope: Param = 0.0, intercept: Param = 0.0, strict_knots=None,
+def causal_profile_vjp(x: Array, y: Array, w: Array, profile: Profile, g: Array, *,
                        param_grads: bool = True) -> tuple[Any, ...]:
     """Pull-back of the causal profile sum ``S_i = sum_{j <= i + m - n} f(x_i - y_j) w_j`` (cotangent ``g``).
 
@@ -146,10 +148,9 @@ def causal_profile_vjp(x: Array, y: Array, w: Array, g: Array, *, knots: Param, 
     ----------
     x : array, shape (..., n); y : array, shape (..., m); w : array, shape (..., m, c)
         Finite (the caller applied the NaN rule); ``g`` : array, shape (..., n, c).
-    knots, coeffs, slope, intercept
-        The profile ``f``, as in :func:`._host.kernel_sum`.
-    strict_knots : sequence of bool, optional
-        Knots whose own gradient counts a tie ``x_i - y_j = knots[m]`` below the knot.
+    profile : Profile
+        The profile ``f``, as in :func:`._host.kernel_sum`; its ``strict_knots`` are the knots whose
+        own gradient counts a tie ``x_i - y_j = knots[m]`` below the knot.
     param_grads : bool
         Also return the knot / coefficient gradients (else ``None``).
 
@@ -163,9 +164,10 @@ def causal_profile_vjp(x: Array, y: Array, w: Array, g: Array, *, knots: Param, 
     --------
     >>> import numpy as np
     >>> from slicedkern.engines.sweep import _causal_host as sweep
+    >>> from slicedkern.kernels import Profile
     >>> x, y = np.array([[1.0, 3.0]]), np.array([[0.0, 2.0]])
     >>> w, g = np.ones((1, 2, 1)), np.ones((1, 2, 1))
-    >>> dx, dy, dw, _, _ = sweep.causal_profile_vjp(x, y, w, g, knots=(0.0,), coeffs=(1.0,))
+    >>> dx, dy, dw, _, _ = sweep.causal_profile_vjp(x, y, w, Profile((0.0,), (1.0,)), g)
     >>> dx, dy, dw[..., 0]        # query 0 sees key 0; query 1 sees both
     (array([[1., 2.]]), array([[-2., -1.]]), array([[4., 1.]]))
     """
@@ -178,13 +180,12 @@ def causal_profile_vjp(x: Array, y: Array, w: Array, g: Array, *, knots: Param, 
     wdt, gdt = common_float([w], ["w"]), common_float([g], ["g"])
     n, m, c = x.shape[-1], y.shape[-1], w.shape[-1]
     bsz = int(np.prod(batch, dtype=np.int64))
-    profile, n_user = profile_rows(knots, coeffs, slope, intercept, batch, bsz)
-    n_knots = profile[0].shape[1]
+    rows_, n_user = profile_rows(profile, batch, bsz)
+    n_knots = rows_[0].shape[1]
     dx, dy, dw = np.zeros((bsz, n)), np.zeros((bsz, m)), np.zeros((bsz, m, c))
     dknots, dcoeffs = np.zeros((bsz, n_knots)), np.zeros((bsz, n_knots))
     if n and m and c and bsz:
-        strict = strict_rows(strict_knots, n_knots)
-        prof = (*profile, strict)
+        prof = (*rows_, strict_rows(profile.strict_knots, n_knots))
         xr, yr = rows(x, bsz, (n,), F64), rows(y, bsz, (m,), F64)
         wr, gr = rows(w, bsz, (m, c), wdt), rows(g, bsz, (n, c), gdt)
         none = _placeholder(F64, 2)
@@ -201,27 +202,25 @@ def causal_profile_vjp(x: Array, y: Array, w: Array, g: Array, *, knots: Param, 
     return (*grads, *(wrap(a[:, :n_user].reshape(batch + (n_user,)), tdt) for a in (dknots, dcoeffs)))
 
 
-def causal_attention_vjp(q: Array, k: Array, v: Array, key_mask: Array | None, g: Array, out: Array | None,
-                         relu_count: Array | None, den: Array | None, *, knots: Param, coeffs: Param,
-                         slope: Param = 0.0, intercept: Param = 0.0, center: bool = True,
-                         normalizer: str | None = "abs", eps: float = 1e-6, strict_knots=None,
-                         param_grads: bool = True, vanishes: bool = False) -> tuple[Any, ...] | None:
+def causal_attention_vjp(inputs: Inputs, form: Form, g: Array, out: Array | None, relu_count: Array | None,
+                         den: Array | None, *, param_grads: bool = True,
+                         vanishes: bool = False) -> tuple[Any, ...] | None:
     """The fused backward of :func:`causal_attention`: two sweeps per batch row (:mod:`._kernels_causal`,
     ``BACKWARD_QUERIES`` then ``BACKWARD_KEYS``).
 
     Parameters
     ----------
-    q, k, v, key_mask, knots, coeffs, slope, intercept, center, normalizer, eps
-        As in the forward call. Every query must be finite, and every unmasked key and its value
-        (the forward's ``take`` equals the key mask). The generic backward serves the calls that
-        break these.
+    inputs, form
+        As in the forward call (the profile's ``strict_knots`` as in :func:`causal_profile_vjp`).
+        Every query must be finite, and every unmasked key and its value (the forward's ``take``
+        equals the key mask). The generic backward serves the calls that break these.
     g : array, shape (..., Lq, Dv)
         The cotangent of the output.
     out : array, shape (..., Lq, Dv), or None
         The forward output; read for the "abs" and "relu" normalisers.
     relu_count, den : array, shape (..., Lq), or None
         The forward's residuals (read when centring, and for a summed normaliser).
-    strict_knots, param_grads
+    param_grads : bool
         As in :func:`causal_profile_vjp`.
     vanishes : bool
         Whether the value profile is 0 wherever the normaliser is (ReLU attention): then a query
@@ -236,14 +235,18 @@ def causal_attention_vjp(q: Array, k: Array, v: Array, key_mask: Array | None, g
     Examples
     --------
     >>> import numpy as np
+    >>> from slicedkern._spec import Normalizer
+    >>> from slicedkern.engines._vjp import Form, Inputs
     >>> from slicedkern.engines.sweep import _causal_host as sweep
+    >>> from slicedkern.kernels import Profile
     >>> q, k, v = np.array([[1.0, 3.0]]), np.array([[0.0, 2.0]]), np.array([[[1.0], [3.0]]])
+    >>> relu = Form(Profile((0.0,), (1.0,)), Normalizer(None), center=False)
     >>> g = np.ones((1, 2, 1))
-    >>> dq, dk, dv, _, _ = sweep.causal_attention_vjp(q, k, v, None, g, None, None, None, knots=(0.0,),
-    ...                                               coeffs=(1.0,), center=False, normalizer=None)
+    >>> dq, dk, dv, _, _ = sweep.causal_attention_vjp(Inputs(q, k, v, None), relu, g, None, None, None)
     >>> dq, dk, dv[..., 0]        # out_0 = 1 * 1, out_1 = 3 * 1 + 1 * 3
     (array([[1., 4.]]), array([[-2., -3.]]), array([[4., 1.]]))
     """
+    (q, k, v, key_mask), (profile, normalizer, center) = inputs, form
     code = normalizer_code(normalizer)
     (q, k, v), tdt, batch = checked(q, k, v, ("q", "k", "v"))
     g, tg = to_numpy(g, "g")
@@ -251,18 +254,18 @@ def causal_attention_vjp(q: Array, k: Array, v: Array, key_mask: Array | None, g
     lq, lk, c = q.shape[-1], k.shape[-1], v.shape[-1]
     if g.shape != batch + (lq, c):
         raise ValueError(f"argument 'g' must have shape {batch + (lq, c)} (..., Lq, Dv), got {g.shape}")
-    summed = normalizer in ("abs", "relu")
+    summed = normalizer.summed
     dt = common_float([v, g], ["v", "g"])
     bsz = int(np.prod(batch, dtype=np.int64))
-    profile, n_user = profile_rows(knots, coeffs, slope, intercept, batch, bsz)
-    profile, zero_knot = with_zero_knot(profile, normalizer)
-    n_knots = profile[0].shape[1]
+    rows_, n_user = profile_rows(profile, batch, bsz)
+    rows_, zero_knot = with_zero_knot(rows_, normalizer)
+    n_knots = rows_[0].shape[1]
     dq, dk = np.zeros((bsz, lq)), np.zeros((bsz, lk))
     dv = np.zeros((bsz, lk, c), dt)
     dknots, dcoeffs = np.zeros((bsz, n_knots)), np.zeros((bsz, n_knots))
     if lq and lk and c and bsz:
         mask, has_mask = mask_rows(key_mask, k.shape, bsz)
-        prof = (*profile, strict_rows(strict_knots, n_knots))
+        prof = (*rows_, strict_rows(profile.strict_knots, n_knots))
         qr, kr = rows(q, bsz, (lq,), F64), rows(k, bsz, (lk,), F64)
         vr, gr = rows(v, bsz, (lk, c), dt), rows(g, bsz, (lq, c), dt)
         none = _placeholder(F64, 2)
@@ -274,8 +277,8 @@ def causal_attention_vjp(q: Array, k: Array, v: Array, key_mask: Array | None, g
         query_terms = np.empty((bsz, lq, 5))
         terms = (residual(relu_count if center else None, "relu_count"), residual(den if summed else None, "den"),
                  out_rows, query_terms)
-        options = CausalOptions(center=bool(center), normalizer=code, zero_knot=zero_knot, eps=float(eps),
-                                want_params=bool(param_grads), vanishes=bool(vanishes))
+        options = CausalOptions(center=bool(center), normalizer=code, zero_knot=zero_knot,
+                                eps=float(normalizer.eps), want_params=bool(param_grads), vanishes=bool(vanishes))
         # queries read the keys: dq, the knot / coefficient gradients and each query's cotangents
         outs = (_placeholder(dt, 3), dq, none, none, _placeholder(np.bool_, 2), dknots, dcoeffs)
         _sweep(BACKWARD_QUERIES, (kr, vr, mask, has_mask), (qr, gr), prof, options, outs, terms)

@@ -14,7 +14,8 @@ from typing import Any
 import numba
 import numpy as np
 
-from ..._spec import NORMALIZER_CODES
+from ..._spec import NORMALIZER_CODES, Normalizer
+from ...kernels import Profile
 
 #: Normaliser names of the attention functions (those the kernels have codes for).
 NORMALIZERS = tuple(NORMALIZER_CODES)
@@ -31,6 +32,9 @@ MIN_CHUNK = 16
 PARALLEL_MIN_WORK = 1 << 21
 
 F64 = np.dtype(np.float64)
+
+# what the memo of fixed profiles needs of a normaliser: whether it is summed
+_SUMMED, _UNSUMMED = Normalizer("abs"), Normalizer(None)
 
 
 # ------------------------------------------------------------------------------ host conversion
@@ -134,23 +138,22 @@ def per_row(value, batch, bsz, name):
 
 
 def per_row_knots(value, batch, bsz, name):
-    """A (M,) or (..., M) parameter as a read-only float64 (B, M) array."""
-    if isinstance(value, (tuple, list)) and all(isinstance(v, (int, float)) for v in value):
-        arr = np.asarray(value, dtype=np.float64)
-    else:
-        arr = np.asarray(to_numpy(value, name)[0], dtype=np.float64)
-    if arr.ndim == 0:
-        arr = arr[None]
-    if arr.ndim == 1:  # one profile for every row (the common case): no broadcast machinery
-        rows_ = np.empty((bsz, arr.shape[0]))
-        rows_[:] = arr
+    """A profile's knots (or coefficients) as a read-only float64 (B, M) array: a tuple of numbers
+    (one profile for every row), or of numbers and arrays broadcastable to ``batch`` (one per knot)."""
+    if all(isinstance(v, (int, float)) for v in value):
+        # one profile for every row (the common case): no broadcast machinery
+        rows_ = np.empty((bsz, len(value)))
+        rows_[:] = np.asarray(value, dtype=np.float64)
         return ro(rows_)
-    try:
-        arr = np.broadcast_to(arr, tuple(batch) + (arr.shape[-1],))
-    except ValueError:
-        raise ValueError(f"argument {name!r} of shape {arr.shape} does not broadcast to the batch "
-                         f"shape {batch} + (M,)") from None
-    return ro(arr.reshape(bsz, arr.shape[-1]))
+    per_knot = []
+    for v in value:
+        arr = np.asarray(to_numpy(v, name)[0] if not isinstance(v, (int, float)) else v, dtype=np.float64)
+        try:
+            per_knot.append(np.broadcast_to(arr, tuple(batch)))
+        except ValueError:
+            raise ValueError(f"argument {name!r} has an entry of shape {arr.shape} that does not broadcast "
+                             f"to the batch shape {batch}") from None
+    return ro(np.stack(per_knot, axis=-1).reshape(bsz, len(per_knot)))
 
 
 # Profiles whose parameters are all Python numbers (every built-in kernel) are built once per
@@ -191,29 +194,32 @@ def _memo_profile_rows(key):
 @functools.lru_cache(maxsize=64)
 def _memo_sweep_profile(key, zero_knot):
     profile, n_user = _memo_profile_rows(key)
-    return (*with_zero_knot(profile, "abs" if zero_knot else None), n_user)
+    return (*with_zero_knot(profile, _SUMMED if zero_knot else _UNSUMMED), n_user)
 
 
-def profile_rows(knots, coeffs, slope, intercept, batch, bsz):
-    """``(knots (B, M'), coeffs (B, M'), slope (B,), intercept (B,))`` and the user's ``M``.
+def profile_rows(profile: Profile, batch, bsz):
+    """``(knots (B, M'), coeffs (B, M'), slope (B,), intercept (B,))`` of a
+    :class:`~slicedkern.kernels.Profile` and the user's ``M``.
 
     A profile without knots gets one idle knot (zero coefficient), which keeps the loops uniform.
     Read-only arrays, shared between calls when every parameter is a Python number.
     """
-    key = _fixed_key(knots, coeffs, slope, intercept, bsz)
+    params = (profile.knots, profile.coeffs, profile.slope, profile.intercept)
+    key = _fixed_key(*params, bsz)
     if key is not None:
         return _memo_profile_rows(key)
-    return _profile_rows(knots, coeffs, slope, intercept, batch, bsz)
+    return _profile_rows(*params, batch, bsz)
 
 
-def sweep_profile(knots, coeffs, slope, intercept, batch, bsz, normalizer):
-    """``(profile, zero_knot, n_user)``: :func:`profile_rows`, then :func:`with_zero_knot` for
+def sweep_profile(profile: Profile, batch, bsz, normalizer: Normalizer):
+    """``(rows, zero_knot, n_user)``: :func:`profile_rows`, then :func:`with_zero_knot` for
     ``normalizer``; shared between calls when every parameter is a Python number."""
-    key = _fixed_key(knots, coeffs, slope, intercept, bsz)
+    params = (profile.knots, profile.coeffs, profile.slope, profile.intercept)
+    key = _fixed_key(*params, bsz)
     if key is not None:
-        return _memo_sweep_profile(key, normalizer in ("abs", "relu"))
-    profile, n_user = _profile_rows(knots, coeffs, slope, intercept, batch, bsz)
-    return (*with_zero_knot(profile, normalizer), n_user)
+        return _memo_sweep_profile(key, normalizer.summed)
+    rows_, n_user = _profile_rows(*params, batch, bsz)
+    return (*with_zero_knot(rows_, normalizer), n_user)
 
 
 def _profile_rows(knots, coeffs, slope, intercept, batch, bsz):
@@ -242,11 +248,11 @@ def strict_rows(strict_knots, n_knots):
     return ro(out)
 
 
-def with_zero_knot(profile, normalizer):
-    """The profile and the index of a knot at 0 in every row (the "abs"/"relu" normaliser's kink),
+def with_zero_knot(profile, normalizer: Normalizer):
+    """The profile rows and the index of a knot at 0 in every row (a summed normaliser's kink),
     appended with a zero coefficient where there is none."""
     kn, co, sl, ic = profile
-    if normalizer not in ("abs", "relu"):
+    if not normalizer.summed:
         return profile, 0
     zero_cols = np.nonzero(np.all(kn == 0.0, axis=0))[0]
     if zero_cols.size:
@@ -320,10 +326,11 @@ def mask_rows(key_mask, shape, bsz):
     return ro(mask.reshape(bsz, shape[-1])), True
 
 
-def normalizer_code(normalizer):
-    if normalizer not in NORMALIZERS:
-        raise ValueError(f"argument 'normalizer' must be one of {NORMALIZERS}, got {normalizer!r}")
-    return NORMALIZER_CODES[normalizer]
+def normalizer_code(normalizer: Normalizer) -> int:
+    """The kernels' code of ``normalizer`` (:data:`slicedkern._spec.NORMALIZER_CODES`), checked."""
+    if normalizer.name not in NORMALIZERS:
+        raise ValueError(f"argument 'normalizer' must be one of {NORMALIZERS}, got {normalizer.name!r}")
+    return normalizer.code
 
 
 def bad_rows(bad, n_chunks):

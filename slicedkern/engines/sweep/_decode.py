@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..._spec import Normalizer
+from ...kernels import Profile
 from .._runs import RunCounter
 from ._convert import host_view, sweep_profile, wrap
 from ._kernels_decode import admit, attend_rows, build_run
@@ -73,23 +74,22 @@ class HostRuns(RunCounter):
     Parameters
     ----------
     host_profile : callable
-        ``host_profile(batch)``: the op's kernel profile as the kernels' host arguments (``knots``,
-        ``coeffs``, ``slope``, ``intercept``) for that batch shape (the engine's ``_host_profile``).
+        ``host_profile(batch)``: the op's kernel profile as the host bridge takes it
+        (:class:`~slicedkern.kernels.Profile` of numbers or host arrays) for that batch shape (the
+        engine's ``_host_profile``).
     center : bool
     normalizer : Normalizer
     dv : int
         Value columns.
     """
 
-    def __init__(self, host_profile: Callable[[tuple], dict], *, center: bool, normalizer: Normalizer, dv: int):
+    def __init__(self, host_profile: Callable[[tuple], Profile], *, center: bool, normalizer: Normalizer, dv: int):
         super().__init__()
         self.host_profile, self.center, self.normalizer, self.dv = host_profile, center, normalizer, dv
         self._rows = None                           # per-row kernel profile, set at the first append
 
     def _setup(self, batch: tuple, bsz: int) -> None:
-        p = self.host_profile(batch)
-        rows, self._zero_knot, _ = sweep_profile(p["knots"], p["coeffs"], p["slope"], p["intercept"], batch, bsz,
-                                                 self.normalizer.name)
+        rows, self._zero_knot, _ = sweep_profile(self.host_profile(batch), batch, bsz, self.normalizer)
         self._rows = rows[:4]
         self._options = (bool(self.center), self.normalizer.code, self._zero_knot,
                          float(self.normalizer.eps))

@@ -61,13 +61,15 @@ from typing import Any
 
 import numpy as np
 
+from ..._spec import Normalizer
+from ...kernels import Profile
+from .._vjp import Form, Inputs
 from . import _layout
 from ._causal_host import causal_attention, causal_attention_vjp, causal_profile_vjp
 from ._convert import (
     F64,
     NO_MASK,
     Array,
-    Param,
     attention_inputs,
     bad_rows,
     checked,
@@ -102,8 +104,7 @@ NOT_SAVED = allocate_saved(1, 1, 1, False)
 
 
 # ---------------------------------------------------------------------------------------- forward
-def kernel_sum(x: Array, y: Array, w: Array, knots: Param, coeffs: Param, slope: Param = 0.0,
-               intercept: Param = 0.0) -> Array:
+def kernel_sum(x: Array, y: Array, w: Array, profile: Profile) -> Array:
     """``S[..., i, :] = sum_j f(x_i - y_j) w[..., j, :]`` by one fused sweep per batch row.
 
     Parameters
@@ -112,9 +113,10 @@ def kernel_sum(x: Array, y: Array, w: Array, knots: Param, coeffs: Param, slope:
     y : array, shape (..., m)
     w : array, shape (..., m, c)
         NumPy arrays or CPU torch tensors, real floating, with equal (already broadcast) leading dims.
-    knots, coeffs : sequence or array, shape (M,) or (..., M)
-        ``f(r) = intercept + slope r + sum_m coeffs[m] ReLU(r - knots[m])``; per-row arrays allowed.
-    slope, intercept : float or array, shape (...)
+    profile : Profile
+        ``f(r) = intercept + slope r + sum_m coeffs[m] ReLU(r - knots[m])``
+        (:class:`slicedkern.kernels.Profile`): each knot and coefficient a number or an array that
+        broadcasts to the batch shape (per-row profiles), ``slope`` and ``intercept`` likewise.
 
     Returns
     -------
@@ -124,8 +126,9 @@ def kernel_sum(x: Array, y: Array, w: Array, knots: Param, coeffs: Param, slope:
     --------
     >>> import numpy as np
     >>> from slicedkern.engines.sweep import _host as sweep
+    >>> from slicedkern.kernels import Profile
     >>> x, y, w = np.array([[0.0, 1.0]]), np.array([[0.5]]), np.ones((1, 1, 1))
-    >>> sweep.kernel_sum(x, y, w, (0.0,), (1.0,))[..., 0]      # ReLU(x - 0.5)
+    >>> sweep.kernel_sum(x, y, w, Profile((0.0,), (1.0,)))[..., 0]      # ReLU(x - 0.5)
     array([[0. , 0.5]])
     """
     (x, y, w), tdt, batch = checked(x, y, w, ("x", "y", "w"))
@@ -134,13 +137,13 @@ def kernel_sum(x: Array, y: Array, w: Array, knots: Param, coeffs: Param, slope:
     if n == 0 or m == 0 or c == 0 or 0 in batch:
         return wrap(np.zeros(batch + (n, c), np.float64), tdt)
     bsz = int(np.prod(batch, dtype=np.int64))
-    profile, _ = profile_rows(knots, coeffs, slope, intercept, batch, bsz)
+    rows_, _ = profile_rows(profile, batch, bsz)
     plan = schedule(bsz, n, m, c)
     # kernel sums run in float64 throughout (one compiled signature; the output is float64 anyway)
     scores = (rows(x, bsz, (n,), F64), rows(y, bsz, (m,), F64), NO_MASK, False)
     options = SumOptions.plain()
     out = np.empty((bsz, n, c))
-    bad = forward_rows(scores, profile, options, rows(w, bsz, (m, c), F64), out,
+    bad = forward_rows(scores, rows_, options, rows(w, bsz, (m, c), F64), out,
                        allocate_sorted(bsz, n, m), NOT_SAVED, plan)
     bad = bad_rows(bad, plan[0])
     if bad.any():
@@ -148,28 +151,20 @@ def kernel_sum(x: Array, y: Array, w: Array, knots: Param, coeffs: Param, slope:
     return wrap(out.reshape(batch + (n, c)), tdt)
 
 
-def attention(q: Array, k: Array, v: Array, key_mask: Array | None = None, knots: Param = (0.0,),
-              coeffs: Param = (1.0,), center: bool = True, normalizer: str | None = "abs",
-              eps: float = 1e-6, slope: Param = 0.0, intercept: Param = 0.0, *,
-              keep: bool = False) -> Array | tuple[Array, tuple]:
+def attention(inputs: Inputs, form: Form, *, keep: bool = False) -> Array | tuple[Array, tuple]:
     """Normalised kernel attention ``out_i = sum_j f(q_i - k_j) (v_j - mu) / D_i`` (docs, "Attention").
 
     Parameters
     ----------
-    q : array, shape (..., Lq)
-    k : array, shape (..., Lk)
-    v : array, shape (..., Lk, Dv)
-    key_mask : bool array, shape (..., Lk), or None
-        NumPy arrays or CPU torch tensors with equal (already broadcast) leading dims; masked keys
-        (False) take part in nothing.
-    knots, coeffs, slope, intercept
-        The value profile ``f`` (default ReLU), as in :func:`kernel_sum`.
-    center : bool
-        Centre the values over the valid keys (``mu`` their mean), folded in as ``N - mu R``.
-    normalizer : {"abs", "relu", "count", None}
-        ``D_i``: ``sum_valid |q_i - k|`` or ``sum_valid ReLU(q_i - k)`` clamped below by ``eps``,
-        ``max(n_valid, 1)``, or 1.
-    eps : float
+    inputs : Inputs
+        ``(q (..., Lq), k (..., Lk), v (..., Lk, Dv), key_mask (..., Lk) bool or None)``: NumPy
+        arrays or CPU torch tensors with equal (already broadcast) leading dims; masked keys (False)
+        take part in nothing.
+    form : Form
+        ``(profile, normalizer, center)``: the value profile ``f`` as in :func:`kernel_sum`; the
+        divisor ``D_i`` (:class:`slicedkern._spec.Normalizer`: ``sum_valid |q_i - k|`` or
+        ``sum_valid ReLU(q_i - k)`` clamped below by ``eps``, ``max(n_valid, 1)``, or 1); whether the
+        values are centred over the valid keys (``mu`` their mean, folded in as ``N - mu R``).
     keep : bool
         Also return what :func:`attention_vjp` would otherwise recompute.
 
@@ -185,11 +180,16 @@ def attention(q: Array, k: Array, v: Array, key_mask: Array | None = None, knots
     Examples
     --------
     >>> import numpy as np
+    >>> from slicedkern._spec import Normalizer
+    >>> from slicedkern.engines._vjp import Form, Inputs
     >>> from slicedkern.engines.sweep import _host as sweep
+    >>> from slicedkern.kernels import Profile
     >>> q, k, v = np.array([[1.0]]), np.array([[0.0, 2.0]]), np.array([[[1.0], [3.0]]])
-    >>> sweep.attention(q, k, v, center=False, normalizer="count")    # ReLU(1 - 0) * 1 / 2
+    >>> relu = Form(Profile((0.0,), (1.0,)), Normalizer("count"), center=False)
+    >>> sweep.attention(Inputs(q, k, v, None), relu)    # ReLU(1 - 0) * 1 / 2
     array([[[0.5]]])
     """
+    (q, k, v, key_mask), (profile, normalizer, center) = inputs, form
     code = normalizer_code(normalizer)
     q, k, v, tdt, batch, dt, out_dt = attention_inputs(q, k, v)
     lq, lk, dv = q.shape[-1], k.shape[-1], v.shape[-1]
@@ -198,13 +198,13 @@ def attention(q: Array, k: Array, v: Array, key_mask: Array | None = None, knots
         return (out, ()) if keep else out
     bsz = math.prod(batch)
     mask, has_mask = mask_rows(key_mask, k.shape, bsz)
-    profile, zero_knot, _ = sweep_profile(knots, coeffs, slope, intercept, batch, bsz, normalizer)
+    profile_rows_, zero_knot, _ = sweep_profile(profile, batch, bsz, normalizer)
     plan = schedule(bsz, lq, lk, dv)
     scores = (rows(q, bsz, (lq,), F64), rows(k, bsz, (lk,), F64), mask, has_mask)
-    options = SumOptions(center=bool(center), normalizer=code, zero_knot=zero_knot, eps=float(eps))
+    options = SumOptions(center=bool(center), normalizer=code, zero_knot=zero_knot, eps=float(normalizer.eps))
     out = np.empty((bsz, lq, dv), dt)
     sorted_rows, saved = allocate_sorted(bsz, lq, lk), allocate_saved(bsz, lq, dv, True) if keep else NOT_SAVED
-    bad = forward_rows(scores, profile, options, rows(v, bsz, (lk, dv), dt), out, sorted_rows, saved, plan)
+    bad = forward_rows(scores, profile_rows_, options, rows(v, bsz, (lk, dv), dt), out, sorted_rows, saved, plan)
     if np.count_nonzero(bad):       # (a third of bad.any()'s time on small calls)
         out[bad_rows(bad, plan[0])] = np.nan
     out = out.reshape(batch + (lq, dv))
@@ -241,22 +241,20 @@ def _backward(scores, profile, options, tensors, shapes, kept=None):
     return summed(dq), summed(dk), dv, summed(dkn), summed(dco), bad_rows(bad, nch)
 
 
-def kernel_sum_vjp(x: Array, y: Array, w: Array, knots: Param, coeffs: Param, slope: Param,
-                   intercept: Param, g: Array, *, param_grads: bool = True, strict_knots=None,
+def kernel_sum_vjp(x: Array, y: Array, w: Array, profile: Profile, g: Array, *, param_grads: bool = True,
                    bad_query_poisons_row: bool = True) -> tuple[Any, ...]:
     """Vector-Jacobian product of :func:`kernel_sum` with cotangent ``g``, by one fused backward sweep.
 
     Parameters
     ----------
-    x, y, w, knots, coeffs, slope, intercept
-        As in :func:`kernel_sum`.
+    x, y, w, profile
+        As in :func:`kernel_sum`. The profile's ``strict_knots`` are the knots whose own gradient
+        counts an exact tie ``x_i - y_j = knots[m]`` below the knot (``H(0) = 0``); ``dx`` and ``dy``
+        are not affected.
     g : array, shape (..., n, c)
         The cotangent of the output.
     param_grads : bool
         Also compute the gradients of the knots and coefficients (otherwise ``None``).
-    strict_knots : sequence of bool, shape (M,), optional
-        Knots whose own gradient counts an exact tie ``x_i - y_j = knots[m]`` below the knot
-        (``H(0) = 0``; :class:`slicedkern.kernels.Profile`); ``dx`` and ``dy`` are not affected.
     bad_query_poisons_row : bool
         A non-finite query makes its whole batch row NaN (default); otherwise only its ``dx``, and
         it contributes nothing else.
@@ -283,8 +281,9 @@ def kernel_sum_vjp(x: Array, y: Array, w: Array, knots: Param, coeffs: Param, sl
     --------
     >>> import numpy as np
     >>> from slicedkern.engines.sweep import _host as sweep
+    >>> from slicedkern.kernels import Profile
     >>> x, y, w, g = np.array([[1.0]]), np.array([[0.0]]), np.ones((1, 1, 1)), np.ones((1, 1, 1))
-    >>> dx, dy, dw, dknots, dcoeffs = sweep.kernel_sum_vjp(x, y, w, (0.0,), (1.0,), 0.0, 0.0, g)
+    >>> dx, dy, dw, dknots, dcoeffs = sweep.kernel_sum_vjp(x, y, w, Profile((0.0,), (1.0,)), g)
     >>> float(dx[0, 0]), float(dy[0, 0]), float(dw[0, 0, 0]), float(dknots[0, 0]), float(dcoeffs[0, 0])
     (1.0, -1.0, 1.0, -1.0, 1.0)
     """
@@ -297,7 +296,7 @@ def kernel_sum_vjp(x: Array, y: Array, w: Array, knots: Param, coeffs: Param, sl
     common_float([x, y, w, g], ["x", "y", "w", "g"])
     n, m, c = x.shape[-1], y.shape[-1], w.shape[-1]
     bsz = int(np.prod(batch, dtype=np.int64))
-    profile, n_user = profile_rows(knots, coeffs, slope, intercept, batch, bsz)
+    rows_, n_user = profile_rows(profile, batch, bsz)
     if n == 0 or m == 0 or c == 0 or bsz == 0:
         shapes = (batch + (n,), batch + (m,), batch + (m, c)) + ((batch + (n_user,),) * 2 if param_grads else ())
         zeros = [wrap(np.zeros(s), tdt) for s in shapes]
@@ -305,9 +304,9 @@ def kernel_sum_vjp(x: Array, y: Array, w: Array, knots: Param, coeffs: Param, sl
     scores = (rows(x, bsz, (n,), F64), rows(y, bsz, (m,), F64), NO_MASK, False)
     options = BackwardOptions(center=False, normalizer=NO_NORMALIZER, zero_knot=0, eps=0.0, n_user_knots=n_user,
                               want_coeffs=bool(param_grads), query_poisons_row=bool(bad_query_poisons_row),
-                              strict=strict_rows(strict_knots, profile[0].shape[1]))
+                              strict=strict_rows(profile.strict_knots, rows_[0].shape[1]))
     tensors = (rows(w, bsz, (m, c), F64), rows(g, bsz, (n, c), F64), dummy(F64))
-    dx, dy, dw, dkn, dco, bad = _backward(scores, profile, options, tensors, (bsz, n, m, c))
+    dx, dy, dw, dkn, dco, bad = _backward(scores, rows_, options, tensors, (bsz, n, m, c))
     dkn, dco = dkn[:, :n_user], dco[:, :n_user]
     if bad.any():
         for arr in (dx, dy, dw, dkn, dco):
@@ -316,28 +315,25 @@ def kernel_sum_vjp(x: Array, y: Array, w: Array, knots: Param, coeffs: Param, sl
     return tuple(grads) if param_grads else (*grads[:3], None, None)
 
 
-def attention_vjp(q: Array, k: Array, v: Array, key_mask: Array | None, g: Array, out: Array | None,
-                  *, knots: Param = (0.0,), coeffs: Param = (1.0,), slope: Param = 0.0, intercept: Param = 0.0,
-                  center: bool = True, normalizer: str | None = "abs", eps: float = 1e-6,
-                  param_grads: bool = True, strict_knots=None, residuals: tuple = ()) -> tuple[Any, ...]:
+def attention_vjp(inputs: Inputs, form: Form, g: Array, out: Array | None, residuals: tuple = (), *,
+                  param_grads: bool = True) -> tuple[Any, ...]:
     """Vector-Jacobian product of :func:`attention` with cotangent ``g``, by one fused backward sweep.
 
     Parameters
     ----------
-    q, k, v, key_mask, knots, coeffs, slope, intercept, center, normalizer, eps
-        As in the forward call (:func:`attention`).
+    inputs, form
+        As in the forward call (:func:`attention`); the profile's ``strict_knots`` as in
+        :func:`kernel_sum_vjp`.
     g : array, shape (..., Lq, Dv)
         The cotangent of the output.
     out : array, shape (..., Lq, Dv), or None
         The forward output (its dot with ``g`` is the normaliser's cotangent); needed only for the
         "abs" and "relu" normalisers.
-    param_grads : bool
-        Also compute the gradients of the knots and coefficients (otherwise ``None``).
-    strict_knots : sequence of bool, shape (M,), optional
-        As in :func:`kernel_sum_vjp`.
     residuals : tuple of arrays, optional
         What the forward call (:func:`attention` with ``keep=True``, on the same arguments)
         returned besides the output; the backward then reuses its sort and per-query terms.
+    param_grads : bool
+        Also compute the gradients of the knots and coefficients (otherwise ``None``).
 
     Returns
     -------
@@ -361,23 +357,27 @@ def attention_vjp(q: Array, k: Array, v: Array, key_mask: Array | None, g: Array
     --------
     >>> import numpy as np
     >>> from slicedkern.engines.sweep import _host as sweep
+    >>> from slicedkern._spec import Normalizer
+    >>> from slicedkern.engines._vjp import Form, Inputs
+    >>> from slicedkern.kernels import Profile
     >>> q, k, v = np.array([[1.0]]), np.array([[0.0, 2.0]]), np.array([[[1.0], [3.0]]])
-    >>> g = np.ones((1, 1, 1))
-    >>> dq, dk, dv, _, _ = sweep.attention_vjp(q, k, v, None, g, None, center=False, normalizer="count")
+    >>> relu = Form(Profile((0.0,), (1.0,)), Normalizer("count"), center=False)
+    >>> dq, dk, dv, _, _ = sweep.attention_vjp(Inputs(q, k, v, None), relu, np.ones((1, 1, 1)), None)
     >>> dq, dk, dv[..., 0]           # out = ReLU(q - k0) v0 / 2
     (array([[0.5]]), array([[-0.5, -0. ]]), array([[0.5, 0. ]]))
     """
+    (q, k, v, key_mask), (profile, normalizer, center) = inputs, form
     code = normalizer_code(normalizer)
     (q, k, v), tdt, batch = checked(q, k, v, ("q", "k", "v"))
     g, tg = to_numpy(g, "g")
     lq, lk, dv_cols = q.shape[-1], k.shape[-1], v.shape[-1]
     if g.shape != batch + (lq, dv_cols):
         raise ValueError(f"argument 'g' must have shape {batch + (lq, dv_cols)} (..., Lq, Dv), got {g.shape}")
-    needs_out = normalizer in ("abs", "relu")
+    needs_out = normalizer.summed
     tout = None
     if needs_out:
         if out is None:
-            raise ValueError(f"argument 'out' (the forward output) is needed for normalizer {normalizer!r}")
+            raise ValueError(f"argument 'out' (the forward output) is needed for normalizer {normalizer.name!r}")
         out, tout = to_numpy(out, "out")
         if out.shape != g.shape:
             raise ValueError(f"argument 'out' must have shape {g.shape} like 'g', got {out.shape}")
@@ -385,7 +385,7 @@ def attention_vjp(q: Array, k: Array, v: Array, key_mask: Array | None, g: Array
     dt = common_float([v, g] + ([out] if needs_out else []), ["v", "g"] + (["out"] if needs_out else []))
     score_out_dt, value_out_dt = result_dtype([q, k], score_dt), result_dtype([v], dt)
     bsz = int(np.prod(batch, dtype=np.int64))
-    profile, n_user = profile_rows(knots, coeffs, slope, intercept, batch, bsz)
+    rows_, n_user = profile_rows(profile, batch, bsz)
     t_scores, t_values = [tdt[0], tdt[1]], [tdt[2], tg] + ([tout] if needs_out else [])
     all_t = tdt + [tg, tout]
     if lq == 0 or lk == 0 or dv_cols == 0 or bsz == 0:
@@ -395,15 +395,15 @@ def attention_vjp(q: Array, k: Array, v: Array, key_mask: Array | None, g: Array
         params = [wrap(np.zeros(batch + (n_user,)), all_t) for _ in range(2)] if param_grads else [None, None]
         return (*results, *params)
     mask, has_mask = mask_rows(key_mask, k.shape, bsz)
-    profile, zero_knot = with_zero_knot(profile, normalizer)
+    rows_, zero_knot = with_zero_knot(rows_, normalizer)
     scores = (rows(q, bsz, (lq,), F64), rows(k, bsz, (lk,), F64), mask, has_mask)
-    options = BackwardOptions(center=bool(center), normalizer=code, zero_knot=zero_knot, eps=float(eps),
+    options = BackwardOptions(center=bool(center), normalizer=code, zero_knot=zero_knot, eps=float(normalizer.eps),
                               n_user_knots=n_user, want_coeffs=bool(param_grads), query_poisons_row=False,
-                              strict=strict_rows(strict_knots, profile[0].shape[1]))
+                              strict=strict_rows(profile.strict_knots, rows_[0].shape[1]))
     tensors = (rows(v, bsz, (lk, dv_cols), dt), rows(g, bsz, (lq, dv_cols), dt),
                rows(out, bsz, (lq, dv_cols), dt) if needs_out else dummy(dt))
     kept = [to_numpy(a, "residuals")[0] for a in residuals] if residuals else None
-    dq, dk, dv, dkn, dco, bad = _backward(scores, profile, options, tensors, (bsz, lq, lk, dv_cols), kept)
+    dq, dk, dv, dkn, dco, bad = _backward(scores, rows_, options, tensors, (bsz, lq, lk, dv_cols), kept)
     dkn, dco = dkn[:, :n_user], dco[:, :n_user]
     if bad.any():
         for arr in (dq, dk, dv, dkn, dco):
@@ -435,15 +435,18 @@ def warmup() -> bool:
     True
     """
     rng = np.random.default_rng(0)
+    relu = Profile((0.0,), (1.0,))
+    form = Form(relu, Normalizer("abs"), center=True)
     for dt in (np.float32, np.float64):
         x, y = rng.standard_normal((1, 3)).astype(dt), rng.standard_normal((1, 4)).astype(dt)
         w, g = rng.standard_normal((1, 4, 2)).astype(dt), rng.standard_normal((1, 3, 2)).astype(dt)
-        kernel_sum(x, y, w, (0.0,), (1.0,))
-        out = attention(x, y, w, None)
-        attention(x, y, w, np.ones((1, 4), bool))
-        kernel_sum_vjp(x, y, w, (0.0,), (1.0,), 0.0, 0.0, g)
-        attention_vjp(x, y, w, None, g, out)
-        out, _, relu_count, den = causal_attention(x, y, w, None, knots=(0.0,), coeffs=(1.0,))
-        causal_attention_vjp(x, y, w, None, g, out, relu_count, den, knots=(0.0,), coeffs=(1.0,))
-        causal_profile_vjp(x, y, w, g, knots=(0.0,), coeffs=(1.0,))
+        inputs = Inputs(x, y, w, None)
+        kernel_sum(x, y, w, relu)
+        out = attention(inputs, form)
+        attention(inputs._replace(key_mask=np.ones((1, 4), bool)), form)
+        kernel_sum_vjp(x, y, w, relu, g)
+        attention_vjp(inputs, form, g, out)
+        out, _, relu_count, den = causal_attention(inputs, form)
+        causal_attention_vjp(inputs, form, g, out, relu_count, den)
+        causal_profile_vjp(x, y, w, relu, g)
     return True

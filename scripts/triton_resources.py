@@ -57,6 +57,7 @@ def forward_launches(dtype, length: int = 1024, rows: int = 8, dv: int = 64) -> 
     import array_api_compat.torch as xp
 
     from slicedkern._spec import Normalizer
+    from slicedkern.engines._vjp import Form
     from slicedkern.engines.triton import _sums
     from slicedkern.kernels import Profile, ReLU
     kernels = _sums.loaded()
@@ -78,8 +79,8 @@ def forward_launches(dtype, length: int = 1024, rows: int = 8, dv: int = 64) -> 
         for name, fn in originals.items():
             setattr(kernels, name, Captured(name, fn))
         table = _sums.build_table(xp, y, w, ones=True)
-        _sums.attend(xp, table, _sums.sort_queries(xp, x), Profile.of(ReLU()), Normalizer("abs", 1e-6), (rows,),
-                     center=True, factor=None, dtype=dtype)
+        form = Form(Profile.of(ReLU()), Normalizer("abs", 1e-6), center=True)
+        _sums.attend(xp, table, _sums.sort_queries(xp, x), form, (rows,), factor=None, dtype=dtype)
     finally:
         for name, fn in originals.items():
             setattr(kernels, name, fn)
@@ -91,6 +92,7 @@ def small_launches(dtype, length: int = 1024, rows: int = 8, dv: int = 64) -> li
     import array_api_compat.torch as xp
 
     from slicedkern._spec import Normalizer
+    from slicedkern.engines._vjp import Form, Inputs
     from slicedkern.engines.triton import _sums
     from slicedkern.kernels import Profile, ReLU
     g = torch.Generator().manual_seed(0)
@@ -99,8 +101,8 @@ def small_launches(dtype, length: int = 1024, rows: int = 8, dv: int = 64) -> li
     factor = torch.ones(rows, length, dtype=torch.float64)
 
     def run():
-        _sums.attend_small(xp, y, x, w, None, Profile.of(ReLU()), Normalizer("abs", 1e-6), (rows,), center=True,
-                           factor=factor, dtype=dtype)
+        form = Form(Profile.of(ReLU()), Normalizer("abs", 1e-6), center=True)
+        _sums.attend_small(xp, Inputs(x, y, w, None), form, (rows,), factor=factor, dtype=dtype)
     return _captured(("small_attend",), run)
 
 

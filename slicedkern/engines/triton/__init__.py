@@ -69,6 +69,7 @@ from ._scale import scaled_grads, scaled_up, value_scale
 from ._sums import (
     DotTerm,
     Queries,
+    SumTerm,
     as_int8,
     attend,
     attend_small,
@@ -167,12 +168,12 @@ class TritonEngine(Engine):
         sc = screen(xp, x, y, w, None, defer=False)
         table = build_table(xp, flat_rows(xp, sc.y, 1), row_view(xp, w, 2), take=flat_rows(xp, sc.table_take, 1))
         factor = flat_rows(xp, sc.divisor(xp, 1.0), 1)          # 1, or NaN where the NaN policy says
-        out = profile_sum(xp, table, sort_queries(xp, flat_rows(xp, sc.x, 1)), profile, batch, column_range(profile, c),
-                          strict=True, factor=factor)
+        queries = sort_queries(xp, flat_rows(xp, sc.x, 1))
+        out = profile_sum(xp, SumTerm(table, queries, profile, column_range(profile, c), True, factor), batch)
         return xp.reshape(out, batch + (n, out.shape[-1]))
 
     def attention(self, inputs, form, *, xp, for_backward=False, row_ok=None):
-        (q, k, v, key_mask), (profile, normalizer, center) = inputs, form
+        (q, k, v, key_mask), profile = inputs, form.profile
         batch, lq, lk, dv = tuple(q.shape[:-1]), q.shape[-1], k.shape[-1], v.shape[-1]
         if lq == 0 or lk == 0:
             out, aux = empty_attention(xp, q, k, v, key_mask)
@@ -188,9 +189,9 @@ class TritonEngine(Engine):
         table_take = None if sc.table_take is None else flat_rows(xp, sc.table_take, 1)
         if sc.deferred and max(lq, lk) <= _sums.SMALL_FUSED:
             # short rows: sorts, both passes and the values' verdict in one launch: at small L the launches are the time
+            rows = Inputs(flat_rows(xp, sc.x, 1), flat_rows(xp, sc.y, 1), row_view(xp, v, 2), table_take)
             out, relu_count, raw, table, xr = attend_small(
-                xp, flat_rows(xp, sc.y, 1), flat_rows(xp, sc.x, 1), row_view(xp, v, 2), table_take, profile,
-                normalizer, batch, center=center, factor=flat_rows(xp, _factor(xp, sc, row_ok, up), 1), dtype=v.dtype)
+                xp, rows, form, batch, factor=flat_rows(xp, _factor(xp, sc, row_ok, up), 1), dtype=v.dtype)
             if not for_backward:             # the kernel took the values' verdict itself: none to keep
                 return xp.reshape(out, batch + (lq, dv)), ()
             sc.settle(xp, xp.reshape(table.totals, batch + (1, -1)), dv)       # the residuals' verdicts
@@ -199,7 +200,7 @@ class TritonEngine(Engine):
                                 narrow=narrow)
             sc.settle(xp, xp.reshape(table.totals, batch + (1, -1)), dv)
             xr = sort_queries(xp, flat_rows(xp, sc.x, 1), narrow)
-            out, relu_count, raw = attend(xp, table, xr, profile, normalizer, batch, center=center,
+            out, relu_count, raw = attend(xp, table, xr, form, batch,
                                           factor=flat_rows(xp, _factor(xp, sc, row_ok, up), 1), dtype=v.dtype)
         # the sorted orders and the screening go to the backward too (n elements each): it sorts and
         # screens nothing again (the table's sums are those of the scaled values: the backward scales
@@ -324,14 +325,13 @@ class TritonEngine(Engine):
                 if cols != range(0, dw_cols):
                     raise ValueError("dv_finish: one profile over all the values' columns gives dw")
                 sub, factor, dtype = dv_finish
-                dw.add(profile_sum(xp, valued, yq, r, batch, span, strict=True, sub=sub, factor=factor, dtype=dtype),
-                       cols)
+                dw.add(profile_sum(xp, SumTerm(valued, yq, r, span, True, factor, sub), batch, dtype=dtype), cols)
             elif dw_into is None:
-                dw.add(profile_sum(xp, valued, yq, r, batch, span, strict=True), cols)
+                dw.add(profile_sum(xp, SumTerm(valued, yq, r, span, True), batch), cols)
             else:
                 acc, row_stride, at = dw_into
-                profile_sum_into(xp, valued, yq, r, batch, span, acc, row_stride, at + cols.start, strict=True,
-                                 query_stride=dw_cols)
+                profile_sum_into(xp, SumTerm(valued, yq, r, span, True), batch, acc, row_stride, at + cols.start,
+                                 dw_cols)
             dy_terms.append(DotTerm(table, yq, r.with_(derivative=True), span, vr, cols.start, True, take))
         dy = profile_dots(xp, dy_terms, batch)
         dx = xp.reshape(dx, batch + (n,))
@@ -349,5 +349,5 @@ class TritonEngine(Engine):
         batch, lq = tuple(q.shape[:-1]), q.shape[-1]
         table = build_table(xp, flat_rows(xp, k, 1), flat_rows(xp, ones, 2))
         xr = sort_queries(xp, flat_rows(xp, q, 1))
-        return [xp.reshape(profile_sum(xp, table, xr, p, batch, range(0, 1), strict=True), batch + (lq, 1))
+        return [xp.reshape(profile_sum(xp, SumTerm(table, xr, p, range(0, 1), True), batch), batch + (lq, 1))
                 for p in profiles]

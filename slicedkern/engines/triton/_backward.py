@@ -24,10 +24,11 @@ from ._causal import causal_dv, causal_row_dots
 from ._sums import (
     BLOCK_COLS,
     BLOCK_ROWS,
+    DotTerm,
     build_table,
     flat_rows,
     loaded,
-    profile_dot,
+    profile_dots,
     row_view,
     triton_cdiv,
 )
@@ -200,7 +201,7 @@ def kernel_knot_grads(xp, keyed, xq, profile, batch, gr, cols: range, *, scale=N
     :func:`~slicedkern.engines.sortscan.pullback.knot_grads` sums over materialised cotangents,
     with no sort and no (n, c) array here."""
     def summed(unit, strict):
-        rows = profile_dot(xp, keyed, xq, unit, batch, cols, gr, 0, strict=strict, factor=scale)
+        rows = profile_dots(xp, [DotTerm(keyed, xq, unit, cols, gr, 0, strict, factor=scale)], batch)
         return xp.reshape(xp.sum(rows, axis=-1), batch)
 
     dknots, dcoeffs = [], []

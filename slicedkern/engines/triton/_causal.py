@@ -26,6 +26,7 @@ from ._sums import (
     BLOCK_COLS,
     BLOCK_ROWS,
     Queries,
+    SumTerm,
     _acc_dtype,
     _blocks,
     as_int8,
@@ -81,7 +82,7 @@ def level_sums_into(xp, qs, keys, vals, kept, profiles, accs, orders=None):
     fused = len(profiles) == 2 and spans[1] == range(c, c + 1) and spans[0].start < c
     for p, cols, acc in list(zip(profiles, spans, accs))[:1 if fused else None]:
         # block pair r's right block starts at position (2 r + 1) s of the flattened positions
-        profile_sum_into(xp, table, xr, p, batch, cols, acc, 2 * s * len(cols), s * len(cols), strict=True,
+        profile_sum_into(xp, SumTerm(table, xr, p, cols, True), batch, acc, 2 * s * len(cols), s * len(cols),
                          norm_into=(profiles[1], accs[1]) if fused else None)
     return list(accs)
 

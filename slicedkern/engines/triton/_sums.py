@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from ...kernels import Profile
 from .._columns import ScaledRows
+from .._vjp import Form, Inputs
 from ._args import (
     Blocks,
     CarryArgs,
@@ -33,8 +34,8 @@ from ._args import (
     tl_dtype,
 )
 
-__all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_sum_into", "profile_dot",
-           "profile_dots", "DotTerm", "unit_rows",
+__all__ = ["Table", "Queries", "build_table", "sort_queries", "profile_sum", "profile_sum_into",
+           "profile_dots", "DotTerm", "SumTerm", "unit_rows",
            "attend", "attend_small", "loaded", "interpreted", "flat_rows", "row_view",
            "cotangent_rows", "per_key_rows", "as_int8"]
 
@@ -281,21 +282,36 @@ def _grid(rows: int, n: int, width: int, blocks: Blocks) -> tuple:
     return rows, triton_cdiv(n, blocks.N.value), triton_cdiv(width, blocks.C.value)
 
 
-def _launch_sums(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, out: OutArgs, *,
-                 strict: bool, factor=None, sub=None, norm_into=None):
-    """:func:`._kernels.sums_eval` into ``out`` (an :class:`._args.OutArgs`); ``norm_into = (profile,
-    raw)`` with an added ``out``: that profile over the indicator added to ``raw`` too."""
+class SumTerm(NamedTuple):
+    """One profile sum over a table of keys: what :func:`profile_sum` and :func:`profile_sum_into`
+    evaluate. ``queries``: :func:`sort_queries` of the (R, n) queries; ``cols`` the table columns
+    summed; ``strict`` the tie rule of the steps (``H(0) = 0``); ``factor`` (R, n) float64 or None
+    multiplies each query's sums, in the queries' original order; ``sub`` (R, len(cols)) float64 or
+    None is subtracted first."""
+    table: Any
+    queries: Any
+    profile: Profile
+    cols: range
+    strict: bool
+    factor: Any = None
+    sub: Any = None
+
+
+def _launch_sums(xp, term: SumTerm, batch, out: OutArgs, *, norm_into=None):
+    """:func:`._kernels.sums_eval` of ``term`` into ``out`` (an :class:`._args.OutArgs`); ``norm_into =
+    (profile, raw)`` with an added ``out``: that profile over the indicator added to ``raw`` too."""
     k = loaded()
-    rows, n = queries.sorted.shape
-    (factor,) = per_key_rows(xp, factor)
-    qa, keys, weights, carry, blocks = _pass2(k, xp, table, queries, rows_apart=_rows_apart(n, factor))
-    dev = queries.sorted.device
-    value = profile_record(k, xp, profile, batch, rows, dev, strict=strict)
+    rows, n = term.queries.sorted.shape
+    (factor,) = per_key_rows(xp, term.factor)
+    qa, keys, weights, carry, blocks = _pass2(k, xp, term.table, term.queries, rows_apart=_rows_apart(n, factor))
+    dev = term.queries.sorted.device
+    value = profile_record(k, xp, term.profile, batch, rows, dev, strict=term.strict)
     if norm_into is None:
         norm, raw = no_profile(k, value), None
     else:
-        norm, raw = profile_record(k, xp, norm_into[0], batch, rows, dev, strict=strict), norm_into[1]
-    k.sums_eval[_grid(rows, n, len(cols), blocks)](qa, keys, weights, carry, value, factor, sub, out,
+        norm, raw = profile_record(k, xp, norm_into[0], batch, rows, dev, strict=term.strict), norm_into[1]
+    cols = term.cols
+    k.sums_eval[_grid(rows, n, len(cols), blocks)](qa, keys, weights, carry, value, factor, term.sub, out,
                                                    Columns(cols.start, len(cols)), blocks, norm, raw,
                                                    num_warps=MERGE_WARPS)
 
@@ -314,51 +330,34 @@ def _launch_dots(xp, term, batch, out: OutArgs):
                                                         num_warps=MERGE_WARPS)
 
 
-def profile_sum(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, *, strict: bool,
-                factor=None, sub=None, dtype=None):
-    """``((sum over the profile of table columns cols) - sub) * factor``, (R, n, len(cols)) in
-    ``dtype`` (float64 by default).
-
-    ``queries``: :func:`sort_queries` of the (R, n) queries; ``factor`` (R, n) float64 or None, in
-    the queries' original order; ``sub`` (R, len(cols)) float64 or None; ``batch`` the batch shape
-    the profile's array parameters broadcast to. The result in the queries' original order (pass 2,
-    one launch).
+def profile_sum(xp, term: SumTerm, batch, *, dtype=None):
+    """``((sum over the profile of table columns cols) - sub) * factor`` of a :class:`SumTerm`,
+    (R, n, len(cols)) in ``dtype`` (float64 by default), in the queries' original order (pass 2,
+    one launch); ``batch`` the batch shape the profile's array parameters broadcast to.
     """
-    rows, n = queries.sorted.shape
-    out = xp.empty((rows, n, len(cols)), dtype=dtype or xp.float64, device=queries.sorted.device)
-    if len(cols) == 0 or rows == 0 or n == 0:
+    rows, n = term.queries.sorted.shape
+    width = len(term.cols)
+    out = xp.empty((rows, n, width), dtype=dtype or xp.float64, device=term.queries.sorted.device)
+    if width == 0 or rows == 0 or n == 0:
         return out
-    _launch_sums(xp, table, queries, profile, batch, cols, _out_args(loaded(), out, n * len(cols), 0, len(cols)),
-                 strict=strict, factor=factor, sub=sub)
+    _launch_sums(xp, term, batch, _out_args(loaded(), out, n * width, 0, width))
     return out
 
 
-def profile_sum_into(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, into, row_stride: int,
-                     offset: int, *, strict: bool, query_stride: int | None = None, norm_into=None):
+def profile_sum_into(xp, term: SumTerm, batch, into, row_stride: int, offset: int, query_stride: int | None = None,
+                     *, norm_into=None):
     """:func:`profile_sum` added in place to ``into`` (contiguous; added in float64 and rounded once
     to its dtype): query ``i`` of row ``r`` to ``into.flat[offset + r row_stride + i query_stride +
     column]`` (``query_stride`` default ``len(cols)``; one launch, nothing allocated).
     ``norm_into = (normaliser profile, raw)``: that profile over the table's indicator added in
     the same launch to ``raw`` (contiguous, one number per position of ``into``)."""
-    rows, n = queries.sorted.shape
-    if len(cols) and rows and n:
-        out = _out_args(loaded(), into, row_stride, offset, len(cols) if query_stride is None else query_stride,
+    rows, n = term.queries.sorted.shape
+    width = len(term.cols)
+    if width and rows and n:
+        out = _out_args(loaded(), into, row_stride, offset, width if query_stride is None else query_stride,
                         add=True)
-        _launch_sums(xp, table, queries, profile, batch, cols, out, strict=strict, norm_into=norm_into)
+        _launch_sums(xp, term, batch, out, norm_into=norm_into)
     return into
-
-
-def profile_dot(xp, table: Table, queries: Queries, profile: Profile, batch, cols: range, rows_, col0: int, *,
-                strict: bool, take=None, factor=None):
-    """``sum over c of (profile sum of table columns cols)[..., c] * rows_[..., col0 + c]``: (R, n) float64.
-
-    ``rows_`` (R, n, ...) in the queries' original order, any strides and dtype (read by the kernel,
-    not copied): the backward's score gradients without an (n, len(cols)) array of sums. One launch;
-    its column blocks' partial dots are summed here, in a fixed order. ``take`` (R, n) bool or int8,
-    or None: ``rows_`` is read only where it is nonzero, as 0 elsewhere; ``factor`` (R, n) float64
-    or None multiplies each query's sums first.
-    """
-    return profile_dots(xp, [DotTerm(table, queries, profile, cols, rows_, col0, strict, take, factor)], batch)
 
 
 @functools.lru_cache(maxsize=16)
@@ -372,7 +371,11 @@ def unit_rows(xp, shape, dev):
 
 
 class DotTerm(NamedTuple):
-    """One term of :func:`profile_dots`: :func:`profile_dot`'s arguments."""
+    """One term of :func:`profile_dots`: ``sum over c of (profile sum of table columns cols)[..., c] *
+    rows[..., col0 + c]``, (R, n), the backward's score gradients without an (n, len(cols)) array of
+    sums. ``rows`` (R, n, ...) in the queries' original order, any strides and dtype (read by the
+    kernel, not copied); ``take`` (R, n) bool or int8, or None: ``rows`` is read only where it is
+    nonzero, as 0 elsewhere; ``factor`` (R, n) float64 or None multiplies each query's sums first."""
     table: Any
     queries: Any
     profile: Profile
@@ -385,7 +388,7 @@ class DotTerm(NamedTuple):
 
 
 def profile_dots(xp, terms, batch):
-    """The sum of several :func:`profile_dot` terms over the same (R, n) queries, (R, n) float64:
+    """The sum of several :class:`DotTerm` terms over the same (R, n) queries, (R, n) float64:
     one launch each, their column blocks' partial dots written side by side into one (R, n, blocks)
     array and summed once, in a fixed order (no array per term, no additions of them)."""
     rows, n = terms[0].queries.sorted.shape
@@ -404,17 +407,18 @@ def profile_dots(xp, terms, batch):
     return partial[..., 0] if total == 1 else xp.sum(partial, axis=-1)
 
 
-def attend(xp, table: Table, queries: Queries, profile: Profile, normalizer, batch, *, center: bool, factor,
-           dtype):
+def attend(xp, table: Table, queries: Queries, form: Form, batch, *, factor, dtype):
     """Attention's forward in one pass-2 launch: ``(out, relu_count, raw)``.
 
     ``table``: the keys with the values and the indicator column (``build_table(..., ones=True)``);
+    ``form``: the value profile, the normaliser and the centring (:class:`~slicedkern.engines._vjp.Form`);
     ``out`` (R, n, dv) in ``dtype``: the profile sum of the values, centred when ``center``,
     divided by the normaliser's divisor and multiplied by ``factor`` (the NaN policy's, (R, n): 1 or
     NaN);
     ``relu_count`` (R, n) the profile summed over the valid keys, ``raw`` (R, n) the normaliser's
     profile sum (None unless ``normalizer.summed``), float64: the backward's residuals.
     """
+    profile, normalizer, center = form
     rows, n = queries.sorted.shape
     dev = queries.sorted.device
     dv = table.w.shape[-1]
@@ -442,14 +446,16 @@ SMALL_FUSED = 1024
 SMALL_BLOCKS = 2
 
 
-def attend_small(xp, y, x, w, take, profile: Profile, normalizer, batch, *, center: bool, factor, dtype):
+def attend_small(xp, rows_: Inputs, form: Form, batch, *, factor, dtype):
     """Attention's forward on short rows in one launch (:func:`._order.small_attend`):
     ``(out, relu_count, raw, table, queries)``, the first three as :func:`attend` returns them and
     the last two what :func:`build_table` (``ones=True``, ``narrow=True``) and :func:`sort_queries`
-    (``narrow=True``) would give, the backward's residuals. ``y`` (R, m) and ``x`` (R, n) float32
-    numbers (in any float dtype), each at most :data:`SMALL_FUSED`; ``w`` (R, m, c) narrower than
-    float64; ``take`` (R, m) bool or None; ``factor`` (R, n) float64, the NaN policy's verdicts on
-    the scores: the kernel multiplies in the values' own, read off its carry's totals."""
+    (``narrow=True``) would give, the backward's residuals. ``rows_``: the queries ``x`` (R, n) and
+    keys ``y`` (R, m), float32 numbers (in any float dtype), each at most :data:`SMALL_FUSED`; the
+    values ``w`` (R, m, c) narrower than float64; ``take`` (R, m) bool or None, the keys that take
+    part. ``factor`` (R, n) float64, the NaN policy's verdicts on the scores: the kernel multiplies
+    in the values' own, read off its carry's totals."""
+    (x, y, w, take), (profile, normalizer, center) = rows_, form
     rows, m = y.shape
     n, c = x.shape[-1], w.shape[-1]
     dev = y.device

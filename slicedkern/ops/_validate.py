@@ -6,6 +6,7 @@ Checks run before any work; values are checked only where they are known (not un
 from __future__ import annotations
 
 import numbers
+from typing import Any, NamedTuple
 
 import array_api_compat as compat
 import numpy as np
@@ -94,8 +95,18 @@ def not_an_array(name: str, value) -> str:
 CHUNKED_OPS = "sliced_kernel_sum, energy_distance and mmd"
 
 
-def setup(named: dict, xp, required=(), *, chunked: bool = False):
-    """Namespace, device and dtypes of the array arguments, with errors that name them.
+class Setting(NamedTuple):
+    """Where and in what an op computes: what :func:`setup` finds of its array arguments."""
+
+    xp: Any          # the arrays' namespace
+    device: Any      # their device
+    out_dtype: Any   # the result's dtype
+    work: Any        # the dtype it computes in
+
+
+def setup(named: dict, xp, required=(), *, chunked: bool = False) -> Setting:
+    """Namespace, device and dtypes of the array arguments (a :class:`Setting`), with errors that
+    name them.
 
     ``required`` names the arguments that must be arrays (the others may be ``None``); ``chunked``
     says whether the op has a plan for lazy chunked (Dask) arrays.
@@ -151,7 +162,7 @@ def _setup(named, xp, required, chunked):
     floats = {k: a for k, a in named.items() if k != "key_mask"}
     check_floating(xp, floats)
     out_dtype, work = compute_dtypes(xp, [a for a in floats.values() if a is not None], device)
-    return xp, device, out_dtype, work
+    return Setting(xp, device, out_dtype, work)
 
 
 def need_ndim(a, name, ndim, what):

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import math
 
-from .._lib.typing import Array, Namespace
+from .._lib.typing import Array
 from ..backends import energy_distance_pairs, to_host
+from ..ops._validate import Setting
 from ._stat_plans import weight_gradients
-from .plan import broadcast
+from .plan import Samples, broadcast
 from .radial import radial_profile
 
 __all__ = ["DenseEnergyPlan", "DenseMMDPlan", "dense_cost"]
@@ -65,7 +66,9 @@ class _DensePlan:
     """Sums ``sum_ij wp_i wq_j Phi(|p_i - q_j|)`` over the pairs of (x, x), (x, y), (y, y) blockwise,
     for the radial function ``phi`` and its derivative ``dphi`` (arrays of distances to arrays)."""
 
-    def __init__(self, xp: Namespace, xs: Array, ys: Array, *, phi, dphi, batch, out_dtype, device, work):
+    def __init__(self, setting: Setting, samples: Samples, *, phi, dphi):
+        xp, device, out_dtype, work = setting
+        xs, ys, batch = samples
         self.xp, self.work_dtype, self.out_dtype, self.device = xp, work, out_dtype, device
         self.phi, self.dphi = phi, dphi
         self.batch = tuple(batch)
@@ -117,9 +120,11 @@ class DenseEnergyPlan(_DensePlan):
 
     method = "exact"
 
-    def __init__(self, xp, xs, ys, a, b, *, raw, **kw):
-        super().__init__(xp, xs, ys, phi=lambda r: r, dphi=xp.ones_like, **kw)
-        self.a, self.b, self.raw = broadcast(xp, a, self.batch, 1), broadcast(xp, b, self.batch, 1), raw
+    def __init__(self, setting: Setting, samples: Samples, weights: tuple, *, raw: dict):
+        xp = setting.xp
+        super().__init__(setting, samples, phi=lambda r: r, dphi=xp.ones_like)
+        (a, b), self.raw = weights, raw
+        self.a, self.b = broadcast(xp, a, self.batch, 1), broadcast(xp, b, self.batch, 1)
 
     def forward(self) -> Array:
         xs, ys, a, b = self.xs, self.ys, self.a, self.b
@@ -143,9 +148,10 @@ class DenseMMDPlan(_DensePlan):
 
     method = "exact"
 
-    def __init__(self, xp, xs, ys, *, kernel, coef, shift, **kw):
-        self.profile = radial_profile(kernel, xs.shape[-1])
-        super().__init__(xp, xs, ys, phi=self.profile, dphi=self._derivative, **kw)
+    def __init__(self, setting: Setting, samples: Samples, *, kernel, coef, shift):
+        xp = setting.xp
+        self.profile = radial_profile(kernel, samples.xs.shape[-1])
+        super().__init__(setting, samples, phi=self.profile, dphi=self._derivative)
         self.coef, self.shift = coef, shift
         ones = xp.ones((self.n,), dtype=self.work_dtype, device=self.device)
         self.ones_x = broadcast(xp, ones, self.batch, 1)

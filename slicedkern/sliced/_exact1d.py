@@ -29,6 +29,7 @@ differentiate (the permutation is a constant of the derivative).
 
 from __future__ import annotations
 
+from .._lib.namespace import array_device
 from .._lib.typing import Array, Namespace
 from ..backends import accurate_sum, energy_distance_rows, is_traced
 
@@ -103,9 +104,10 @@ def pooled(xp, x, y, batch):
     return z, xp.argsort(z, axis=-1, stable=True)
 
 
-def _gap(xp, perm, a, b, *, n, m, batch, device, work):
-    """The CDF gap ``D_k`` after each sorted pooled point, (..., N); the last entry is zero in exact
-    arithmetic. ``a``, ``b``: raw weights or ``None`` (module docstring)."""
+def _gap(xp, perm, a, b, *, n, m, batch, work):
+    """The CDF gap ``D_k`` after each sorted pooled point, (..., N), on ``perm``'s device; the last
+    entry is zero in exact arithmetic. ``a``, ``b``: raw weights or ``None`` (module docstring)."""
+    device = array_device(perm)
     if a is None and b is None:
         i = xp.cumulative_sum(xp.astype(perm < n, work), axis=-1)
         k = xp.arange(1, n + m + 1, dtype=work, device=device)
@@ -157,7 +159,7 @@ def energy_distance_1d(xp: Namespace, x: Array, y: Array, a: Array | None, b: Ar
     n, m = x.shape[-1], y.shape[-1]
     z, perm = pooled(xp, x, y, batch)
     zs = take(xp, z, perm)
-    d = _gap(xp, perm, a, b, n=n, m=m, batch=batch, device=device, work=work)[..., :-1]
+    d = _gap(xp, perm, a, b, n=n, m=m, batch=batch, work=work)[..., :-1]
     ed = 2.0 * accurate_sum(xp, d * d * (zs[..., 1:] - zs[..., :-1]))
     nan = xp.asarray(float("nan"), dtype=work, device=device)
     return xp.where(finite_rows(xp, batch, x, y, a, b), ed, nan)

@@ -14,9 +14,10 @@ from .._lib.namespace import as_work
 from ..backends import quiet
 from ..kernels import Abs
 from ..ops import kernel_sum
+from ..ops._validate import Setting
 from ._exact1d import energy_distance_1d
 from ._exact1d_mmd import mmd_1d
-from .plan import SlicePlan, broadcast, chunk_for, lift, project, unproject
+from .plan import Samples, SlicePlan, broadcast, chunk_for, lift, project, unproject
 
 __all__ = ["EnergyPlan", "MMDPlan"]
 
@@ -25,13 +26,14 @@ class _PooledPlan(SlicePlan):
     """A statistic of the pooled sample ``z``: ``z`` itself when exact, else its projections.
 
     ``theta`` None means exact 1-D samples (one "slice", scale 1); otherwise the sum over slices is
-    scaled by ``weight / P``. ``xs`` (..., n) or (..., n, d) and ``ys`` are the samples in the work
-    dtype, not broadcast. ``per_point`` bounds the elements a slice works on, per pooled point and
-    batch element, for the default chunk.
+    scaled by ``weight / P``. ``samples``: ``xs`` (..., n) or (..., n, d) and ``ys`` in the work
+    dtype, not broadcast, and their batch shape. ``per_point`` bounds the elements a slice works on,
+    per pooled point and batch element, for the default chunk.
     """
 
-    def __init__(self, xp, xs, ys, theta, *, squeeze, batch, per_point, weight, chunk_size, out_dtype,
-                 device, work):
+    def __init__(self, setting: Setting, samples: Samples, theta, *, squeeze, per_point, weight, chunk_size):
+        xp, device, out_dtype, work = setting
+        xs, ys, batch = samples
         self.exact = theta is None
         n, m = (xs.shape[-1], ys.shape[-1]) if self.exact else (xs.shape[-2], ys.shape[-2])
         if self.exact:
@@ -85,15 +87,15 @@ class _PooledPlan(SlicePlan):
 class EnergyPlan(_PooledPlan):
     """``-sum_ij u_i u_j |z_i - z_j|`` with the signed weights ``u = [a, -b]`` (shared by the slices).
 
-    ``a``, ``b`` are the probability weights (..., n), (..., m); ``x_weights``, ``y_weights`` the raw
-    ones as given (or ``None``).
+    ``weights``: the probability weights ``a`` (..., n) and ``b`` (..., m); ``raw``: the weights as
+    given, ``{"x_weights": ..., "y_weights": ...}`` (each None when not given).
     """
 
-    def __init__(self, xp, xs, ys, theta, a, b, *, x_weights, y_weights, **kw):
-        super().__init__(xp, xs, ys, theta, **kw)
-        self.a, self.b = a, b
-        work = self.work_dtype
-        self.raw = {"x_weights": x_weights, "y_weights": y_weights}
+    def __init__(self, setting: Setting, samples: Samples, theta, weights: tuple, raw: dict, **kw):
+        super().__init__(setting, samples, theta, **kw)
+        self.a, self.b = weights
+        xp, work = setting.xp, self.work_dtype
+        self.raw = raw
         self.raw_work = {k: None if w is None else as_work(xp, w, work) for k, w in self.raw.items()}
         self._u = None
 
@@ -152,8 +154,8 @@ def weight_gradients(xp, raw, ga, gb) -> dict:
 class MMDPlan(_PooledPlan):
     """``coef . [sum_xx, sum_xy, sum_yy] + shift`` from the pooled sums with membership columns."""
 
-    def __init__(self, xp, xs, ys, theta, *, kernel, estimator, coef, shift, **kw):
-        super().__init__(xp, xs, ys, theta, **kw)
+    def __init__(self, setting: Setting, samples: Samples, theta, *, kernel, estimator, coef, shift, **kw):
+        super().__init__(setting, samples, theta, **kw)
         self.kernel, self.estimator, self.coef, self.shift = kernel, estimator, coef, shift
         self._member = None
 

@@ -38,11 +38,12 @@ class _SliceMean(SlicePlan):
 
 
 class _KernelSumPlan(_SliceMean):
-    """``x``, ``y`` (1.., n|m, d) projected per chunk; ``w`` with a unit slice axis, shared."""
+    """``points = (x, y, w)``: ``x``, ``y`` (1.., n|m, d) projected per chunk; ``w`` with a unit slice
+    axis, shared."""
 
-    def __init__(self, xp, theta, chunk, out_dtype, *, x, y, w, kernel, vector):
+    def __init__(self, xp, theta, chunk, out_dtype, *, points, kernel, vector):
         super().__init__(xp, theta, chunk, 1.0 / theta.shape[0], out_dtype)
-        self.x, self.y, self.w, self.kernel = x, y, w, kernel
+        (self.x, self.y, self.w), self.kernel = points, kernel
         self.axis = -2 if vector else -3
 
     def inner(self, theta):
@@ -119,8 +120,8 @@ def _plan_kernel_sum(x: Array, y: Array, w: Array, kernel: PiecewiseLinear, *, d
     c = 1 if vector else w.shape[-1]
     per_slice = math.prod(batch) * (n + m) * (c + 2)
     return _KernelSumPlan(xp, theta, chunk_for(chunk_size, theta.shape[0], per_slice), out_dtype,
-                          x=lift(xp, as_work(xp, x, work), 2, rank), y=lift(xp, as_work(xp, y, work), 2, rank),
-                          w=w, kernel=kernel, vector=vector)
+                          points=(lift(xp, as_work(xp, x, work), 2, rank), lift(xp, as_work(xp, y, work), 2, rank), w),
+                          kernel=kernel, vector=vector)
 
 
 @composite(_plan_kernel_sum)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -69,6 +69,14 @@ def _result(xp: Namespace, out: Array, dtype: Any) -> Array:
     if is_numpy_namespace(xp) and not isinstance(out, np.ndarray):
         out = np.asarray(out)
     return out
+
+
+class Samples(NamedTuple):
+    """A two-sample statistic's samples in the work dtype, as the op validated them (not broadcast)."""
+
+    xs: Any          # (..., n) scalars when exact, else (..., n, d) points
+    ys: Any          # (..., m) or (..., m, d)
+    batch: tuple     # the batch shape they (and any weights) broadcast to
 
 
 class SlicePlan(abc.ABC):

@@ -24,7 +24,7 @@ from ._chunked import COLUMN_FLOATS, ChunkedPlan, chunked_points, chunked_statis
 from ._dense import DenseEnergyPlan, DenseMMDPlan, dense_cost
 from ._stat_plans import EnergyPlan, MMDPlan
 from .directions import Seed, resolve_directions, same_dim
-from .plan import check_chunk
+from .plan import Samples, check_chunk
 
 __all__ = ["energy_distance", "mmd"]
 
@@ -59,7 +59,7 @@ def _sizes(x: Array, y: Array) -> tuple[int, int]:
 
 
 def _samples(xp: Namespace, x: Array, y: Array, exact: bool, work, *shapes: tuple,
-             names: tuple[str, ...] = ("x", "y")) -> tuple[Array, Array, tuple[int, ...]]:
+             names: tuple[str, ...] = ("x", "y")) -> Samples:
     """The samples in the work dtype, (..., n) scalars when ``exact`` and (..., n, d) points
     otherwise (not broadcast), and the batch shape (with the extra batch ``shapes``)."""
     core = 1 if exact else 2
@@ -68,7 +68,7 @@ def _samples(xp: Namespace, x: Array, y: Array, exact: bool, work, *shapes: tupl
         xs, ys = xs[..., 0], ys[..., 0]
     batch = broadcast_shapes(tuple(xs.shape[:xs.ndim - core]), tuple(ys.shape[:ys.ndim - core]), *shapes,
                              names=names)
-    return xs, ys, batch
+    return Samples(xs, ys, batch)
 
 
 def _probability_weights(xp: Namespace, weights: Array | None, n: int, name: str, *, device, work) -> Array:
@@ -161,7 +161,8 @@ def _plan_energy_distance(x: Array, y: Array, *, directions: int | Array | None 
                           xp: Namespace | None = None) -> EnergyPlan | DenseEnergyPlan | ChunkedPlan:
     """The plan of :func:`energy_distance` (same arguments), after validating them."""
     named = {"x": x, "y": y, "x_weights": x_weights, "y_weights": y_weights}
-    xp, device, out_dtype, work = setup(named, xp, required=("x", "y"), chunked=True)
+    setting = setup(named, xp, required=("x", "y"), chunked=True)
+    xp, device, out_dtype, work = setting
     if method not in _METHODS:
         raise ValueError(f"argument 'method' must be one of {_METHODS}, got {method!r}")
     exact, dim = _layout(x, y, directions, method)
@@ -179,21 +180,19 @@ def _plan_energy_distance(x: Array, y: Array, *, directions: int | Array | None 
                                  chunk_size=chunk_size, out_dtype=out_dtype, work=work)
     a = _probability_weights(xp, x_weights, n, "x_weights", device=device, work=work)
     b = _probability_weights(xp, y_weights, m, "y_weights", device=device, work=work)
-    xs, ys, batch = _samples(xp, x, y, exact, work, tuple(a.shape[:-1]), tuple(b.shape[:-1]),
-                             names=("x", "y", "x_weights", "y_weights"))
+    samples = _samples(xp, x, y, exact, work, tuple(a.shape[:-1]), tuple(b.shape[:-1]),
+                       names=("x", "y", "x_weights", "y_weights"))
     traced = any(is_traced(v) for v in named.values() if v is not None)
     compiled = not exact and not traced and compiled_energy_pairs(xp, x, y, x_weights, y_weights)
     if not exact and _method(method, directions, n, m, dim, values_only=False, traced=traced,
                              compiled=compiled) == "exact":
         raw = {k: None if w is None else as_work(xp, w, work) for k, w in (("x_weights", x_weights),
                                                                           ("y_weights", y_weights))}
-        return DenseEnergyPlan(xp, xs, ys, a, b, raw=raw, batch=batch, out_dtype=out_dtype, device=device,
-                               work=work)
+        return DenseEnergyPlan(setting, samples, (a, b), raw=raw)
     theta = None if exact else resolve_directions(directions, dim, xp=xp, device=device, work=work, seed=seed)
     # E_theta |<theta, z>| = kappa_d |z|: dividing by kappa_d makes the sliced estimate unbiased
-    return EnergyPlan(xp, xs, ys, theta, a, b, x_weights=x_weights, y_weights=y_weights,
-                      squeeze=exact and x.ndim >= 2, batch=batch, per_point=4, weight=1.0 / _kappa(dim),
-                      chunk_size=chunk_size, out_dtype=out_dtype, device=device, work=work)
+    return EnergyPlan(setting, samples, theta, (a, b), {"x_weights": x_weights, "y_weights": y_weights},
+                      squeeze=exact and x.ndim >= 2, per_point=4, weight=1.0 / _kappa(dim), chunk_size=chunk_size)
 
 
 @composite(_plan_energy_distance)
@@ -315,7 +314,8 @@ def _plan_mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | 
               estimator: str = "v", chunk_size: int | None = None, seed: Seed = None,
               method: str = "auto", xp: Namespace | None = None) -> MMDPlan | DenseMMDPlan | ChunkedPlan:
     """The plan of :func:`mmd` (same arguments), after validating them."""
-    xp, device, out_dtype, work = setup({"x": x, "y": y}, xp, required=("x", "y"), chunked=True)
+    setting = setup({"x": x, "y": y}, xp, required=("x", "y"), chunked=True)
+    xp, device, out_dtype, work = setting
     check_kernel(kernel)
     if estimator not in _ESTIMATORS:
         raise ValueError(f"argument 'estimator' must be one of {_ESTIMATORS}, got {estimator!r}")
@@ -335,7 +335,7 @@ def _plan_mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | 
                                  per_point=COLUMN_FLOATS["mmd"], chunk_size=chunk_size, out_dtype=out_dtype,
                                  work=work)
     kernel = _symmetric(kernel)
-    xs, ys, batch = _samples(xp, x, y, exact, work)
+    samples = _samples(xp, x, y, exact, work)
     if estimator == "v":
         coef, shift = (1.0 / (n * n), -2.0 / (n * m), 1.0 / (m * m)), 0.0
     else:
@@ -345,12 +345,10 @@ def _plan_mmd(x: Array, y: Array, kernel: PiecewiseLinear, *, directions: int | 
     traced = is_traced(x) or is_traced(y)
     chosen = _method(method, directions, n, m, dim, values_only=has_autograd(xp), traced=traced)
     if not exact and chosen == "exact":
-        return DenseMMDPlan(xp, xs, ys, kernel=kernel, coef=coef, shift=shift, batch=batch, out_dtype=out_dtype,
-                            device=device, work=work)
+        return DenseMMDPlan(setting, samples, kernel=kernel, coef=coef, shift=shift)
     theta = None if exact else resolve_directions(directions, dim, xp=xp, device=device, work=work, seed=seed)
-    return MMDPlan(xp, xs, ys, theta, kernel=kernel, estimator=estimator, coef=coef, shift=shift,
-                   squeeze=exact and x.ndim >= 2, batch=batch, per_point=8, weight=1.0,
-                   chunk_size=chunk_size, out_dtype=out_dtype, device=device, work=work)
+    return MMDPlan(setting, samples, theta, kernel=kernel, estimator=estimator, coef=coef, shift=shift,
+                   squeeze=exact and x.ndim >= 2, per_point=8, weight=1.0, chunk_size=chunk_size)
 
 
 @composite(_plan_mmd)

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "slicedkern"
 
-LAYERS = {"_lib": 0, "kernels": 0, "_spec": 1, "reference": 1, "backends": 2, "engines": 3,
+LAYERS = {"_lib": 0, "kernels": 0, "_spec": 1, "reference": 1, "backends": 2, "engines": 3, "_validate": 3,
           "adapters": 4, "ops": 5, "sliced": 6, "nn": 7, "distributed": 7,
           "bench": 8, "__main__": 9, "": 9}
 
@@ -306,6 +306,15 @@ def test_the_layers_above_the_engines_reach_them_through_the_registry():
     private = sorted({(name, target) for name in MODULES if LAYERS[_group(name)] > LAYERS["engines"]
                       for target, _, _ in _imports(name, MODULES[name]) if target.startswith("slicedkern.engines.")})
     assert private == [], private
+
+
+def test_no_layer_borrows_a_private_module_of_another_package():
+    """The checks every op shares live in ``slicedkern._validate``, below the ops, so that ``sliced``,
+    ``nn`` and ``distributed`` import no private module of ``slicedkern.ops`` (docs/architecture.rst)."""
+    borrowed = sorted({(name, target) for name in MODULES if not name.startswith("slicedkern.ops")
+                       for target, _, _ in _imports(name, MODULES[name])
+                       if target.startswith("slicedkern.ops.") and target.split(".")[2].startswith("_")})
+    assert borrowed == [], borrowed
 
 
 def test_every_engine_provides_the_primitives_it_declares():

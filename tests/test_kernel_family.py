@@ -17,8 +17,8 @@ import pytest
 
 import slicedkern
 from slicedkern import reference
+from slicedkern._validate import check_param_batch, finite_param
 from slicedkern.kernels import Profile, family_named, register_family
-from slicedkern.ops._validate import check_param_batch, finite_param
 from slicedkern.ops.attention import _attention
 
 

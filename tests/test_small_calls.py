@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 import slicedkern
-from slicedkern import reference
+from slicedkern import _validate, reference
 from slicedkern._spec import Normalizer
-from slicedkern.ops import _validate
 
 
 @pytest.fixture

@@ -15,11 +15,11 @@ import contextlib
 import contextvars
 
 from .._lib.typing import Array, ArrayOrFloat
+from .._validate import check_kernel
 from ..adapters import run
 from ..backends import backend_of
 from ..engines import ShardedEngine
 from ..kernels import PiecewiseLinear, ReLU
-from ..ops._validate import check_kernel
 from ..ops.attention import hat_spec, prepare
 
 __all__ = ["relu_attention", "hat_attention", "hat_mixture_attention", "kernel_attention", "count_bytes"]

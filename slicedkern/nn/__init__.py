@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from .. import DecodeCache, hat_attention, hat_mixture_attention, kernel_attention, relu_attention
 from .._lib.namespace import array_device
 from .._spec import NORMALIZERS, OP_DEFAULTS
+from .._validate import check_bool
 from ..backends import array_namespace
 from ..kernels import PiecewiseLinear
-from ..ops._validate import check_bool
 from ._positions import rope_positions, rotary_embedding
 
 __all__: list[str] = []

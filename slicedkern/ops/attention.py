@@ -13,10 +13,7 @@ from typing import Any, NamedTuple
 from .._lib.namespace import array_device, as_work, shape_str
 from .._lib.typing import Array, ArrayOrFloat, Namespace
 from .._spec import AttentionSpec, Normalizer
-from ..adapters import run
-from ..engines import select
-from ..kernels import HatMixture, PiecewiseLinear, ReLU
-from ._validate import (
+from .._validate import (
     broadcast_all,
     check_bool,
     check_eps,
@@ -26,6 +23,9 @@ from ._validate import (
     need_ndim,
     setup,
 )
+from ..adapters import run
+from ..engines import select
+from ..kernels import HatMixture, PiecewiseLinear, ReLU
 
 __all__ = ["relu_attention", "hat_attention", "hat_mixture_attention", "kernel_attention", "Call", "prepare"]
 

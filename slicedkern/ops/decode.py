@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from .._lib.namespace import array_device, shape_str
 from .._spec import OP_DEFAULTS, AttentionSpec, Normalizer, profile_of
+from .._validate import check_bool, check_eps, check_normalize, hat_floats, setup
 from ..backends import is_array, without_gradient
 from ..engines import decoder
 from ..kernels import Hat, HatMixture, PiecewiseLinear, Profile, ReLU
-from ._validate import check_bool, check_eps, check_normalize, hat_floats, setup
 from .attention import hat_spec, nan_rows_without_keys
 
 __all__ = ["DecodeCache"]

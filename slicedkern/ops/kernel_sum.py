@@ -5,10 +5,10 @@ from __future__ import annotations
 from .._lib.namespace import as_work, shape_str
 from .._lib.typing import Array, Namespace
 from .._spec import KernelSumSpec
+from .._validate import broadcast_all, check_kernel, need_ndim, setup
 from ..adapters import run
 from ..engines import select
 from ..kernels import PiecewiseLinear
-from ._validate import broadcast_all, check_kernel, need_ndim, setup
 from .attention import nan_rows_without_keys
 
 __all__ = ["kernel_sum"]

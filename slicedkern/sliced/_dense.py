@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 
 from .._lib.typing import Array
+from .._validate import Setting
 from ..backends import energy_distance_pairs, to_host
-from ..ops._validate import Setting
 from ._stat_plans import weight_gradients
 from .plan import Samples, broadcast
 from .radial import radial_profile

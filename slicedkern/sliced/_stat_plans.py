@@ -11,10 +11,10 @@ distance").
 from __future__ import annotations
 
 from .._lib.namespace import as_work
+from .._validate import Setting
 from ..backends import quiet
 from ..kernels import Abs
 from ..ops import kernel_sum
-from ..ops._validate import Setting
 from ._exact1d import energy_distance_1d
 from ._exact1d_mmd import mmd_1d
 from .plan import Samples, SlicePlan, broadcast, chunk_for, lift, project, unproject

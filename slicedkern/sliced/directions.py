@@ -16,8 +16,8 @@ import numpy as np
 
 from .._lib.namespace import array_device, has_float64, shape_str
 from .._lib.typing import Array, Namespace
+from .._validate import floating_param
 from ..backends import is_numpy_namespace
-from ..ops._validate import floating_param
 from ._design import unrotated_design
 
 __all__ = ["directions", "resolve_directions", "default_method", "positive_int", "same_dim", "Seed"]

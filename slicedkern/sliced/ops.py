@@ -13,11 +13,11 @@ from typing import Any
 
 from .._lib.namespace import as_work, broadcast_shapes, shape_str
 from .._lib.typing import Array, Namespace
+from .._validate import check_bool, check_eps, check_kernel, check_normalize, need_ndim, setup
 from ..adapters.vjp import composite
 from ..backends import is_chunked
 from ..kernels import PiecewiseLinear
 from ..ops import kernel_attention, kernel_sum
-from ..ops._validate import check_bool, check_eps, check_kernel, check_normalize, need_ndim, setup
 from ._chunked import ChunkedPlan, chunked_kernel_sum, chunked_points, host_directions, kernel_sum_floats
 from .directions import Seed, resolve_directions, same_dim
 from .plan import SlicePlan, check_chunk, chunk_for, lift, project, unproject

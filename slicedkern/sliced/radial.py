@@ -11,9 +11,9 @@ import numpy as np
 
 from .._lib.namespace import array_device, has_float64
 from .._lib.typing import Array
+from .._validate import check_kernel
 from ..backends import to_host
 from ..kernels import PiecewiseLinear
-from ..ops._validate import check_kernel
 from .directions import positive_int
 
 __all__ = ["radial_profile", "RadialProfile"]

@@ -16,10 +16,10 @@ import numpy as np
 
 from .._lib.namespace import as_work, broadcast_shapes, shape_str
 from .._lib.typing import Array, Namespace
+from .._validate import check_kernel, setup
 from ..adapters.vjp import composite
 from ..backends import compiled_energy_pairs, has_autograd, holds_everywhere, is_chunked, is_traced
 from ..kernels import PiecewiseLinear
-from ..ops._validate import check_kernel, setup
 from ._chunked import COLUMN_FLOATS, ChunkedPlan, chunked_points, chunked_statistic, chunked_weights, host_directions
 from ._dense import DenseEnergyPlan, DenseMMDPlan, dense_cost
 from ._stat_plans import EnergyPlan, MMDPlan

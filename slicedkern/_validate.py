@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import array_api_compat as compat
 import numpy as np
 
-from .._lib.namespace import (
+from ._lib.namespace import (
     array_device,
     as_work,
     broadcast_shapes,
@@ -22,9 +22,9 @@ from .._lib.namespace import (
     shape_str,
     torch_compiling,
 )
-from .._spec import NORMALIZERS
-from ..backends import array_namespace, holds_everywhere, is_array, is_chunked, same_library
-from ..kernels import PiecewiseLinear, check_hat_count, finite_real, positive_real
+from ._spec import NORMALIZERS
+from .backends import array_namespace, holds_everywhere, is_array, is_chunked, same_library
+from .kernels import PiecewiseLinear, check_hat_count, finite_real, positive_real
 
 __all__ = ["setup", "namespace_of", "need_ndim", "check_kernel", "check_normalize", "check_eps",
            "check_bool", "positive_param", "finite_param", "floating_param", "broadcast_all",

@@ -12,7 +12,15 @@ from importlib.metadata import version as _version
 from . import kernels, reference
 from .adapters.vjp import vjp
 from .engines import engine_for, use_engine
-from .ops import DecodeCache, hat_attention, hat_mixture_attention, kernel_attention, kernel_sum, relu_attention
+from .ops import (
+    DecodeCache,
+    hat_attention,
+    hat_mixture_attention,
+    kernel_attention,
+    kernel_sum,
+    relu_attention,
+    segment_ids_from_cu_seqlens,
+)
 from .sliced import directions, energy_distance, mmd, radial_profile, sliced_attention, sliced_kernel_sum
 
 try:                                   # one source of truth: the version in pyproject.toml
@@ -23,5 +31,5 @@ except PackageNotFoundError:           # running from a source tree that was nev
 __all__ = ["DecodeCache", "kernels", "reference", "kernel_sum", "relu_attention", "hat_attention",
            "hat_mixture_attention", "kernel_attention", "vjp", "use_engine", "engine_for",
            "directions", "sliced_kernel_sum", "sliced_attention", "energy_distance", "mmd",
-           "radial_profile",
+           "radial_profile", "segment_ids_from_cu_seqlens",
            "__version__"]

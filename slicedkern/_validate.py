@@ -23,12 +23,12 @@ from ._lib.namespace import (
     torch_compiling,
 )
 from ._spec import NORMALIZERS
-from .backends import array_namespace, holds_everywhere, is_array, is_chunked, same_library
+from .backends import array_namespace, holds_everywhere, is_array, is_chunked, is_traced, same_library, to_host
 from .kernels import PiecewiseLinear, check_hat_count, finite_real, positive_real
 
 __all__ = ["setup", "namespace_of", "need_ndim", "check_kernel", "check_normalize", "check_eps",
            "check_bool", "positive_param", "finite_param", "floating_param", "broadcast_all",
-           "check_param_batch", "hat_floats", "hat_param", "not_an_array"]
+           "check_param_batch", "hat_floats", "hat_param", "not_an_array", "segment_ids_on_host"]
 
 
 #: The namespace of every NumPy array, asked once (array_api_compat takes microseconds per array,
@@ -309,3 +309,49 @@ def check_param_batch(value, name, batch):
                          f"shape {tuple(batch)} of the scores")
 
 
+
+
+def _one_segment_array(xp, ids, name: str, length: int, what: str, batch) -> np.ndarray:
+    """One segment-id array checked and read to the host, broadcast to ``batch + (length,)``, as
+    (rows, length) int64."""
+    if not is_array(ids):
+        raise TypeError(f"argument {name!r} must be an integer array of shape {what}, got "
+                        f"{type(ids).__name__}")
+    if not same_library(array_namespace(ids), xp):
+        raise TypeError(f"argument {name!r} comes from a different array library than the other arrays")
+    if ids.dtype == xp.bool or not xp.isdtype(ids.dtype, "integral"):
+        raise TypeError(f"argument {name!r} must have an integer dtype, got {shape_str(ids)}")
+    if ids.ndim < 1 or ids.shape[-1] != length:
+        raise ValueError(f"argument {name!r} must have shape {what} with {length} entries on its last axis, "
+                         f"got {shape_str(ids)}")
+    lead = tuple(ids.shape[:-1])
+    try:
+        fits = len(lead) <= len(batch) and broadcast_shapes(lead, batch) == tuple(batch)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"argument {name!r} of shape {tuple(ids.shape)} does not broadcast to the batch shape "
+                         f"{tuple(batch)} of the scores")
+    if is_traced(ids) or torch_compiling():
+        raise ValueError(f"argument {name!r} must be concrete (known when the call is made, not traced): the "
+                         "packed layout is computed from its values on the host")
+    host = np.asarray(to_host(ids)).astype(np.int64, copy=False)
+    return np.broadcast_to(host, tuple(batch) + (length,)).reshape(-1, length)
+
+
+def segment_ids_on_host(xp, segment_ids, lq: int, lk: int, batch) -> tuple[np.ndarray, np.ndarray]:
+    """``segment_ids`` (one (..., L) integer array for queries and keys, which then must be as many,
+    or a pair ``(q_segment_ids, k_segment_ids)``) checked and read to the host: two int64 arrays
+    (rows, Lq) and (rows, Lk), the rows those of ``batch``."""
+    if isinstance(segment_ids, tuple):
+        if len(segment_ids) != 2:
+            raise ValueError("argument 'segment_ids' must be one integer array or a pair (q_segment_ids, "
+                             f"k_segment_ids), got a sequence of {len(segment_ids)}")
+        q_ids, k_ids = segment_ids
+        return (_one_segment_array(xp, q_ids, "segment_ids[0]", lq, "(..., Lq)", batch),
+                _one_segment_array(xp, k_ids, "segment_ids[1]", lk, "(..., Lk)", batch))
+    if lq != lk:
+        raise ValueError(f"argument 'segment_ids' as one array needs as many queries as keys, got Lq = {lq} and "
+                         f"Lk = {lk}; pass a pair (q_segment_ids, k_segment_ids)")
+    ids = _one_segment_array(xp, segment_ids, "segment_ids", lq, "(..., L)", batch)
+    return ids, ids

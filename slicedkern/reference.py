@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import array_api_compat as compat
 
-from ._lib.causal import causal_visible
+from ._lib.causal import visible
 from ._lib.namespace import array_device, compute_dtypes
 from .kernels import Abs, HatMixture, ReLU, hat_profile
 
@@ -59,28 +59,37 @@ def kernel_sum(x, y, w, kernel):
     return xp.astype(s[..., 0] if vector else s, out_dtype)
 
 
-def _visible(xp, q, k, valid, causal):
-    """(..., Lq, Lk) True where query ``i`` sees key ``j``: the key is valid and, when ``causal``,
-    ``j <= i + Lk - Lq`` (bottom-right aligned; docs/mathematics.rst, "Causal attention")."""
+def _visible(xp, q, k, valid, causal, segment_ids=None, window=None):
+    """(..., Lq, Lk) True where query ``i`` sees key ``j``: the key is valid, of the query's segment
+    (``segment_ids``: one (..., L) array for both, or a pair) and, when ``causal``, at or before the
+    key the query is aligned with, ``j <= i + Lk - Lq`` (bottom-right, per segment), and inside the
+    ``window`` (docs/mathematics.rst, "Causal attention", "Packed sequences")."""
     keep = valid[..., None, :] != 0
-    if causal:
-        keep = keep & causal_visible(xp, q.shape[-1], k.shape[-1], array_device(q))
+    if segment_ids is None:
+        q_ids = k_ids = None
+    elif isinstance(segment_ids, tuple):
+        q_ids, k_ids = segment_ids
+    else:
+        q_ids = k_ids = segment_ids
+    if causal or q_ids is not None or window is not None:
+        keep = keep & visible(xp, q.shape[-1], k.shape[-1], array_device(q), q_ids=q_ids, k_ids=k_ids,
+                              causal=causal, window=window)
     return keep
 
 
-def _attention(q, k, v, weights_of, key_mask, center, normalize, eps, causal=False):
+def _attention(q, k, v, weights_of, key_mask, center, normalize, eps, causal=False, segment_ids=None, window=None):
     """``weights_of(r)`` gives the kernel matrix from the differences ``r = q_i - k_j``.
 
-    Every sum runs over the keys each query sees (all valid keys, or with ``causal`` the valid keys
-    at or before its position); the centring mean and the count too. A query that sees no key gets 0,
-    unless its score is not finite: a non-finite query's row is NaN.
+    Every sum runs over the keys each query sees (all valid keys of its segment, or with ``causal``
+    those at or before its position, inside the ``window``); the centring mean and the count too. A
+    query that sees no key gets 0, unless its score is not finite: a non-finite query's row is NaN.
     """
     xp, out_dtype, (q, k, v) = _prep(q, k, v)
     r = q[..., :, None] - k[..., None, :]
     valid = (xp.ones(k.shape, dtype=q.dtype, device=array_device(q)) if key_mask is None
              else xp.astype(key_mask, q.dtype))
     valid = xp.broadcast_to(valid, k.shape) if valid.ndim < k.ndim else valid
-    keep = _visible(xp, q, k, valid, causal)
+    keep = _visible(xp, q, k, valid, causal, segment_ids, window)
     zero = xp.zeros((), dtype=q.dtype, device=array_device(q))
     seen = xp.astype(keep, q.dtype)                              # (..., Lq, Lk)
     kmat = xp.where(keep, weights_of(r), zero)
@@ -102,14 +111,20 @@ def _attention(q, k, v, weights_of, key_mask, center, normalize, eps, causal=Fal
     return xp.astype(_nan_rows(xp, q, out), out_dtype)
 
 
-def relu_attention(q, k, v, *, key_mask=None, center=True, normalize="abs", eps=1e-6, causal=False):
-    """Dense sliced ReLU attention (paper eq. 3); ``causal``: query ``i`` sees keys ``j <= i + Lk - Lq``."""
-    return _attention(q, k, v, ReLU(), key_mask, center, normalize, eps, causal)
+def relu_attention(q, k, v, *, key_mask=None, center=True, normalize="abs", eps=1e-6, causal=False,
+                   segment_ids=None, window=None):
+    """Dense sliced ReLU attention (paper eq. 3); ``causal``: query ``i`` sees keys ``j <= i + Lk - Lq``;
+    ``segment_ids`` ((..., L) integers, or a pair for queries and keys): a query sees only the keys of
+    its segment, causal per segment; ``window = (left, right)``: and only the keys ``p - left .. p +
+    right`` around the key ``p`` it is aligned with (``-1``: unbounded)."""
+    return _attention(q, k, v, ReLU(), key_mask, center, normalize, eps, causal, segment_ids, window)
 
 
-def kernel_attention(q, k, v, kernel, *, key_mask=None, center=False, normalize="count", eps=1e-6, causal=False):
-    """Dense attention with any piecewise-linear profile."""
-    return _attention(q, k, v, kernel, key_mask, center, normalize, eps, causal)
+def kernel_attention(q, k, v, kernel, *, key_mask=None, center=False, normalize="count", eps=1e-6, causal=False,
+                     segment_ids=None, window=None):
+    """Dense attention with any piecewise-linear profile; ``segment_ids``, ``window`` as in
+    :func:`relu_attention`."""
+    return _attention(q, k, v, kernel, key_mask, center, normalize, eps, causal, segment_ids, window)
 
 
 def _hats(alphas, betas):
@@ -120,21 +135,22 @@ def _hats(alphas, betas):
 
 
 def hat_attention(q, k, v, bandwidth=1.0, *, key_mask=None, center=False, normalize="count", eps=1e-6,
-                  causal=False):
+                  causal=False, segment_ids=None, window=None):
     """Dense hat attention (paper eq. 5); ``bandwidth`` a float or a batch-shaped array."""
-    return _attention(q, k, v, _hats([bandwidth], [1.0]), key_mask, center, normalize, eps, causal)
+    return _attention(q, k, v, _hats([bandwidth], [1.0]), key_mask, center, normalize, eps, causal, segment_ids,
+                      window)
 
 
 def hat_mixture_attention(q, k, v, bandwidths, weights, *, key_mask=None, center=False, normalize="count",
-                          eps=1e-6, causal=False):
+                          eps=1e-6, causal=False, segment_ids=None, window=None):
     """Dense hat-mixture attention; ``bandwidths`` / ``weights`` sequences or arrays (..., K)."""
     def split(p):
         return [float(e) for e in p] if isinstance(p, (list, tuple)) else [p[..., i] for i in range(p.shape[-1])]
     if isinstance(bandwidths, (list, tuple)) and isinstance(weights, (list, tuple)):
         kernel = HatMixture(bandwidths, weights)
-        return _attention(q, k, v, kernel, key_mask, center, normalize, eps, causal)
+        return _attention(q, k, v, kernel, key_mask, center, normalize, eps, causal, segment_ids, window)
     return _attention(q, k, v, _hats(split(bandwidths), split(weights)), key_mask, center, normalize, eps,
-                      causal)
+                      causal, segment_ids, window)
 
 
 def sliced_attention(q, k, v, kernel, *, directions, key_mask=None, center=False, normalize="count", eps=1e-6,

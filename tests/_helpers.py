@@ -335,7 +335,7 @@ def assert_close(actual, expected, *, rtol, atol=None, dtype=None, err_msg=""):
 def names_argument(message: str, *names: str) -> bool:
     """Whether an error message names every argument in ``names`` (quoted, or as a whole word)."""
     import re
-    return all(re.search(rf"(?<![\w']){n}(?![\w'])|'{n}'", message) for n in names)
+    return all(re.search(rf"(?<![\w']){re.escape(n)}(?![\w'])|'{re.escape(n)}'", message) for n in names)
 
 
 # ----------------------------------------------------------------------------------------- data

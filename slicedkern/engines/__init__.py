@@ -19,11 +19,13 @@ import contextvars
 from ..backends import backend_of
 from ._base import Engine
 from .scan import ScanEngine
+from .segmented import SegmentedEngine, segment_layout
 from .sharded import ShardedEngine
 from .sweep import SweepEngine
 from .triton import TritonEngine
 
-__all__ = ["Engine", "ShardedEngine", "ENGINE_NAMES", "use_engine", "engine_for", "select", "decoder", "get",
+__all__ = ["Engine", "ShardedEngine", "SegmentedEngine", "segment_layout",
+           "ENGINE_NAMES", "use_engine", "engine_for", "select", "decoder", "get",
            "available"]
 
 #: Engines in order of preference for the automatic rule, by the names their classes give.

@@ -21,10 +21,11 @@ from .._validate import (
     check_normalize,
     hat_param,
     need_ndim,
+    segment_ids_on_host,
     setup,
 )
 from ..adapters import run
-from ..engines import select
+from ..engines import SegmentedEngine, segment_layout, select
 from ..kernels import HatMixture, PiecewiseLinear, ReLU
 
 __all__ = ["relu_attention", "hat_attention", "hat_mixture_attention", "kernel_attention", "Call", "prepare"]
@@ -33,12 +34,13 @@ __all__ = ["relu_attention", "hat_attention", "hat_mixture_attention", "kernel_a
 _RELU = ReLU()
 
 
-def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, causal, engine, xp):
+def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, causal, segment_ids=None, engine,
+               xp):
     """Shared validation and dispatch of every attention op (see :func:`prepare`)."""
     # the caller's own objects, so that slicedkern.vjp finds each input among a wrapper's arguments
     sources = {"q": q, "k": k, "v": v, "key_mask": key_mask, **(hats.sources if hats is not None else {})}
     call = prepare(q, k, v, hats, kernel=kernel, key_mask=key_mask, center=center, normalize=normalize, eps=eps,
-                   causal=causal, engine=engine, xp=xp)
+                   causal=causal, segment_ids=segment_ids, engine=engine, xp=xp)
     out = run(*call, sources=tuple(sources.get(n) for n in call.names))
     return nan_rows_without_keys(call.xp, call.inputs[0], call.inputs[1], out)
 
@@ -66,14 +68,16 @@ class Call(NamedTuple):
     out_dtype: Any          # the result's dtype
 
 
-def prepare(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, causal=False, engine, xp,
-            wrap=None) -> Call:
+def prepare(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, causal=False, segment_ids=None,
+            engine, xp, wrap=None) -> Call:
     """Validate an attention call once and choose its engine: a :class:`Call`.
 
     ``kernel`` is a fixed profile; otherwise ``hats`` is a builder (see :func:`hat_spec`) that
     returns the hat part of the spec and its array parameters. ``wrap`` maps each candidate engine
     to the one that runs the call (:class:`slicedkern.engines.ShardedEngine` in
-    ``slicedkern.distributed``), as :func:`slicedkern.engines.select` takes it.
+    ``slicedkern.distributed``), as :func:`slicedkern.engines.select` takes it. With
+    ``segment_ids`` the chosen engine runs every segment as a sequence of its own
+    (:class:`slicedkern.engines.segmented.SegmentedEngine`).
     """
     named = {"q": q, "k": k, "v": v, "key_mask": key_mask}
     xp, device, out_dtype, work = setup(named, xp, required=("q", "k", "v"))
@@ -117,12 +121,20 @@ def prepare(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, cau
         v = xp.astype(v, out_dtype)
     inputs = (q, k, v) + ((arrays["key_mask"],) if key_mask is not None else ()) + tuple(params.values())
     names = ("q", "k", "v") + (("key_mask",) if key_mask is not None else ()) + tuple(params)
+    if segment_ids is not None:
+        if wrap is not None:
+            raise ValueError("argument 'segment_ids' is not taken by sequence-parallel attention yet")
+        layout = segment_layout(*segment_ids_on_host(xp, segment_ids, q.shape[-1], k.shape[-1], batch))
+        cores = getattr(hats, "param_cores", {})
+        return Call(xp, spec, select(spec, inputs, engine, wrap=lambda e: SegmentedEngine(e, layout, cores)),
+                    inputs, names, out_dtype)
     return Call(xp, spec, select(spec, inputs, engine, wrap=wrap), inputs, names, out_dtype)
 
 
 def relu_attention(q: Array, k: Array, v: Array, /, *, key_mask: Array | None = None, center: bool = True,
                    normalize: str | None = "abs", eps: float = 1e-6, causal: bool = False,
-                   engine: str | None = None, xp: Namespace | None = None) -> Array:
+                   segment_ids: Array | tuple[Array, Array] | None = None, engine: str | None = None,
+                   xp: Namespace | None = None) -> Array:
     """Sliced ReLU attention (paper eq. 3), ``O(n log n)``.
 
     ``out_i = sum_j ReLU(q_i - k_j) (v_j - mean(v)) / max(sum_l |q_i - k_l|, eps)``, sums over the keys
@@ -154,6 +166,15 @@ def relu_attention(q: Array, k: Array, v: Array, /, *, key_mask: Array | None = 
         key or value makes NaN only the queries that see it. ``O(n log^2 n)`` on the scan engine,
         ``O(n log n)`` per knot on the sweep (docs/mathematics.rst, "Causal attention"); the triton
         engine runs the scan's levels on its own kernels.
+    segment_ids : integer array, shape (..., L), or a tuple of two, shapes (..., Lq) and (..., Lk), optional
+        Packed sequences: a query sees only the keys that carry its segment id (one array when the
+        queries and keys are the same tokens, else ``(q_segment_ids, k_segment_ids)``); leading dims
+        broadcast against the batch. Every rule above holds per segment (centring, normaliser,
+        count, NaN rule), and ``causal=True`` aligns each segment bottom-right on its own, as
+        ``flash_attn_varlen_func`` does. Ids need not be sorted or contiguous; they must be concrete
+        (not traced), since they fix the layout. Each segment runs as a sequence of its own,
+        documents of similar lengths batched together (docs/getting_started.rst, "Packed sequences
+        and windows"); :func:`slicedkern.segment_ids_from_cu_seqlens` converts ``cu_seqlens``.
     engine : {"scan", "sweep", "triton"}, optional
         The engine of the forward and the backward (docs/architecture.rst); default: the
         :func:`slicedkern.use_engine` setting, else triton for CUDA torch tensors when Triton is
@@ -184,7 +205,7 @@ def relu_attention(q: Array, k: Array, v: Array, /, *, key_mask: Array | None = 
     (2, 5, 3)
     """
     return _attention(q, k, v, None, kernel=_RELU, key_mask=key_mask, center=center,
-                      normalize=normalize, eps=eps, causal=causal, engine=engine, xp=xp)
+                      normalize=normalize, eps=eps, causal=causal, segment_ids=segment_ids, engine=engine, xp=xp)
 
 
 def hat_spec(bandwidths, weights, names):
@@ -217,12 +238,15 @@ def hat_spec(bandwidths, weights, names):
         return {"family": "hat", "fixed": (alphas or (), betas or ())}, params
 
     build.sources = {("bandwidth" if single else "bandwidths"): bandwidths, "weights": weights}
+    # trailing axes of each array parameter that are not batch axes (a mixture's K)
+    build.param_cores = {"bandwidth": 0, "bandwidths": 1, "weights": 1}
     return build
 
 
 def hat_attention(q: Array, k: Array, v: Array, /, bandwidth: ArrayOrFloat = 1.0, *, key_mask: Array | None = None,
                   center: bool = False, normalize: str | None = "count", eps: float = 1e-6, causal: bool = False,
-                  engine: str | None = None, xp: Namespace | None = None) -> Array:
+                  segment_ids: Array | tuple[Array, Array] | None = None, engine: str | None = None,
+                  xp: Namespace | None = None) -> Array:
     """Hat ("ReLU-bump") attention (paper eq. 5).
 
     ``out_i = (1 / n_valid) sum_j max(0, 1 - |q_i - k_j| / b) v_j``.
@@ -246,6 +270,8 @@ def hat_attention(q: Array, k: Array, v: Array, /, bandwidth: ArrayOrFloat = 1.0
     causal : bool, default False
         Query ``i`` sees only the keys ``j <= i + Lk - Lq``; the count is then the number of keys it
         sees. As in :func:`relu_attention`.
+    segment_ids : integer array (..., L) or a tuple of two, optional
+        Packed sequences, as in :func:`relu_attention`.
     engine : {"scan", "sweep", "triton"}, optional
         As in :func:`relu_attention`.
     xp : array namespace, optional
@@ -266,18 +292,19 @@ def hat_attention(q: Array, k: Array, v: Array, /, bandwidth: ArrayOrFloat = 1.0
     """
     return _attention(q, k, v, hat_spec(bandwidth, None, ("bandwidth", "weights")),
                       key_mask=key_mask, center=center, normalize=normalize, eps=eps, causal=causal,
-                      engine=engine, xp=xp)
+                      segment_ids=segment_ids, engine=engine, xp=xp)
 
 
 def hat_mixture_attention(q: Array, k: Array, v: Array, /, bandwidths: ArrayOrFloat, weights: ArrayOrFloat, *,
                           key_mask: Array | None = None, center: bool = False, normalize: str | None = "count",
-                          eps: float = 1e-6, causal: bool = False, engine: str | None = None,
+                          eps: float = 1e-6, causal: bool = False,
+                          segment_ids: Array | tuple[Array, Array] | None = None, engine: str | None = None,
                           xp: Namespace | None = None) -> Array:
     """Attention with a mixture of hats ``sum_i weights[i] max(0, 1 - |r| / bandwidths[i])``.
 
     Parameters
     ----------
-    q, k, v, key_mask, center, normalize, eps, causal, engine, xp
+    q, k, v, key_mask, center, normalize, eps, causal, segment_ids, engine, xp
         As in :func:`hat_attention`.
     bandwidths : sequence of float or array, shape (..., K)
         Positive finite bandwidths, ``K >= 1``; an array's leading dims broadcast against the batch
@@ -298,17 +325,18 @@ def hat_mixture_attention(q: Array, k: Array, v: Array, /, bandwidths: ArrayOrFl
     """
     return _attention(q, k, v, hat_spec(bandwidths, weights, ("bandwidths", "weights")),
                       key_mask=key_mask, center=center, normalize=normalize, eps=eps, causal=causal,
-                      engine=engine, xp=xp)
+                      segment_ids=segment_ids, engine=engine, xp=xp)
 
 
 def kernel_attention(q: Array, k: Array, v: Array, /, kernel: PiecewiseLinear, *, key_mask: Array | None = None,
                      center: bool = False, normalize: str | None = "count", eps: float = 1e-6,
-                     causal: bool = False, engine: str | None = None, xp: Namespace | None = None) -> Array:
+                     causal: bool = False, segment_ids: Array | tuple[Array, Array] | None = None,
+                     engine: str | None = None, xp: Namespace | None = None) -> Array:
     """Attention with any piecewise-linear profile: ``out_i = sum_j f(q_i - k_j) v_j / normaliser``.
 
     Parameters
     ----------
-    q, k, v, key_mask, eps, causal, engine, xp
+    q, k, v, key_mask, eps, causal, segment_ids, engine, xp
         As in :func:`relu_attention`.
     kernel : slicedkern.kernels.PiecewiseLinear
         The profile ``f``.
@@ -330,4 +358,4 @@ def kernel_attention(q: Array, k: Array, v: Array, /, kernel: PiecewiseLinear, *
     """
     check_kernel(kernel)
     return _attention(q, k, v, None, kernel=kernel, key_mask=key_mask, center=center,
-                      normalize=normalize, eps=eps, causal=causal, engine=engine, xp=xp)
+                      normalize=normalize, eps=eps, causal=causal, segment_ids=segment_ids, engine=engine, xp=xp)

@@ -28,7 +28,8 @@ from .kernels import PiecewiseLinear, check_hat_count, finite_real, positive_rea
 
 __all__ = ["setup", "namespace_of", "need_ndim", "check_kernel", "check_normalize", "check_eps",
            "check_bool", "positive_param", "finite_param", "floating_param", "broadcast_all",
-           "check_param_batch", "hat_floats", "hat_param", "not_an_array", "segment_ids_on_host"]
+           "check_param_batch", "hat_floats", "hat_param", "not_an_array", "segment_ids_on_host",
+           "check_window"]
 
 
 #: The namespace of every NumPy array, asked once (array_api_compat takes microseconds per array,
@@ -355,3 +356,18 @@ def segment_ids_on_host(xp, segment_ids, lq: int, lk: int, batch) -> tuple[np.nd
                          f"Lk = {lk}; pass a pair (q_segment_ids, k_segment_ids)")
     ids = _one_segment_array(xp, segment_ids, "segment_ids", lq, "(..., L)", batch)
     return ids, ids
+
+
+def check_window(window) -> tuple[int, int] | None:
+    """``window``: None or a pair of ints ``(left, right)`` (flash-attention's ``window_size``), with
+    ``left >= -1`` (``-1``: unbounded) and any ``right`` (``-1``: unbounded; below, keys before the
+    aligned one)."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(
+            isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window):
+        raise TypeError(f"argument 'window' must be a pair of ints (left, right), got {window!r}")
+    left, right = int(window[0]), int(window[1])
+    if left < -1:
+        raise ValueError(f"argument 'window' must have left >= -1 (-1: unbounded), got left = {left}")
+    return left, right

@@ -81,3 +81,18 @@ def test_pages_link_other_pages_rather_than_naming_their_files(page):
     (issue 49, item 15: three such mentions had reached the changelog and the architecture page)."""
     raw = [line for line in _prose_lines((ROOT / "docs" / page).read_text()) if re.search(r"docs/\w+\.rst", line)]
     assert raw == []
+
+
+def test_the_packed_snippet_runs_and_its_claims_hold(capsys):
+    blocks = [b for b in _rst_blocks("getting_started.rst") if "segment_ids_from_cu_seqlens" in b]
+    assert len(blocks) == 1
+    ns = _run(blocks[0])
+    assert capsys.readouterr().out.split() == ["True"]
+    import slicedkern
+    from slicedkern import reference
+    q, k, v = ns["q"], ns["k"], ns["v"]
+    np.testing.assert_allclose(ns["local"], reference.relu_attention(q, k, v, window=(3, 0)), atol=1e-12)
+    np.testing.assert_allclose(ns["older"], reference.relu_attention(q, k, v, window=(-1, -5)), atol=1e-12)
+    for start, stop in [(0, 5), (12, 20)]:
+        alone = slicedkern.relu_attention(q[:, start:stop], k[:, start:stop], v[:, start:stop], causal=True)
+        np.testing.assert_allclose(ns["packed"][:, start:stop], alone, atol=1e-12)

@@ -18,13 +18,14 @@ import contextvars
 
 from ..backends import backend_of
 from ._base import Engine
+from .banded import BandedEngine, band_bounds
 from .scan import ScanEngine
 from .segmented import SegmentedEngine, segment_layout
 from .sharded import ShardedEngine
 from .sweep import SweepEngine
 from .triton import TritonEngine
 
-__all__ = ["Engine", "ShardedEngine", "SegmentedEngine", "segment_layout",
+__all__ = ["Engine", "ShardedEngine", "SegmentedEngine", "segment_layout", "BandedEngine", "band_bounds",
            "ENGINE_NAMES", "use_engine", "engine_for", "select", "decoder", "get",
            "available"]
 

@@ -92,6 +92,11 @@ class CausalGrid:
         seen = _take_range(a, self.blind, self.lq, axis)
         return _pad(xp, seen, self.before, 0, 0.0, axis)
 
+    def sees_any(self, xp, flags):
+        """(..., lq) bool: whether each query sees a key whose ``flags`` (..., lk) bool is True."""
+        # one position past a flagged key is enough: the running count is positive from there
+        return self.at_queries(xp, running_sum(xp, xp.astype(flags, xp.int32), axis=-1) > 0)
+
     def seen_sums(self, xp, a, dtype):
         """Per-key rows ``a`` (..., lk, c) summed over the keys each query sees: (..., lq, c) in
         ``dtype`` (running sums read at the queries' positions)."""
@@ -125,6 +130,8 @@ class CausalScreen(NamedTuple):
 def screen_causal(xp, grid: CausalGrid, q, k, v, key_mask, *, zero_values: bool = True) -> CausalScreen:
     """Apply the causal NaN rule: find the bad queries and keys and make every input finite.
 
+    ``grid`` says which queries see which keys (:meth:`CausalGrid.sees_any`; a band's grid too).
+
     A key is *bad* when it takes part (``key_mask``) and its score or any entry of its value is not
     finite; the queries whose positions are at or past a bad key's position see it and are NaN.
     Everything is replaced by finite numbers before any arithmetic, so that no backend warns; with
@@ -137,9 +144,7 @@ def screen_causal(xp, grid: CausalGrid, q, k, v, key_mask, *, zero_values: bool 
     if key_mask is not None:
         bad = bad & key_mask
         take = take & key_mask
-    # one position past a bad key is enough: the running count of bad keys is positive from there
-    seen_bad = running_sum(xp, xp.astype(bad, xp.int32), axis=-1) > 0
-    poisoned = grid.at_queries(xp, seen_bad)
+    poisoned = grid.sees_any(xp, bad)
     good = q_ok & ~poisoned
     zero = xp.asarray(0.0, dtype=k.dtype, device=array_device(k))
     takef = xp.astype(take, k.dtype)

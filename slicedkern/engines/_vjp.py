@@ -23,9 +23,10 @@ from ._causal_grid import CausalGrid, screen_causal
 from ._combine import Cotangents, pullback
 from ._nanpolicy import sanitize_keys, screen
 
-__all__ = ["kernel_sum_vjp", "attention_bwd", "causal_bwd", "attention_aux", "Inputs", "Form", "Keys", "screened_keys",
-           "screened_seen_keys", "zeroed_values", "sums_vjp", "silent_rows", "indicator_terms", "column_profiles",
-           "joined_params", "key_factor", "finished_dv", "nan_scores", "add_params", "vanishes_where_normalizer_does"]
+__all__ = ["kernel_sum_vjp", "attention_bwd", "causal_bwd", "seen_bwd", "attention_aux", "Inputs", "Form", "Keys",
+           "screened_keys", "screened_seen_keys", "zeroed_values", "sums_vjp", "silent_rows", "indicator_terms",
+           "column_profiles", "joined_params", "key_factor", "finished_dv", "nan_scores", "add_params",
+           "vanishes_where_normalizer_does"]
 
 
 def kernel_sum_vjp(engine, x, y, w, profile: Profile, g, *, xp):
@@ -80,7 +81,8 @@ def screened_keys(xp, q, k, v, key_mask) -> Keys:
 
 
 def screened_seen_keys(xp, grid: CausalGrid, q, k, v, key_mask) -> Keys:
-    """Query ``i`` sees the valid keys ``j <= i + lk - lq`` (the causal NaN rule, :func:`screen_causal`)."""
+    """Query ``i`` sees the valid keys ``j <= i + lk - lq`` (the causal NaN rule, :func:`screen_causal`),
+    or those of another grid's rule (a band)."""
     sc = screen_causal(xp, grid, q, k, v, key_mask, zero_values=False)
     return Keys(sc.q, sc.k, v, sc.take, sc.good, sc.row_bad)
 
@@ -146,10 +148,18 @@ def causal_bwd(engine, inputs: Inputs, form: Form, gout, out, aux, *, xp):
     if lq == 0 or lk == 0:
         # no query or no key: causal and non-causal attention are the same (zero) map
         return attention_bwd(engine, inputs, form, gout, out, aux, xp=xp)
+    return seen_bwd(engine.causal_profiles_vjp, CausalGrid(lq, lk), inputs, form, gout, out, aux, xp=xp)
+
+
+def seen_bwd(profiles_vjp, grid, inputs: Inputs, form: Form, gout, out, aux, *, xp):
+    """The backward of attention whose queries each see a set of keys that ``grid`` describes (a
+    :class:`CausalGrid`, or a band: :class:`slicedkern.engines.banded.Band`): its ``seen_sums`` and
+    ``seen_sums_adjoint`` give the counts and value sums over the keys each query sees and their
+    adjoint, its ``sees_any`` the NaN rule; ``profiles_vjp`` pulls back the profile sums over those
+    keys. The forward's residuals are needed (``aux``)."""
     if aux is None:
         raise ValueError("causal attention's backward needs the forward's residuals")
     profile, normalizer, center = form
-    grid = CausalGrid(lq, lk)
     keys = screened_seen_keys(xp, grid, *inputs)
     work = keys.q.dtype
     gout = as_work(xp, gout, work)
@@ -161,7 +171,7 @@ def causal_bwd(engine, inputs: Inputs, form: Form, gout, out, aux, *, xp):
                    value_sums=value_sums, good=good, center=center, normalizer=normalizer)
     silent = silent_rows(xp, profile, normalizer, aux.get("den"), good)
     mean_term = grid.seen_sums_adjoint(xp, cot.mean_weights * cot.scale * gout) if center else None
-    dq, dk, dv, param = sums_vjp(xp, engine.causal_profiles_vjp, keys, values, gout, cot, silent, form)
+    dq, dk, dv, param = sums_vjp(xp, profiles_vjp, keys, values, gout, cot, silent, form)
     return (*nan_scores(xp, keys, dq, dk), finished_dv(xp, keys, dv, mean_term), param)
 
 

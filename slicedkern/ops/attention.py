@@ -19,13 +19,14 @@ from .._validate import (
     check_eps,
     check_kernel,
     check_normalize,
+    check_window,
     hat_param,
     need_ndim,
     segment_ids_on_host,
     setup,
 )
 from ..adapters import run
-from ..engines import SegmentedEngine, segment_layout, select
+from ..engines import BandedEngine, SegmentedEngine, band_bounds, segment_layout, select
 from ..kernels import HatMixture, PiecewiseLinear, ReLU
 
 __all__ = ["relu_attention", "hat_attention", "hat_mixture_attention", "kernel_attention", "Call", "prepare"]
@@ -34,13 +35,13 @@ __all__ = ["relu_attention", "hat_attention", "hat_mixture_attention", "kernel_a
 _RELU = ReLU()
 
 
-def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, causal, segment_ids=None, engine,
-               xp):
+def _attention(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, causal, segment_ids=None,
+               window=None, engine, xp):
     """Shared validation and dispatch of every attention op (see :func:`prepare`)."""
     # the caller's own objects, so that slicedkern.vjp finds each input among a wrapper's arguments
     sources = {"q": q, "k": k, "v": v, "key_mask": key_mask, **(hats.sources if hats is not None else {})}
     call = prepare(q, k, v, hats, kernel=kernel, key_mask=key_mask, center=center, normalize=normalize, eps=eps,
-                   causal=causal, segment_ids=segment_ids, engine=engine, xp=xp)
+                   causal=causal, segment_ids=segment_ids, window=window, engine=engine, xp=xp)
     out = run(*call, sources=tuple(sources.get(n) for n in call.names))
     return nan_rows_without_keys(call.xp, call.inputs[0], call.inputs[1], out)
 
@@ -69,7 +70,7 @@ class Call(NamedTuple):
 
 
 def prepare(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, causal=False, segment_ids=None,
-            engine, xp, wrap=None) -> Call:
+            window=None, engine, xp, wrap=None) -> Call:
     """Validate an attention call once and choose its engine: a :class:`Call`.
 
     ``kernel`` is a fixed profile; otherwise ``hats`` is a builder (see :func:`hat_spec`) that
@@ -77,7 +78,8 @@ def prepare(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, cau
     to the one that runs the call (:class:`slicedkern.engines.ShardedEngine` in
     ``slicedkern.distributed``), as :func:`slicedkern.engines.select` takes it. With
     ``segment_ids`` the chosen engine runs every segment as a sequence of its own
-    (:class:`slicedkern.engines.segmented.SegmentedEngine`).
+    (:class:`slicedkern.engines.SegmentedEngine`); with a ``window`` that is neither everything nor
+    the causal triangle, over each query's band (:class:`slicedkern.engines.BandedEngine`).
     """
     named = {"q": q, "k": k, "v": v, "key_mask": key_mask}
     xp, device, out_dtype, work = setup(named, xp, required=("q", "k", "v"))
@@ -108,6 +110,11 @@ def prepare(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, cau
     eps = check_eps(eps)
     center = check_bool(center, "center")
     causal = check_bool(causal, "causal")
+    window = check_window(window)
+    left, right = band_bounds(window, causal)
+    banded = (left, right) not in ((-1, -1), (-1, 0))
+    # a band is built of causal sums: its spec is causal, so that the engine chosen has a causal mode
+    causal = (left, right) != (-1, -1)
     batch, arrays = broadcast_all(xp, arrays, cores, tuple(arrays))
     hat_fields, params = hats(xp, device, work, batch) if hats is not None else ({}, {})
     fields = {"kernel": kernel, **hat_fields}
@@ -121,19 +128,32 @@ def prepare(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, cau
         v = xp.astype(v, out_dtype)
     inputs = (q, k, v) + ((arrays["key_mask"],) if key_mask is not None else ()) + tuple(params.values())
     names = ("q", "k", "v") + (("key_mask",) if key_mask is not None else ()) + tuple(params)
+    if (segment_ids is not None or banded) and wrap is not None:
+        raise ValueError("arguments 'segment_ids' and 'window' are not taken by sequence-parallel attention yet")
+    if banded:
+        wrap = _banded(left, right)
     if segment_ids is not None:
-        if wrap is not None:
-            raise ValueError("argument 'segment_ids' is not taken by sequence-parallel attention yet")
         layout = segment_layout(*segment_ids_on_host(xp, segment_ids, q.shape[-1], k.shape[-1], batch))
-        cores = getattr(hats, "param_cores", {})
-        return Call(xp, spec, select(spec, inputs, engine, wrap=lambda e: SegmentedEngine(e, layout, cores)),
-                    inputs, names, out_dtype)
+        wrap = _segmented(layout, getattr(hats, "param_cores", {}), wrap)
     return Call(xp, spec, select(spec, inputs, engine, wrap=wrap), inputs, names, out_dtype)
+
+
+def _banded(left: int, right: int):
+    def wrap(engine):
+        return BandedEngine(engine, left, right)
+    return wrap
+
+
+def _segmented(layout, param_cores, inner_wrap):
+    def wrap(engine):
+        return SegmentedEngine(engine if inner_wrap is None else inner_wrap(engine), layout, param_cores)
+    return wrap
 
 
 def relu_attention(q: Array, k: Array, v: Array, /, *, key_mask: Array | None = None, center: bool = True,
                    normalize: str | None = "abs", eps: float = 1e-6, causal: bool = False,
-                   segment_ids: Array | tuple[Array, Array] | None = None, engine: str | None = None,
+                   segment_ids: Array | tuple[Array, Array] | None = None,
+                   window: tuple[int, int] | None = None, engine: str | None = None,
                    xp: Namespace | None = None) -> Array:
     """Sliced ReLU attention (paper eq. 3), ``O(n log n)``.
 
@@ -175,6 +195,14 @@ def relu_attention(q: Array, k: Array, v: Array, /, *, key_mask: Array | None = 
         (not traced), since they fix the layout. Each segment runs as a sequence of its own,
         documents of similar lengths batched together (docs/getting_started.rst, "Packed sequences
         and windows"); :func:`slicedkern.segment_ids_from_cu_seqlens` converts ``cu_seqlens``.
+    window : tuple (left, right) of int, optional
+        A band (flash-attention's ``window_size``): query ``i`` sees only the keys ``p - left <= j <=
+        p + right`` around the key ``p = i + Lk - Lq`` it is aligned with (per segment with
+        ``segment_ids``); ``-1`` leaves a side unbounded, ``causal=True`` caps ``right`` at 0, and a
+        ``right`` below ``-1`` keeps only keys older than ``p``: ``(-1, -(w + 1))`` is every key but
+        the last ``w + 1``, the global part of a local/global hybrid. Exact, as the difference of two
+        causal sums with shifted alignments (docs/mathematics.rst, "Windows"); the engine must have a
+        causal mode. ``left < -1`` is a ``ValueError``.
     engine : {"scan", "sweep", "triton"}, optional
         The engine of the forward and the backward (docs/architecture.rst); default: the
         :func:`slicedkern.use_engine` setting, else triton for CUDA torch tensors when Triton is
@@ -205,7 +233,8 @@ def relu_attention(q: Array, k: Array, v: Array, /, *, key_mask: Array | None = 
     (2, 5, 3)
     """
     return _attention(q, k, v, None, kernel=_RELU, key_mask=key_mask, center=center,
-                      normalize=normalize, eps=eps, causal=causal, segment_ids=segment_ids, engine=engine, xp=xp)
+                      normalize=normalize, eps=eps, causal=causal,
+                      segment_ids=segment_ids, window=window, engine=engine, xp=xp)
 
 
 def hat_spec(bandwidths, weights, names):
@@ -245,7 +274,8 @@ def hat_spec(bandwidths, weights, names):
 
 def hat_attention(q: Array, k: Array, v: Array, /, bandwidth: ArrayOrFloat = 1.0, *, key_mask: Array | None = None,
                   center: bool = False, normalize: str | None = "count", eps: float = 1e-6, causal: bool = False,
-                  segment_ids: Array | tuple[Array, Array] | None = None, engine: str | None = None,
+                  segment_ids: Array | tuple[Array, Array] | None = None,
+                  window: tuple[int, int] | None = None, engine: str | None = None,
                   xp: Namespace | None = None) -> Array:
     """Hat ("ReLU-bump") attention (paper eq. 5).
 
@@ -272,6 +302,8 @@ def hat_attention(q: Array, k: Array, v: Array, /, bandwidth: ArrayOrFloat = 1.0
         sees. As in :func:`relu_attention`.
     segment_ids : integer array (..., L) or a tuple of two, optional
         Packed sequences, as in :func:`relu_attention`.
+    window : tuple (left, right) of int, optional
+        A band of keys per query, as in :func:`relu_attention`.
     engine : {"scan", "sweep", "triton"}, optional
         As in :func:`relu_attention`.
     xp : array namespace, optional
@@ -292,19 +324,20 @@ def hat_attention(q: Array, k: Array, v: Array, /, bandwidth: ArrayOrFloat = 1.0
     """
     return _attention(q, k, v, hat_spec(bandwidth, None, ("bandwidth", "weights")),
                       key_mask=key_mask, center=center, normalize=normalize, eps=eps, causal=causal,
-                      segment_ids=segment_ids, engine=engine, xp=xp)
+                      segment_ids=segment_ids, window=window, engine=engine, xp=xp)
 
 
 def hat_mixture_attention(q: Array, k: Array, v: Array, /, bandwidths: ArrayOrFloat, weights: ArrayOrFloat, *,
                           key_mask: Array | None = None, center: bool = False, normalize: str | None = "count",
                           eps: float = 1e-6, causal: bool = False,
-                          segment_ids: Array | tuple[Array, Array] | None = None, engine: str | None = None,
+                          segment_ids: Array | tuple[Array, Array] | None = None,
+                          window: tuple[int, int] | None = None, engine: str | None = None,
                           xp: Namespace | None = None) -> Array:
     """Attention with a mixture of hats ``sum_i weights[i] max(0, 1 - |r| / bandwidths[i])``.
 
     Parameters
     ----------
-    q, k, v, key_mask, center, normalize, eps, causal, segment_ids, engine, xp
+    q, k, v, key_mask, center, normalize, eps, causal, segment_ids, window, engine, xp
         As in :func:`hat_attention`.
     bandwidths : sequence of float or array, shape (..., K)
         Positive finite bandwidths, ``K >= 1``; an array's leading dims broadcast against the batch
@@ -325,18 +358,19 @@ def hat_mixture_attention(q: Array, k: Array, v: Array, /, bandwidths: ArrayOrFl
     """
     return _attention(q, k, v, hat_spec(bandwidths, weights, ("bandwidths", "weights")),
                       key_mask=key_mask, center=center, normalize=normalize, eps=eps, causal=causal,
-                      segment_ids=segment_ids, engine=engine, xp=xp)
+                      segment_ids=segment_ids, window=window, engine=engine, xp=xp)
 
 
 def kernel_attention(q: Array, k: Array, v: Array, /, kernel: PiecewiseLinear, *, key_mask: Array | None = None,
                      center: bool = False, normalize: str | None = "count", eps: float = 1e-6,
                      causal: bool = False, segment_ids: Array | tuple[Array, Array] | None = None,
+                     window: tuple[int, int] | None = None,
                      engine: str | None = None, xp: Namespace | None = None) -> Array:
     """Attention with any piecewise-linear profile: ``out_i = sum_j f(q_i - k_j) v_j / normaliser``.
 
     Parameters
     ----------
-    q, k, v, key_mask, eps, causal, segment_ids, engine, xp
+    q, k, v, key_mask, eps, causal, segment_ids, window, engine, xp
         As in :func:`relu_attention`.
     kernel : slicedkern.kernels.PiecewiseLinear
         The profile ``f``.
@@ -358,4 +392,5 @@ def kernel_attention(q: Array, k: Array, v: Array, /, kernel: PiecewiseLinear, *
     """
     check_kernel(kernel)
     return _attention(q, k, v, None, kernel=kernel, key_mask=key_mask, center=center,
-                      normalize=normalize, eps=eps, causal=causal, segment_ids=segment_ids, engine=engine, xp=xp)
+                      normalize=normalize, eps=eps, causal=causal,
+                      segment_ids=segment_ids, window=window, engine=engine, xp=xp)

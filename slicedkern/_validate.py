@@ -300,14 +300,18 @@ def check_param_batch(value, name, batch):
     """``ValueError`` unless an array parameter broadcasts to the batch shape of the scores."""
     if isinstance(value, float):
         return
-    shape = tuple(value.shape)
+    _check_lead(tuple(value.shape), tuple(value.shape), name, batch)
+
+
+def _check_lead(lead: tuple, shape: tuple, name: str, batch) -> None:
+    """``ValueError`` unless the leading dims ``lead`` of an argument of ``shape`` broadcast to ``batch``."""
     try:
-        fits = len(shape) <= len(batch) and broadcast_shapes(shape, batch) == tuple(batch)
+        fits = len(lead) <= len(batch) and broadcast_shapes(lead, batch) == tuple(batch)
     except ValueError:
         fits = False
     if not fits:
-        raise ValueError(f"argument {name!r} of shape {tuple(value.shape)} does not broadcast to the batch "
-                         f"shape {tuple(batch)} of the scores")
+        raise ValueError(f"argument {name!r} of shape {shape} does not broadcast to the batch shape "
+                         f"{tuple(batch)} of the scores")
 
 
 
@@ -325,14 +329,7 @@ def _one_segment_array(xp, ids, name: str, length: int, what: str, batch) -> np.
     if ids.ndim < 1 or ids.shape[-1] != length:
         raise ValueError(f"argument {name!r} must have shape {what} with {length} entries on its last axis, "
                          f"got {shape_str(ids)}")
-    lead = tuple(ids.shape[:-1])
-    try:
-        fits = len(lead) <= len(batch) and broadcast_shapes(lead, batch) == tuple(batch)
-    except ValueError:
-        fits = False
-    if not fits:
-        raise ValueError(f"argument {name!r} of shape {tuple(ids.shape)} does not broadcast to the batch shape "
-                         f"{tuple(batch)} of the scores")
+    _check_lead(tuple(ids.shape[:-1]), tuple(ids.shape), name, batch)
     if is_traced(ids) or torch_compiling():
         raise ValueError(f"argument {name!r} must be concrete (known when the call is made, not traced): the "
                          "packed layout is computed from its values on the host")

@@ -21,7 +21,8 @@ from slicedkern.engines import available as engines_available
 
 __all__ = ["ALL_BACKENDS", "Backend", "backend_ids", "make_backend", "backend_context", "jax_x64", "selected_backends",
            "require_selected", "assert_meta", "assert_close", "assert_values_close", "rel_err", "to_numpy",
-           "scan_atol", "attention_atol", "names_argument", "scaled_kernel", "tie_scores", "queries_on_knots",
+           "scan_atol", "attention_atol", "central_differences", "names_argument", "scaled_kernel", "tie_scores",
+           "queries_on_knots",
            "N", "M", "C", "DECODE_CHUNKS", "decode_data", "poison_decode_data"]
 
 #: Every backend the suite knows about (the one list shared with the bench and asv); the last two
@@ -330,6 +331,17 @@ def assert_close(actual, expected, *, rtol, atol=None, dtype=None, err_msg=""):
     """
     assert_meta(actual, like=expected, dtype=dtype)
     assert_values_close(actual, expected, rtol=rtol, atol=atol, err_msg=err_msg)
+
+
+def central_differences(f, x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """The gradient of the scalar ``f`` at ``x`` by central differences, one entry at a time."""
+    grad = np.zeros_like(x)
+    for index in np.ndindex(x.shape):
+        up, down = x.copy(), x.copy()
+        up[index] += eps
+        down[index] -= eps
+        grad[index] = (f(up) - f(down)) / (2 * eps)
+    return grad
 
 
 def names_argument(message: str, *names: str) -> bool:

@@ -2,8 +2,9 @@
 float64 reference, on every backend and engine: causal and not, ties across segment boundaries,
 empty and one-token segments, unsorted and non-contiguous ids, ``Lq != Lk`` with a pair of id
 arrays, masks together with segments, ids broadcast over heads, extreme scales, the per-segment NaN
-rule; gradients (``slicedkern.vjp`` against central differences of the reference, torch autograd and
-``jax.grad`` against the reference's own autograd); packed = per-document calls; bad input.
+rule; gradients (``slicedkern.vjp`` against central differences of the reference, ``jax.grad`` against
+the reference's own autograd; torch autograd in tests/test_windows.py, with and without a window);
+packed = per-document calls; bad input.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import itertools
 
 import numpy as np
 import pytest
-from _helpers import assert_close, jax_x64, names_argument, tie_scores, to_numpy
+from _helpers import assert_close, central_differences, jax_x64, names_argument, tie_scores, to_numpy
 
 import slicedkern
 from slicedkern import reference
@@ -183,16 +184,6 @@ def test_packed_equals_one_call_per_document(xp, rng, causal):
 
 
 # -------------------------------------------------------------------------------------- gradients
-def _central(f, x, eps=1e-6):
-    grad = np.zeros_like(x)
-    for index in np.ndindex(x.shape):
-        up, down = x.copy(), x.copy()
-        up[index] += eps
-        down[index] -= eps
-        grad[index] = (f(up) - f(down)) / (2 * eps)
-    return grad
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_vjp_matches_central_differences(rng, causal):
     lq = lk = 9
@@ -209,35 +200,10 @@ def test_vjp_matches_central_differences(rng, causal):
     def loss(q_=q, k_=k, v_=v, bw_=bw):
         return float(np.sum(g * reference.hat_attention(q_, k_, v_, bw_, key_mask=mask, center=True, normalize="abs",
                                                         causal=causal, segment_ids=ids)))
-    expected = [_central(lambda a: loss(q_=a), q), _central(lambda a: loss(k_=a), k),
-                _central(lambda a: loss(v_=a), v), _central(lambda a: loss(bw_=a), bw)]
+    expected = [central_differences(lambda a: loss(q_=a), q), central_differences(lambda a: loss(k_=a), k),
+                central_differences(lambda a: loss(v_=a), v), central_differences(lambda a: loss(bw_=a), bw)]
     for name, got, want in zip("qkvb", grads, expected):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("engine", ["scan", "sweep"])
-def test_torch_autograd_matches_reference_autograd(rng, causal, engine):
-    torch = pytest.importorskip("torch")
-    if engine not in slicedkern.engines.available("torch"):
-        pytest.skip(f"the {engine!r} engine is not installed")
-    q, k, v, mask = _data(rng, 15, 15, ties=False)     # the gradient at a tie is a convention
-    ids = torch.as_tensor(_ids(rng, 15))
-    weights = (rng.random((B, H, 2)) + 0.3, rng.normal(size=(B, H, 2)))
-    g = torch.as_tensor(rng.normal(size=(B, H, 15, DV)))
-
-    def run(fn, **kw):
-        leaves = [torch.tensor(a, requires_grad=True) for a in (q, k, v, *weights)]
-        out = fn(*leaves, key_mask=torch.as_tensor(mask), causal=causal, segment_ids=ids, normalize="abs",
-                 center=True, **kw)
-        (out * g).sum().backward()
-        return out.detach(), [a.grad for a in leaves]
-
-    out, grads = run(slicedkern.hat_mixture_attention, engine=engine)
-    ref, ref_grads = run(reference.hat_mixture_attention)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    for name, a, b in zip(["q", "k", "v", "bandwidths", "weights"], grads, ref_grads):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=name)
 
 
 def test_jax_grad_matches_reference_grad(rng):

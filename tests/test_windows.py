@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _helpers import assert_close, jax_x64, names_argument, tie_scores, to_numpy
+from _helpers import assert_close, central_differences, jax_x64, names_argument, tie_scores, to_numpy
 
 import slicedkern
 from slicedkern import reference
@@ -109,16 +109,6 @@ def test_band_nan_rule(cxp, rng):
         np.testing.assert_array_equal(np.isnan(out).any(axis=-1), np.broadcast_to(holds, out.shape[:-1]))
 
 
-def _central(f, x, eps=1e-6):
-    grad = np.zeros_like(x)
-    for index in np.ndindex(x.shape):
-        up, down = x.copy(), x.copy()
-        up[index] += eps
-        down[index] -= eps
-        grad[index] = (f(up) - f(down)) / (2 * eps)
-    return grad
-
-
 @pytest.mark.parametrize("window", [(3, 0), (2, 2), (-1, -3)])
 def test_vjp_matches_central_differences(rng, window):
     q, k = rng.normal(size=(1, H, 10)), rng.normal(size=(1, H, 12))
@@ -133,15 +123,17 @@ def test_vjp_matches_central_differences(rng, window):
     def loss(q_=q, k_=k, v_=v, bw_=bw):
         return float(np.sum(g * reference.hat_attention(q_, k_, v_, bw_, key_mask=mask, center=True, normalize="abs",
                                                         window=window)))
-    expected = [_central(lambda a: loss(q_=a), q), _central(lambda a: loss(k_=a), k),
-                _central(lambda a: loss(v_=a), v), _central(lambda a: loss(bw_=a), bw)]
+    expected = [central_differences(lambda a: loss(q_=a), q), central_differences(lambda a: loss(k_=a), k),
+                central_differences(lambda a: loss(v_=a), v), central_differences(lambda a: loss(bw_=a), bw)]
     for name, got, want in zip("qkvb", grads, expected):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("window", [(4, 0), (3, 2), (-1, -5)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("window", [None, (4, 0), (3, 2), (-1, -5)])
 @pytest.mark.parametrize("engine", ["scan", "sweep"])
-def test_torch_autograd_matches_reference_autograd(rng, engine, window):
+def test_torch_autograd_matches_reference_autograd(rng, engine, window, causal):
+    """Packed segments with and without a window, through torch autograd."""
     torch = pytest.importorskip("torch")
     if engine not in slicedkern.engines.available("torch"):
         pytest.skip(f"the {engine!r} engine is not installed")
@@ -152,8 +144,8 @@ def test_torch_autograd_matches_reference_autograd(rng, engine, window):
 
     def run(fn, **kw):
         leaves = [torch.tensor(a, requires_grad=True) for a in (q, k, v, *weights)]
-        out = fn(*leaves, key_mask=torch.as_tensor(mask), window=window, segment_ids=ids, normalize="abs",
-                 center=True, **kw)
+        out = fn(*leaves, key_mask=torch.as_tensor(mask), window=window, causal=causal, segment_ids=ids,
+                 normalize="abs", center=True, **kw)
         (out * g).sum().backward()
         return out.detach(), [a.grad for a in leaves]
 

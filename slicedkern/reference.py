@@ -115,8 +115,8 @@ def relu_attention(q, k, v, *, key_mask=None, center=True, normalize="abs", eps=
                    segment_ids=None, window=None):
     """Dense sliced ReLU attention (paper eq. 3); ``causal``: query ``i`` sees keys ``j <= i + Lk - Lq``;
     ``segment_ids`` ((..., L) integers, or a pair for queries and keys): a query sees only the keys of
-    its segment, causal per segment; ``window = (left, right)``: and only the keys ``p - left .. p +
-    right`` around the key ``p`` it is aligned with (``-1``: unbounded)."""
+    its segment, causal per segment; ``window = (left, right)``: and only the keys from ``p - left`` to
+    ``p + right`` around the key ``p`` it is aligned with (``-1``: unbounded)."""
     return _attention(q, k, v, ReLU(), key_mask, center, normalize, eps, causal, segment_ids, window)
 
 

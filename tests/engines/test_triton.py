@@ -613,6 +613,85 @@ def test_decode_cache_keeps_cuda_runs_on_the_device():
         assert isinstance(cache._runs, DeviceRuns)
 
 
+def _launch_arguments(value):
+    """Every scalar of a launch argument, through the fields of its records."""
+    if isinstance(value, tuple):
+        return [scalar for field in value for scalar in _launch_arguments(field)]
+    return [value]
+
+
+def test_no_python_float_reaches_a_kernel(rng, small_leaves, monkeypatch):
+    """Compiled Triton types a Python float argument float32 (the interpreter keeps it float64), so
+    a float64 ``eps`` of 1e-300 would reach the divisor as 0 and one of 0.37 rounded: the GPU's
+    ``test_eps_value_is_used`` failure of 2026-12-04. Every launch of attention's forward and
+    backward (ReLU with each normaliser, a hat with learned bandwidths) and of decoding passes its
+    float parameters as float64 arrays."""
+    from slicedkern._spec import Normalizer
+    from slicedkern.engines.triton import _sums
+    from slicedkern.engines.triton._decode import DeviceRuns
+    kernels = _sums.loaded()
+    floats = []
+
+    class Checked:
+        def __init__(self, name, jitted):
+            self.name, self.jitted = name, jitted
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                found = [a for a in _launch_arguments(args) + list(kwargs.values()) if type(a) is float]
+                floats.extend((self.name, a) for a in found)
+                return self.jitted[grid](*args, **kwargs)
+            return launch
+    for name in kernels.KERNELS:
+        monkeypatch.setattr(kernels, name, Checked(name, getattr(kernels, name)))
+    q, k, v, mask = _data(rng, rows=2)
+    args = [_t(a).requires_grad_() for a in (q, k, v)]
+    width = _t([0.5, 0.7]).requires_grad_()
+    for causal in (False, True):
+        for normalize in ("abs", "relu", "count", None):
+            out = slicedkern.relu_attention(*args, key_mask=_t(mask, torch.bool), causal=causal,
+                                            normalize=normalize, eps=0.37, engine="triton")
+            torch.autograd.grad(out.sum(), args)
+        out = slicedkern.hat_attention(*args, width, causal=causal, engine="triton")
+        torch.autograd.grad(out.sum(), [*args, width])
+    import array_api_compat.torch as xp
+    runs = DeviceRuns(xp, _decode_profile("relu"), center=True, normalizer=Normalizer("abs", 0.37), dv=DV)
+    runs.append(_t(k[..., :8]), _t(v[..., :8, :]))
+    runs.attend(_t(q[..., :2]))
+    assert not floats, floats
+
+
+def test_every_grid_fits_cuda_limits(monkeypatch, engine_tiles):
+    """CUDA runs at most 65535 programs along a grid's second and third axes (2^31 - 1 along the
+    first): the GPU run of 2026-12-04 failed at 2^20 keys, pass 1 having one program per tile of 16
+    keys on the second axis. Every launch of attention's forward and backward at 2^21 keys, causal
+    and not, captured without running (the kernels' results are not read on the host)."""
+    from slicedkern.engines.triton import _sums
+    kernels = _sums.loaded()
+    grids = []
+
+    class Captured:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            grids.append((self.name, tuple(grid)))
+            return lambda *args, **kwargs: None
+    for name in kernels.KERNELS:
+        monkeypatch.setattr(kernels, name, Captured(name))
+    n = 1 << 21
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, n, generator=g, dtype=torch.float32).requires_grad_() for _ in range(2))
+    v = torch.randn(1, n, 2, generator=g, dtype=torch.float32).requires_grad_()
+    for causal in (False, True):
+        out = slicedkern.relu_attention(q, k, v, causal=causal, engine="triton")
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert {name for name, _ in grids} >= {"tile_sums", "attend_eval", "causal_epilogue"}, grids
+    too_big = [(name, grid) for name, grid in grids
+               if grid[0] >= 2 ** 31 or any(axis > 65535 for axis in grid[1:])]
+    assert not too_big, sorted(set(too_big))
+
+
 def _traffic():
     import importlib.util
     from pathlib import Path

@@ -22,7 +22,7 @@ from ...kernels import Profile, is_fixed
 
 __all__ = ["QueryArgs", "KeyArgs", "WeightArgs", "CarryArgs", "ProfileArgs", "DivisorArgs", "OutArgs", "DotArgs",
            "Columns", "Blocks", "Strided", "Positions", "Runs", "strided", "given", "profile_record", "no_profile",
-           "divisor_args", "log_steps", "tl_dtype"]
+           "divisor_args", "float64_scalar", "log_steps", "tl_dtype"]
 
 
 class QueryArgs(NamedTuple):
@@ -81,7 +81,7 @@ class DivisorArgs(NamedTuple):
     """Attention's epilogue: the residuals it writes and the divisor's rule."""
     count: Any        # (R, n) float64: the profile over the indicator (``relu_count``), written
     raw: Any          # (R, n) float64: the normaliser's sum, written when NORM is a summed one
-    eps: float
+    eps: Any          # (1,) float64 the normaliser's floor (:func:`float64_scalar`)
     CENTER: Any       # constexpr: centring, ``- relu_count / count * totals``
     NORM: Any         # constexpr: ``Normalizer.code`` (0 none, 1 or 2 a summed normaliser, 3 the count)
 
@@ -127,10 +127,18 @@ class Strided(NamedTuple):
 
 
 class Positions(NamedTuple):
-    """Values on the positions of causal attention and the sums of their blocks: ``w`` (R, n, c),
-    ``take`` (R, n) int8, ``carry`` (R, carry_rows, c + 1) float64 the exclusive prefix of the
-    sums of ``[w take | take]`` over blocks of positions (:func:`._dense.position_sums`)."""
-    w: Strided
+    """Values on the positions of causal attention and the sums of their blocks: the values ``w``
+    (R, n, c) at ``ptr`` with their strides (the fields of :class:`Strided`, which
+    ``_dense._strided_at`` reads), ``take`` (R, n) int8, ``carry`` (R, carry_rows, c + 1) float64 the
+    exclusive prefix of the sums of ``[w take | take]`` over blocks of positions
+    (:func:`._dense.position_sums`).
+
+    Flat rather than holding a :class:`Strided`: Triton 3.6 compiles a nested record's fields that
+    are constants (a stride of 1) to None when a loop reads them (docs/benchmarks.rst, "On a GPU")."""
+    ptr: Any
+    row: int
+    item: int
+    col: int
     take: Any
     carry: Any
     carry_rows: int
@@ -206,6 +214,14 @@ def _build_profile_arrays(xp, pairs, slope, intercept, batch, rows: int, dev):
     return knots, coeffs, lin, len(pairs)
 
 
+@functools.lru_cache(maxsize=64)
+def float64_scalar(xp, value: float, dev):
+    """``value`` as a (1,) float64 array on ``dev``, made once per value and device, for a kernel to
+    load: Triton passes a Python float to a kernel as float32, which would round a float64 input's
+    ``eps`` (and flush ``1e-300`` to 0) where the reference floors at the float64 number."""
+    return xp.full((1,), float(value), dtype=xp.float64, device=dev)
+
+
 def log_steps(m: int) -> int:
     """The steps of a rank search among ``m`` sorted keys: ceil(log2(m + 1)), a runtime argument (a
     constant would compile every kernel again for each power of two of the length)."""
@@ -234,5 +250,6 @@ def divisor_args(k, xp, value: ProfileArgs, normalizer, batch, rows: int, dev, *
         norm = profile_record(k, xp, normalizer.profile, batch, rows, dev, strict=True)
     else:
         norm = no_profile(k, value)
-    return norm, DivisorArgs(count, count if raw is None else raw, float(normalizer.eps), const(bool(center)),
+    return norm, DivisorArgs(count, count if raw is None else raw, float64_scalar(xp, normalizer.eps, dev),
+                             const(bool(center)),
                              const(normalizer.code))

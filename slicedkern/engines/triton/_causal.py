@@ -21,7 +21,7 @@ from ..._lib.causal import key_offset
 from ...kernels import Profile, is_fixed
 from .._columns import MaskedValues
 from ..sortscan.pullback import column_range
-from ._args import Blocks, Columns, Positions, profile_record, strided, tl_dtype
+from ._args import Blocks, Columns, Positions, float64_scalar, profile_record, strided, tl_dtype
 from ._sums import (
     BLOCK_COLS,
     BLOCK_ROWS,
@@ -198,14 +198,14 @@ def causal_epilogue(xp, num, den, w, take, good, offset: int, carry, *, center: 
     if rows and lq and dv:
         loaded().causal_epilogue[(rows, triton_cdiv(lq, BLOCK_ROWS), triton_cdiv(dv, BLOCK_COLS))](
             num, den if den is not None else num, _positions(xp, w, take, carry), xp.astype(good, xp.int8), out, lq,
-            offset, float(normalizer.eps), CENTER=bool(center), NORM=normalizer.code, BLOCK_N=BLOCK_ROWS,
-            BLOCK_C=BLOCK_COLS, num_warps=8)
+            offset, float64_scalar(xp, normalizer.eps, num.device), CENTER=bool(center), NORM=normalizer.code,
+            BLOCK_N=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=8)
     return out
 
 
 def _positions(xp, w, take, carry) -> Positions:
     """The values on the positions as the dense kernels read them (:class:`._args.Positions`)."""
-    return Positions(strided(w), xp.astype(take, xp.int8, copy=False), carry, carry.shape[1], w.shape[1], w.shape[2])
+    return Positions(*strided(w), xp.astype(take, xp.int8, copy=False), carry, carry.shape[1], w.shape[1], w.shape[2])
 
 
 def position_carry(xp, w, take):

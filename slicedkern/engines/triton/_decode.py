@@ -18,7 +18,7 @@ from ..._spec import Normalizer
 from ...backends import finite, finite_keys
 from ...kernels import Profile
 from .._runs import RunCounter
-from ._args import Runs, log_steps, profile_record
+from ._args import Runs, float64_scalar, log_steps, profile_record
 from ._sums import loaded
 
 __all__ = ["DeviceRuns"]
@@ -131,8 +131,8 @@ class DeviceRuns(RunCounter):
                         xp.astype(self.bad, xp.int8), self.capacity, log_steps(self.capacity))
             loaded().decode_attend[grid](
                 xp.reshape(xp.astype(q.detach(), xp.float64), (self._bsz, m)).contiguous(), runs, self._args,
-                self._nargs, out, m, self.dv, float(self.normalizer.eps), CENTER=bool(self.center),
-                NORM=self.normalizer.code, BLOCK_Q=BLOCK_Q,
+                self._nargs, out, m, self.dv, float64_scalar(xp, self.normalizer.eps, self._device),
+                CENTER=bool(self.center), NORM=self.normalizer.code, BLOCK_Q=BLOCK_Q,
                 BLOCK_W=max(2, 1 << self.dv.bit_length()))      # a power of two >= dv + 1
         out = xp.reshape(out, self._batch + (m, self.dv))
         return out if dtype is None else xp.astype(out, dtype)

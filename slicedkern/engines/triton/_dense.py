@@ -21,7 +21,7 @@ __all__ = ["leaf_eval", "leaf_pullback", "causal_epilogue", "row_dots", "column_
 @triton.jit
 def _strided_at(s, row, i, cols):
     """The addresses of the items ``i`` and columns ``cols`` of row ``row`` of an :class:`._args.Strided`
-    array: (len(i), len(cols)) pointers."""
+    array (or a record with its fields, :class:`._args.Positions`): (len(i), len(cols)) pointers."""
     return s.ptr + row * s.row + i[:, None] * s.item + cols[None, :] * s.col
 
 
@@ -163,9 +163,9 @@ def leaf_pullback(x_ptr, y_ptr, w, take_ptr, g, scale_ptr, vscale_ptr, profile, 
 def _position_rows(pos, row, j, jm, cols):
     """The rows ``[w_j take_j | take_j]`` of the positions ``j`` of one row over the columns ``cols``
     (column ``c`` the indicator), float64, zero where ``jm`` is False (:class:`._args.Positions`)."""
-    w, c = pos.w, pos.c
+    c = pos.c
     ok = (tl.load(pos.take + row * pos.n + j, mask=jm, other=0) != 0) & jm
-    wv = tl.load(_strided_at(w, row, j, cols),
+    wv = tl.load(_strided_at(pos, row, j, cols),
                  mask=ok[:, None] & (cols < c)[None, :], other=0.0).to(tl.float64)
     return tl.where(ok[:, None] & (cols == c)[None, :], 1.0, wv)
 
@@ -226,7 +226,7 @@ def causal_row_dots(g, pos, out_ptr, lq, offset, BLOCK_N: tl.constexpr, BLOCK_C:
 
 
 @triton.jit
-def causal_epilogue(num_ptr, den_ptr, pos, good_ptr, out_ptr, lq, offset, eps, CENTER: tl.constexpr,
+def causal_epilogue(num_ptr, den_ptr, pos, good_ptr, out_ptr, lq, offset, eps_ptr, CENTER: tl.constexpr,
                     NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     """Causal attention's output from its running sums, in one pass (the arithmetic of
     :func:`._device._attention_epilogue`): query ``i`` of a row sits at position ``i + offset``
@@ -234,10 +234,10 @@ def causal_epilogue(num_ptr, den_ptr, pos, good_ptr, out_ptr, lq, offset, eps, C
     profile sums of the values and of the indicator (its ReLU count), and with a summed NORM the
     normaliser sums ``den`` (R, n) float64; the totals of the values and the count it sees are
     summed here from the values on the positions ``pos`` (:class:`._args.Positions`, ``c = dv``;
-    :func:`_running_totals`); ``good`` (R, lq) int8 False makes its row NaN
-    (the causal NaN rule). Writes ``out`` (R, lq, dv) in its own dtype: no float64 output, no (n,
-    dv) array of the totals and no temporaries of the centring and the division
-    (docs/architecture.rst, "Engines")."""
+    :func:`_running_totals`); ``good`` (R, lq) int8 False makes its row NaN (the causal NaN rule);
+    the normaliser's floor ``eps`` (1,) float64 at ``eps_ptr``. Writes ``out`` (R, lq, dv) in its
+    own dtype: no float64 output, no (n, dv) array of the totals and no temporaries of the
+    centring and the division (docs/architecture.rst, "Engines")."""
     row = tl.program_id(0).to(tl.int64)
     n, dv = pos.n, pos.c
     i0 = tl.program_id(1) * BLOCK_N
@@ -253,11 +253,11 @@ def causal_epilogue(num_ptr, den_ptr, pos, good_ptr, out_ptr, lq, offset, eps, C
     if CENTER:
         totals = _running_totals(pos, row, i0 + offset, cols, BLOCK_N)
     # the count is the indicator's column dv (the pair's second column is past the carry: zero)
-    count = tl.sum(_running_totals(pos, row, i0 + offset, dv + tl.arange(0, 2), BLOCK_N), 1)
+    count = tl.sum(_running_totals(pos, row, i0 + offset, dv + tl.arange(0, BLOCK_C), BLOCK_N), 1)
     den = relu_count                          # read by the epilogue only for a summed normaliser
     if NORM == 1 or NORM == 2:
         den = tl.load(den_ptr + row * n + p, mask=seen, other=0.0).to(tl.float64)
-    acc = _attention_epilogue(acc, relu_count, count, totals, den, eps, CENTER, NORM)
+    acc = _attention_epilogue(acc, relu_count, count, totals, den, tl.load(eps_ptr), CENTER, NORM)
     good = tl.load(good_ptr + row * lq + i, mask=i < lq, other=0) != 0
     acc = tl.where(good[:, None], acc, float("nan"))
     if out_ptr.dtype.element_ty != tl.float64:

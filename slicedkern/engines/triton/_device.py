@@ -11,6 +11,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _row_block(n, BLOCK: tl.constexpr):
+    """This program's row and block of ``BLOCK`` items of its row (``n`` per row): the grid's first
+    axis runs over every row's blocks, ``row * blocks + block``, because CUDA runs at most 65535
+    programs along the second and third (pass 1 has one per 16 keys: 2^20 keys; docs/benchmarks.rst,
+    "On a GPU"). The row is int64 (its offsets pass 2^31), the block int32 (as ``tl.program_id``:
+    int64 item indices cost pass 2 registers and spills)."""
+    blocks = tl.cdiv(n, BLOCK)
+    pid = tl.program_id(0)
+    return (pid // blocks).to(tl.int64), pid % blocks
+
+
+@triton.jit
 def _tile_moments(wv, y):
     """A tile's column sums ``[sum w, sum (y - shift) w]`` in float64: pass 1's aggregates, for
     :func:`tile_sums` and :func:`._order.small_attend` alike. The products are formed in float64 with
@@ -287,7 +299,8 @@ def _attend_block(row, i, cl, cb, row_factor, queries, keys, weights, carry, pro
         raw = _indicator_profile(x, xs, nm, keys, carry, norm, row, weights.c, blocks.M)
         if first_block:
             tl.store(divisor.raw + row * n + dest, raw, mask=nm)
-    acc = _attention_epilogue(acc, relu_count, valid, t0[None, :], raw, divisor.eps, divisor.CENTER, divisor.NORM)
+    acc = _attention_epilogue(acc, relu_count, valid, t0[None, :], raw, tl.load(divisor.eps), divisor.CENTER,
+                              divisor.NORM)
     if HAS_FACTOR:
         acc = acc * (tl.load(factor + row * queries.rows_apart + dest, mask=nm, other=1.0) * row_factor)[:, None]
     _store_rows(acc, out, row, dest, cl, nm, cm)

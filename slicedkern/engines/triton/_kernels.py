@@ -54,6 +54,7 @@ from ._device import (
     _attention_epilogue,
     _block_sums,
     _indicator_profile,
+    _row_block,
     _run_profile,
     _store_rows,
     _tile,
@@ -81,10 +82,10 @@ def tile_sums(keys, weights, carry, blocks):
     (float64), nothing per key, into row ``tile + 1`` of the carry (R, nb + 1, 2 C); the first
     tile's programs zero row 0 (the caller's cumulative sum in place makes the exclusive prefix).
     The weights' per-key ``scale`` has its rows ``scale_rows`` apart (a causal level's blocks are
-    strided views of the positions); ``take`` has them ``m`` apart."""
-    row = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1)
-    cb = tl.program_id(2)
+    strided views of the positions); ``take`` has them ``m`` apart. Grid: (rows x tiles, column
+    blocks) (:func:`._device._row_block`)."""
+    row, blk = _row_block(keys.m, blocks.M)
+    cb = tl.program_id(1)
     j = blk * blocks.M + tl.arange(0, blocks.M)
     cols = cb * blocks.C + tl.arange(0, blocks.C)
     wv, y, _ = _tile(keys, weights, row, j, cols)
@@ -113,11 +114,12 @@ def attend_eval(queries, keys, weights, carry, profile, norm, divisor, factor, o
     no key; docs/mathematics.rst, "Attention"); ``factor`` (R, n), when given, the NaN policy's (1,
     or NaN on a bad query or row). The first column block writes ``relu_count`` and the
     normaliser's sum (R, n), float64 in the queries' original order: the backward's residuals.
-    The rows are written through the query permutation (:class:`._args.OutArgs`)."""
-    row = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * blocks.N + tl.arange(0, blocks.N)
-    cl = tl.program_id(2) * blocks.C + tl.arange(0, blocks.C)
-    _attend_block(row, i, cl, tl.program_id(2), 1.0, queries, keys, weights, carry, profile, norm, divisor, factor,
+    The rows are written through the query permutation (:class:`._args.OutArgs`). Grid: (rows x
+    query blocks, column blocks) (:func:`._device._row_block`)."""
+    row, blk = _row_block(queries.n, blocks.N)
+    i = blk * blocks.N + tl.arange(0, blocks.N)
+    cl = tl.program_id(1) * blocks.C + tl.arange(0, blocks.C)
+    _attend_block(row, i, cl, tl.program_id(1), 1.0, queries, keys, weights, carry, profile, norm, divisor, factor,
                   out, cols, blocks, HAS_FACTOR)
 
 
@@ -133,10 +135,10 @@ def sums_eval(queries, keys, weights, carry, profile, factor, sub, out, cols, bl
     its pull-back's value gradients into the leaves' of its left blocks; ``raw`` given (with ADD):
     the first column block also adds the profile ``norm`` over the indicator (column ``c``) to
     ``raw``, the normaliser's running sums, query ``i`` at ``raw[(out.offset + row out.row_stride)
-    / out.query_stride + i]`` (one launch per level, not two)."""
-    row = tl.program_id(0).to(tl.int64)
-    cb = tl.program_id(2)
-    i = tl.program_id(1) * blocks.N + tl.arange(0, blocks.N)
+    / out.query_stride + i]`` (one launch per level, not two). Grid: as :func:`attend_eval`'s."""
+    row, blk = _row_block(queries.n, blocks.N)
+    cb = tl.program_id(1)
+    i = blk * blocks.N + tl.arange(0, blocks.N)
     cl = cb * blocks.C + tl.arange(0, blocks.C)
     acc, _, x, xs, nm, cm, dest, _, _ = _block_sums(row, i, cl, queries, keys, weights, carry, profile, cols,
                                                     blocks, False)
@@ -164,10 +166,10 @@ def dots_eval(queries, keys, weights, carry, profile, factor, dot, take, out, co
     float64 ((R, n, column blocks), or a slice of the blocks of several dots), so that no (n, width)
     array is written and the sum over the blocks keeps a fixed order. ``take`` (R, n) int8, when
     given: the rows are read only where it is nonzero, 0 elsewhere (the values of keys that take no
-    part, which may hold anything)."""
-    row = tl.program_id(0).to(tl.int64)
-    cb = tl.program_id(2)
-    i = tl.program_id(1) * blocks.N + tl.arange(0, blocks.N)
+    part, which may hold anything). Grid: as :func:`attend_eval`'s."""
+    row, blk = _row_block(queries.n, blocks.N)
+    cb = tl.program_id(1)
+    i = blk * blocks.N + tl.arange(0, blocks.N)
     cl = cb * blocks.C + tl.arange(0, blocks.C)
     acc, _, _, _, nm, cm, dest, _, _ = _block_sums(row, i, cl, queries, keys, weights, carry, profile, cols,
                                                    blocks, False)
@@ -183,7 +185,7 @@ def dots_eval(queries, keys, weights, carry, profile, factor, dot, take, out, co
 
 
 @triton.jit
-def decode_attend(q_ptr, runs, profile, norm, out_ptr, M, dv, eps, CENTER: tl.constexpr, NORM: tl.constexpr,
+def decode_attend(q_ptr, runs, profile, norm, out_ptr, M, dv, eps_ptr, CENTER: tl.constexpr, NORM: tl.constexpr,
                   BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr):
     """Decoding's attention: one program per batch row and block of queries, over every sorted run of
     :class:`slicedkern.engines.triton._decode.DeviceRuns` (docs/mathematics.rst, "Decoding").
@@ -194,9 +196,10 @@ def decode_attend(q_ptr, runs, profile, norm, out_ptr, M, dv, eps, CENTER: tl.co
     ``bounds`` (2, n_runs) int64 the runs' ``[start, end)``; ``totals`` (B, cw) the values' sum and
     the count of the keys taken; ``bad`` (B,) int8 a row that took a non-finite key. Per query the
     profile sums over the runs (values and indicator: ``profile``), NORM's divisor (0 none, 3 the
-    count, 1 or 2 the normaliser profile ``norm`` over the indicator, floored at ``eps``, 1 for a
-    query that sees no key), CENTER's running mean, and NaN for a non-finite query or a ``bad`` row: the arithmetic
-    of :func:`slicedkern.engines._combine.combine`. ``out`` (B, M, dv) float64.
+    count, 1 or 2 the normaliser profile ``norm`` over the indicator, floored at ``eps``, (1,)
+    float64 at ``eps_ptr``, 1 for a query that sees no key), CENTER's running mean, and NaN for a
+    non-finite query or a ``bad`` row: the arithmetic of :func:`slicedkern.engines._combine.combine`.
+    ``out`` (B, M, dv) float64.
     """
     b = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -222,7 +225,7 @@ def decode_attend(q_ptr, runs, profile, norm, out_ptr, M, dv, eps, CENTER: tl.co
     totals = tl.load(runs.totals + b * cw + w, mask=wm, other=0.0)
     count = tl.sum(tl.where(w == dv, totals, 0.0), 0)
     relu_count = tl.sum(tl.where((w == dv)[None, :], sums, 0.0), 1)
-    acc = _attention_epilogue(sums, relu_count, count, totals[None, :], den, eps, CENTER, NORM)
+    acc = _attention_epilogue(sums, relu_count, count, totals[None, :], den, tl.load(eps_ptr), CENTER, NORM)
     poisoned = tl.load(runs.bad + b) != 0
     acc = tl.where((finite & ~poisoned)[:, None], acc, float("nan"))
     tl.store(out_ptr + b * M * dv + i[:, None] * dv + w[None, :], acc, mask=qm[:, None] & (w < dv)[None, :])

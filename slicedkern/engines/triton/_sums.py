@@ -234,7 +234,7 @@ def build_table(xp, y, w, *, take=None, ones=False, scale=None, presorted: Queri
         # pass 1 writes each tile's sums one row down and zeroes the first row; one cumulative sum
         # in place then makes them the exclusive prefix (no concatenated copy of the carry)
         carry = xp.empty((rows, nb + 1, 2 * C), dtype=xp.float64, device=dev)
-        grid = (rows, nb, triton_cdiv(C, block_c))
+        grid = (rows * nb, triton_cdiv(C, block_c))
         k = loaded()
         k.tile_sums[grid](_key_args(k, keys, perm, shift, take_arg, 1), _weight_args(k, xp, w, scale_arg, ones=ones),
                           CarryArgs(carry, nb, C), _block_args(k, xp, w, scale))
@@ -279,7 +279,8 @@ def _pass2(k, xp, table: Table, queries: Queries, *, rows_apart: int):
 
 
 def _grid(rows: int, n: int, width: int, blocks: Blocks) -> tuple:
-    return rows, triton_cdiv(n, blocks.N.value), triton_cdiv(width, blocks.C.value)
+    """Pass 2's grid: every row's query blocks along the first axis (:func:`._device._row_block`)."""
+    return rows * triton_cdiv(n, blocks.N.value), triton_cdiv(width, blocks.C.value)
 
 
 class SumTerm(NamedTuple):

@@ -33,23 +33,8 @@ os.environ["TRITON_INTERPRET"] = "0"     # real JIT functions: compiled here, ne
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-_POINTEE = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16",
-            torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.bool: "i1"}
-
-
-def _type(value) -> str:
-    """Triton's signature type of a launch argument."""
-    if isinstance(value, torch.Tensor):
-        return "*" + _POINTEE[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i64" if abs(value) >= 2 ** 31 else "i32"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for {type(value).__name__}")
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 
 def forward_launches(dtype, length: int = 1024, rows: int = 8, dv: int = 64) -> list:
@@ -208,43 +193,30 @@ def decode_launches(dtype, length: int = 1000, heads: int = 4, dv: int = 16) -> 
     return _captured(("decode_attend",), run)
 
 
-def _signature(value, path: tuple, constants: dict):
-    """The signature of a launch argument: a type, or for a record (a named tuple) one per field, its
-    constexpr fields' values into ``constants`` at their paths."""
-    if isinstance(value, triton.language.constexpr):
-        constants[path] = value.value
-        return "constexpr"
-    if value is None:
-        constants[path] = None
-        return "constexpr"
-    if isinstance(value, tuple):
-        fields = [_signature(v, path + (j,), constants) for j, v in enumerate(value)]
-        return type(value)(*fields) if hasattr(value, "_fields") else tuple(fields)
-    return _type(value)
-
-
 def resources(fn, args, kwargs, arch: int) -> dict:
     """Compile ``fn`` for ``sm_<arch>`` at these arguments: ``REG`` (per thread), ``STACK`` (spilled
     bytes per thread), static ``SHARED`` (cuobjdump) and the dynamic shared memory Triton asks for.
-    A kernel with heuristics (its flags derived from its arguments) is compiled with their values."""
+    A kernel with heuristics (its flags derived from its arguments) is compiled with their values.
+
+    The signature is the one a launch makes: Triton's own binder specialises the arguments (an
+    integer equal to 1, a record's field too, becomes a constant; a Python float is float32), so
+    that what compiles here compiles at a launch (Triton 3.6 failed on a record's constant field
+    that this script had passed as an integer, docs/benchmarks.rst, "On a GPU")."""
     kwargs = dict(kwargs)
-    options = {"num_warps": kwargs.pop("num_warps")} if "num_warps" in kwargs else {}
     heuristics = {}
     while isinstance(fn, triton.runtime.Heuristics):
         heuristics.update(fn.values)
         fn = fn.fn
     values = dict(zip(fn.arg_names, args), **kwargs)
     for name, rule in heuristics.items():
-        values[name] = rule(values)
-    signature, constants = {}, {}
-    for i, param in enumerate(fn.params):
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            constants[(i,)] = values[param.name]
-        else:
-            signature[param.name] = _signature(values[param.name], (i,), constants)
-    compiled = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", arch, 32),
-                              options=options)
+        kwargs[name] = rule(values)
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    bind = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = bind(*args, debug=False, **kwargs)
+    options, signature, constants, attrs = fn._pack_args(backend, {"debug": False, **kwargs}, bound, specialization,
+                                                         options)
+    compiled = triton.compile(ASTSource(fn, signature, constants, attrs), target=target, options=options.__dict__)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])

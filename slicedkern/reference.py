@@ -20,7 +20,7 @@ from __future__ import annotations
 import array_api_compat as compat
 
 from ._lib.causal import visible
-from ._lib.namespace import array_device, compute_dtypes
+from ._lib.namespace import array_device, compute_dtypes, scalar
 from .kernels import Abs, HatMixture, ReLU, hat_profile
 
 __all__ = ["kernel_sum", "relu_attention", "hat_attention", "hat_mixture_attention",
@@ -45,7 +45,7 @@ def kernel_matrix(x, y, kernel):
 def _nan_rows(xp, x, out):
     """NaN rows for non-finite queries ``x`` (..., n) in ``out`` (..., n, c), whether or not the query
     sees a key (docs/mathematics.rst, "Non-finite input")."""
-    nan = xp.asarray(float("nan"), dtype=out.dtype, device=array_device(out))
+    nan = scalar(xp, float("nan"), dtype=out.dtype, device=array_device(out))
     return xp.where(xp.isfinite(x)[..., None], out, nan)
 
 

@@ -136,10 +136,21 @@ def as_work(xp, a, work):
     return xp.astype(a, work)
 
 
+def scalar(xp, value, *, dtype, device):
+    """A 0-d array of the Python number ``value``, made on ``device`` by a fill (``full``) rather than
+    copied from the host: torch copies a host value to a CUDA tensor with a stream synchronisation,
+    so one ``asarray`` of a constant per call made every call wait for the GPU (docs/benchmarks.rst,
+    "On a GPU"). ``asarray`` where the device is a name or unknown (NumPy's "cpu", a JAX tracer's),
+    which only it takes."""
+    if device is None or isinstance(device, str):
+        return xp.asarray(value, dtype=dtype, device=device)
+    return xp.full((), value, dtype=dtype, device=device)
+
+
 def clamp_min(xp, a, lower: float):
     """``max(a, lower)`` elementwise, ``lower`` a Python float (``xp.clip`` of some wrappers does not
     trace under ``torch.compile(dynamic=True)``)."""
-    return xp.maximum(a, xp.asarray(lower, dtype=a.dtype, device=array_device(a)))
+    return xp.maximum(a, scalar(xp, lower, dtype=a.dtype, device=array_device(a)))
 
 
 def ceil_log2(n: int) -> int:

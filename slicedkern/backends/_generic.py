@@ -13,7 +13,7 @@ import sys
 import array_api_compat as compat
 import numpy as np
 
-from .._lib.namespace import array_device, ceil_log2
+from .._lib.namespace import array_device, ceil_log2, scalar
 
 __all__ = ["ArrayBackend"]
 
@@ -144,7 +144,7 @@ class ArrayBackend:
         hi = xp.full(values.shape, m, dtype=xp.int64, device=dev)
         for _ in range(ceil_log2(m + 1)):
             mid = (lo + hi) // 2
-            probe = xp.take_along_axis(sorted_keys, xp.minimum(mid, xp.asarray(m - 1, dtype=mid.dtype,
+            probe = xp.take_along_axis(sorted_keys, xp.minimum(mid, scalar(xp, m - 1, dtype=mid.dtype,
                                                                                   device=dev)), axis=-1)
             go_right = (mid < hi) & (probe <= values)
             lo = xp.where(go_right, mid + 1, lo)
@@ -185,7 +185,7 @@ class ArrayBackend:
             wide = xp.concat([wide, one], axis=-1)
         if take is not None:
             keep = xp.take_along_axis(take, perm, axis=-1)
-            wide = xp.where(keep[..., None], wide, xp.asarray(0.0, dtype=dtype, device=array_device(wide)))
+            wide = xp.where(keep[..., None], wide, scalar(xp, 0.0, dtype=dtype, device=array_device(wide)))
         return wide
 
     def prefix_table(self, xp, keys, weights, perm, *, take=None, ones=False):

@@ -39,7 +39,7 @@ overrides them, written from the same pieces of :mod:`._vjp`, and returns the sa
 
 from __future__ import annotations
 
-from .._lib.namespace import array_device, as_work
+from .._lib.namespace import array_device, as_work, scalar
 from .._spec import KernelSumSpec, param_grads, params_ok, profile_of, unpack
 from ..kernels import Profile
 from . import _vjp
@@ -164,7 +164,7 @@ class Engine:
         else:
             out, residuals = self.attention(inputs, form, xp=xp, for_backward=for_backward)
         if ok is not None:
-            nan = xp.asarray(float("nan"), dtype=out.dtype, device=array_device(out))
+            nan = scalar(xp, float("nan"), dtype=out.dtype, device=array_device(out))
             out = xp.where(ok[..., None, None], out, nan)
         return out, residuals
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from .._lib.causal import key_offset
-from .._lib.namespace import array_device, ceil_log2, clamp_min
+from .._lib.namespace import array_device, ceil_log2, clamp_min, scalar
 from ..backends import finite, finite_keys
 
 __all__ = ["CausalGrid", "CausalScreen", "screen_causal", "running_sum"]
@@ -146,7 +146,7 @@ def screen_causal(xp, grid: CausalGrid, q, k, v, key_mask, *, zero_values: bool 
         take = take & key_mask
     poisoned = grid.sees_any(xp, bad)
     good = q_ok & ~poisoned
-    zero = xp.asarray(0.0, dtype=k.dtype, device=array_device(k))
+    zero = scalar(xp, 0.0, dtype=k.dtype, device=array_device(k))
     takef = xp.astype(take, k.dtype)
     # keys that take no part sit at the mean of those that do, out of the way of each block's median
     # shift (docs/mathematics.rst, "Numerics"), as in the non-causal screening
@@ -154,6 +154,6 @@ def screen_causal(xp, grid: CausalGrid, q, k, v, key_mask, *, zero_values: bool 
         xp, xp.sum(takef, axis=-1, keepdims=True), 1.0)
     k = xp.where(take, k, fill)
     if zero_values:
-        v = xp.where(take[..., None], v, xp.asarray(0.0, dtype=v.dtype, device=array_device(v)))
+        v = xp.where(take[..., None], v, scalar(xp, 0.0, dtype=v.dtype, device=array_device(v)))
     q = xp.where(q_ok, q, zero)
     return CausalScreen(q, k, v, take, good, xp.any(poisoned, axis=-1))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from .._lib.namespace import array_device, clamp_min
+from .._lib.namespace import array_device, clamp_min, scalar
 from .._spec import Normalizer
 
 __all__ = ["combine", "empty_attention", "pullback", "row_dot", "Cotangents"]
@@ -69,7 +69,7 @@ def combine(xp, ar, num_r, den_sum, totals, good, *, center: bool, normalizer: N
     if center:
         mean = ar.div(totals[..., :dv], clamp_min(xp, count, 1.0)[..., None])
         num = ar.sub(num, ar.mul(mean, relu_count))
-    nan = xp.asarray(float("nan"), dtype=count.dtype, device=array_device(count))
+    nan = scalar(xp, float("nan"), dtype=count.dtype, device=array_device(count))
     divisor = xp.where(good, xp.broadcast_to(den, count.shape), nan)
     return ar.value(ar.div(num, divisor[..., None])), ar.value(relu_count), raw_den
 

@@ -8,7 +8,7 @@ combination (NaN where bad), not as a pass over the output.
 
 from __future__ import annotations
 
-from .._lib.namespace import array_device, clamp_min
+from .._lib.namespace import array_device, clamp_min, scalar
 from ..backends import finite, finite_rows
 
 __all__ = ["screen", "sanitize_keys"]
@@ -16,7 +16,7 @@ __all__ = ["screen", "sanitize_keys"]
 
 def _fill_masked(xp, y, take, key_mask):
     """Zero ``y`` where it takes no part; masked keys sit at the mean of the valid ones instead."""
-    zero = xp.asarray(0.0, dtype=y.dtype, device=array_device(y))
+    zero = scalar(xp, 0.0, dtype=y.dtype, device=array_device(y))
     y = xp.where(take, y, zero)
     if key_mask is not None:
         # Masked keys sit at the mean of the valid ones: they stay out of the sums (zero weight)
@@ -35,7 +35,7 @@ def sanitize_keys(xp, x, y, w, key_mask):
     queries, ``row_ok`` (...) batch rows whose participating keys and weights are all finite.
     """
     sc = screen(xp, x, y, w, key_mask, defer=False)
-    w_zero = xp.asarray(0.0, dtype=w.dtype, device=array_device(w))
+    w_zero = scalar(xp, 0.0, dtype=w.dtype, device=array_device(w))
     return sc.x, sc.y, xp.where(sc.take[..., None], w, w_zero), sc.q_ok, sc.row_ok
 
 
@@ -56,9 +56,9 @@ class _Screened:
         """``den`` broadcast to (..., n), NaN on bad queries and bad rows: the one place the policy
         touches the output, as the factor the combination divides by."""
         good = self.q_ok & self.row_ok[..., None]
-        nan = xp.asarray(float("nan"), dtype=self.x.dtype, device=array_device(self.x))
+        nan = scalar(xp, float("nan"), dtype=self.x.dtype, device=array_device(self.x))
         if isinstance(den, (int, float)):
-            den = xp.asarray(float(den), dtype=self.x.dtype, device=array_device(self.x))
+            den = scalar(xp, float(den), dtype=self.x.dtype, device=array_device(self.x))
         return xp.where(good, den, nan)
 
 
@@ -83,7 +83,7 @@ def screen(xp, x, y, w, key_mask, *, defer) -> _Screened:
     if key_mask is not None:
         take = take & key_mask
     y = _fill_masked(xp, y, take, key_mask)
-    zero = xp.asarray(0.0, dtype=x.dtype, device=array_device(x))
+    zero = scalar(xp, 0.0, dtype=x.dtype, device=array_device(x))
     x = xp.where(q_ok, x, zero)
     return _Screened(x, y, q_ok, row_ok, take, key_mask if defer else take, defer)
 

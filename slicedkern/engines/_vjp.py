@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from .._lib.namespace import array_device, as_work
+from .._lib.namespace import array_device, as_work, scalar
 from .._spec import Normalizer
 from ..backends import holds_everywhere
 from ..kernels import Profile
@@ -41,7 +41,7 @@ def kernel_sum_vjp(engine, x, y, w, profile: Profile, g, *, xp):
 
 
 def _nan_rows(xp, dx, dy, dw, q_ok, row_ok):
-    nan = xp.asarray(float("nan"), dtype=dx.dtype, device=array_device(dx))
+    nan = scalar(xp, float("nan"), dtype=dx.dtype, device=array_device(dx))
     return (xp.where(q_ok & row_ok[..., None], dx, nan), xp.where(row_ok[..., None], dy, nan),
             xp.where(row_ok[..., None, None], dw, nan))
 
@@ -89,20 +89,20 @@ def screened_seen_keys(xp, grid: CausalGrid, q, k, v, key_mask) -> Keys:
 
 def zeroed_values(xp, keys: Keys):
     """The values, zero on the keys that take no part."""
-    zero = xp.asarray(0.0, dtype=keys.values.dtype, device=array_device(keys.values))
+    zero = scalar(xp, 0.0, dtype=keys.values.dtype, device=array_device(keys.values))
     return xp.where(keys.take[..., None], keys.values, zero)
 
 
 def key_factor(xp, keys: Keys):
     """(..., lk, 1): the values' gradient's factor per key, 1 where the key takes part, 0 where it
     does not, NaN on a bad row (the forward's NaN policy), in the scores' dtype."""
-    nan = xp.asarray(float("nan"), dtype=keys.q.dtype, device=array_device(keys.q))
+    nan = scalar(xp, float("nan"), dtype=keys.q.dtype, device=array_device(keys.q))
     return xp.where(keys.row_bad[..., None], nan, xp.astype(keys.take, keys.q.dtype))[..., None]
 
 
 def nan_scores(xp, keys: Keys, dq, dk):
     """``(dq, dk)`` NaN where the forward's output was: on bad queries, on every key of a bad row."""
-    nan = xp.asarray(float("nan"), dtype=keys.q.dtype, device=array_device(dq))
+    nan = scalar(xp, float("nan"), dtype=keys.q.dtype, device=array_device(dq))
     return xp.where(keys.good, dq, nan), xp.where(keys.row_bad[..., None], nan, dk)
 
 

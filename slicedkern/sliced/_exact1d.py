@@ -29,7 +29,7 @@ differentiate (the permutation is a constant of the derivative).
 
 from __future__ import annotations
 
-from .._lib.namespace import array_device
+from .._lib.namespace import array_device, scalar
 from .._lib.typing import Array, Namespace
 from ..backends import accurate_sum, energy_distance_rows, is_traced
 
@@ -161,5 +161,5 @@ def energy_distance_1d(xp: Namespace, x: Array, y: Array, a: Array | None, b: Ar
     zs = take(xp, z, perm)
     d = _gap(xp, perm, a, b, n=n, m=m, batch=batch, work=work)[..., :-1]
     ed = 2.0 * accurate_sum(xp, d * d * (zs[..., 1:] - zs[..., :-1]))
-    nan = xp.asarray(float("nan"), dtype=work, device=device)
+    nan = scalar(xp, float("nan"), dtype=work, device=device)
     return xp.where(finite_rows(xp, batch, x, y, a, b), ed, nan)

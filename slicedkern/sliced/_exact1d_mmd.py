@@ -23,7 +23,7 @@ For a hat, or a mixture of hats with positive weights, every term of ``MMD^2_V``
 
 from __future__ import annotations
 
-from .._lib.namespace import array_device
+from .._lib.namespace import array_device, scalar
 from .._lib.typing import Array, Namespace
 from ..backends import accurate_sum
 from ..kernels import PiecewiseLinear
@@ -107,5 +107,5 @@ def mmd_1d(xp: Namespace, x: Array, y: Array, kernel: PiecewiseLinear, estimator
                 ix = xp.broadcast_to(_self_relu(xp, xs, tau), tuple(batch))
                 iy = xp.broadcast_to(_self_relu(xp, ys, tau), tuple(batch))
                 out = out + c * (ix / float(n - 1) + iy / float(m - 1))
-    nan = xp.asarray(float("nan"), dtype=work, device=device)
+    nan = scalar(xp, float("nan"), dtype=work, device=device)
     return xp.where(finite_rows(xp, batch, x, y), out, nan)

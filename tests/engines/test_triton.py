@@ -661,6 +661,36 @@ def test_no_python_float_reaches_a_kernel(rng, small_leaves, monkeypatch):
     assert not floats, floats
 
 
+def test_no_host_value_is_copied_to_the_device_in_a_training_step(rng, small_leaves):
+    """torch copies a CPU value to a CUDA tensor with a stream synchronisation (a pageable copy that
+    is not ``non_blocking``), so one ``asarray`` of a Python scalar per call makes the host wait for
+    the GPU: the H200 run of 2026-12-04 showed the call returning only when the device was done
+    (docs/benchmarks.rst, "On a GPU"). Warm forward and backward calls, on triton and the scan (the
+    two engines of CUDA tensors), causal and not, make no array from a host value (constants are
+    ``full``, a fill on the device)."""
+    made = []
+
+    def watched(make):
+        def call(obj, *args, **kwargs):
+            if not isinstance(obj, torch.Tensor):
+                made.append(type(obj).__name__)
+            return make(obj, *args, **kwargs)
+        return call
+    q, k, v, mask = _data(rng, rows=2)
+    args = [_t(a).requires_grad_() for a in (q, k, v)]
+    key_mask = _t(mask, torch.bool)
+    for engine in ("triton", "scan"):
+        for causal in (False, True):
+            for warm in (False, True):      # the first call makes the cached constants
+                with pytest.MonkeyPatch.context() as mp:
+                    if warm:
+                        mp.setattr(torch, "asarray", watched(torch.asarray))
+                        mp.setattr(torch, "tensor", watched(torch.tensor))
+                    out = slicedkern.relu_attention(*args, key_mask=key_mask, causal=causal, engine=engine)
+                    torch.autograd.grad(out.sum(), args)
+            assert not made, (engine, causal, made)
+
+
 def test_every_grid_fits_cuda_limits(monkeypatch, engine_tiles):
     """CUDA runs at most 65535 programs along a grid's second and third axes (2^31 - 1 along the
     first): the GPU run of 2026-12-04 failed at 2^20 keys, pass 1 having one program per tile of 16

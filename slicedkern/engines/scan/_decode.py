@@ -16,7 +16,7 @@ one by one, so JAX compiles ``O(log n)`` shapes, not one per token (docs/mathema
 
 from __future__ import annotations
 
-from ..._lib.namespace import array_device
+from ..._lib.namespace import array_device, scalar
 from ..._spec import Normalizer
 from ...backends import finite, finite_keys, ops_for
 from ...kernels import Profile
@@ -100,7 +100,7 @@ class Runs:
         def admit(k, v, mask):
             ok = finite(xp, k) & finite_keys(xp, v)
             take = ok & mask
-            zero = xp.asarray(0.0, dtype=k.dtype, device=array_device(k))
+            zero = scalar(xp, 0.0, dtype=k.dtype, device=array_device(k))
             k = xp.where(ok, k, zero)
             v = xp.where(take[..., None], xp.astype(v, work), zero)
             rows = xp.concat([v, xp.astype(take, work)[..., None]], axis=-1)
@@ -133,6 +133,6 @@ class Runs:
         """Attention of queries ``q`` (..., n) in the work dtype over every key appended so far."""
         xp = self.xp
         q_ok = finite(xp, q)
-        q = xp.where(q_ok, q, xp.asarray(0.0, dtype=q.dtype, device=array_device(q)))
+        q = xp.where(q_ok, q, scalar(xp, 0.0, dtype=q.dtype, device=array_device(q)))
         parts = [self._run_sums(q, *run.sorted_parts) for run in self.runs]
         return self._finish(parts, self.totals, q_ok, self.bad)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ..._lib.namespace import array_device
+from ..._lib.namespace import array_device, scalar
 from ...backends import searchsorted_right
 from ...kernels import Profile
 from .wide import is_one, two_sum
@@ -131,9 +131,9 @@ def _next_below(xp, a):
     there, and a strict count ``y < 0`` would count the keys equal to 0. Where that happens the
     subnormals themselves compare as zero too, so ``-smallest_normal`` is the next value below.
     """
-    down = xp.asarray(-float("inf"), dtype=a.dtype, device=array_device(a))
+    down = scalar(xp, -float("inf"), dtype=a.dtype, device=array_device(a))
     below = xp.nextafter(a, down)
-    tiny = xp.asarray(-xp.finfo(a.dtype).smallest_normal, dtype=a.dtype, device=array_device(a))
+    tiny = scalar(xp, -xp.finfo(a.dtype).smallest_normal, dtype=a.dtype, device=array_device(a))
     return xp.where(below == a, tiny, below)
 
 

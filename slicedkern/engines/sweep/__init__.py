@@ -28,7 +28,7 @@ import importlib.util
 import numpy as np
 from array_api_compat import array_namespace
 
-from ..._lib.namespace import array_device, as_work
+from ..._lib.namespace import array_device, as_work, scalar
 from ..._spec import KernelSumSpec
 from ...backends import backend_of, compiled_threads, to_host
 from ...kernels import Profile, is_fixed
@@ -74,7 +74,7 @@ def _profile_args(profile, batch, xp):
     dev = array_device(like)
 
     def stack(params):
-        return xp.stack([xp.broadcast_to(xp.asarray(p, dtype=like.dtype, device=dev) if is_fixed(p) else p,
+        return xp.stack([xp.broadcast_to(scalar(xp, p, dtype=like.dtype, device=dev) if is_fixed(p) else p,
                                          batch) for p in params], axis=-1)
 
     def build(host):

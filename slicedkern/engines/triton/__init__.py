@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from ..._lib.namespace import scalar
 from ...backends import quiet_nonfinite
 from .._base import Engine
 from .._columns import MaskedValues
@@ -106,7 +107,7 @@ def _factor(xp, sc, row_ok, up=None):
     if up is not None:
         factor = factor * up[..., None]
     if row_ok is not None:
-        factor = xp.where(row_ok[..., None], factor, xp.asarray(float("nan"), dtype=factor.dtype,
+        factor = xp.where(row_ok[..., None], factor, scalar(xp, float("nan"), dtype=factor.dtype,
                                                                 device=factor.device))
     return factor
 

@@ -334,7 +334,9 @@ def _one_segment_array(xp, ids, name: str, length: int, what: str, batch) -> np.
         raise ValueError(f"argument {name!r} must be concrete (known when the call is made, not traced): the "
                          "packed layout is computed from its values on the host")
     host = np.asarray(to_host(ids)).astype(np.int64, copy=False)
-    return np.broadcast_to(host, tuple(batch) + (length,)).reshape(-1, length)
+    # the rows counted, not -1: with no tokens (length 0) NumPy cannot infer them
+    rows = int(np.prod(tuple(batch), dtype=np.int64))
+    return np.broadcast_to(host, tuple(batch) + (length,)).reshape(rows, length)
 
 
 def segment_ids_on_host(xp, segment_ids, lq: int, lk: int, batch) -> tuple[np.ndarray, np.ndarray]:

@@ -25,7 +25,7 @@ alone (float64 work keeps it at ``2^-52`` of those sums).
 from __future__ import annotations
 
 from .._lib.causal import key_offset
-from .._lib.namespace import array_device
+from .._lib.namespace import array_device, scalar
 from .._spec import Normalizer
 from ._base import Engine
 from ._causal_grid import running_sum, screen_causal
@@ -116,6 +116,16 @@ def _pad(xp, a, count: int, axis: int):
     return xp.concat([a, xp.zeros(tuple(shape), dtype=a.dtype, device=array_device(a))], axis=axis)
 
 
+def _in_namespace(xp, pullback):
+    """A ``profiles_vjp`` result ``(dx, dy, dw, params)`` as arrays of ``xp``: the sweep reads JAX
+    arrays on the host in its causal mode and answers in NumPy, which the band's sums then mix with
+    JAX arrays (tests/fuzz/test_fuzz_segments.py)."""
+    dx, dy, dw, params = pullback
+    if params is not None:
+        params = [tuple(tuple(None if g is None else xp.asarray(g) for g in part) for part in p) for p in params]
+    return xp.asarray(dx), xp.asarray(dy), xp.asarray(dw), params
+
+
 class BandedEngine(Engine):
     """``inner`` run over a band of keys per query (see the module docstring)."""
 
@@ -159,6 +169,7 @@ class BandedEngine(Engine):
         cots = [_pad(xp, g, max(-shift, 0), -2) for g in cotangents]
         dx, dy, dw, params = self.inner.causal_profiles_vjp(xp_, yp, wp, profiles, cots, xp=xp,
                                                             param_grads=param_grads)
+        dx, dy, dw, params = _in_namespace(xp, (dx, dy, dw, params))
         return dx[..., :lq], dy[..., :lk], dw[..., :lk, :], params
 
     def band_sums(self, xp, band: Band, x, y, w, profile):
@@ -173,8 +184,8 @@ class BandedEngine(Engine):
         """``profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads)`` over the band."""
         def profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True):
             if band.hi is None:
-                dx, dy, dw, params = self.inner.profiles_vjp(x, y, w, profiles, cotangents, xp=xp,
-                                                             param_grads=param_grads)
+                dx, dy, dw, params = _in_namespace(xp, self.inner.profiles_vjp(x, y, w, profiles, cotangents, xp=xp,
+                                                                               param_grads=param_grads))
             else:
                 dx, dy, dw, params = self._aligned_vjp(xp, x, y, w, profiles, cotangents, band.hi, param_grads)
             if band.lo is None:
@@ -216,6 +227,10 @@ class BandedEngine(Engine):
         seen = band.seen_sums(xp, weights, work)
         out, relu_count, den = combine(xp, Plain(xp), num_r, den, seen, sc.good, center=center,
                                        normalizer=normalizer, dv=dv)
+        # a query whose band holds no key gets 0 (the documented rule): its sums are differences
+        # of two causal sums that agree up to rounding, not exact zeros (tests/fuzz/test_fuzz_segments.py)
+        sees = (seen[..., dv:dv + 1] > 0) | ~sc.good[..., None]
+        out = xp.where(sees, out, scalar(xp, 0.0, dtype=out.dtype, device=array_device(out)))
         return out, (sc.take, relu_count) + ((den,) if den is not None else ())
 
     def attention_vjp(self, inputs, form, g, out, residuals, *, xp):

@@ -78,7 +78,9 @@ def _slots(order, starts, lengths, width):
     pad = width - lengths
     slot = np.arange(width)[None, :] - pad[:, None]
     valid = slot >= 0
-    index = np.where(valid, order[np.clip(starts[:, None] + slot, 0, max(order.size - 1, 0))], 0)
+    if not order.size:                 # no tokens on this side (Lk = 0): every slot is padding
+        return np.zeros(slot.shape, dtype=np.int64), valid
+    index = np.where(valid, order[np.clip(starts[:, None] + slot, 0, order.size - 1)], 0)
     return index, valid
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from .._lib.namespace import array_device, as_work, shape_str
+from .._lib.namespace import array_device, as_work, scalar, shape_str
 from .._lib.typing import Array, ArrayOrFloat, Namespace
 from .._spec import AttentionSpec, Normalizer
 from .._validate import (
@@ -53,7 +53,7 @@ def nan_rows_without_keys(xp, queries, keys, out):
     if keys.shape[-1] != 0 or queries.shape[-1] == 0 or 0 in out.shape:
         return out
     vector = out.ndim == queries.ndim
-    nan = xp.asarray(float("nan"), dtype=out.dtype, device=array_device(out))
+    nan = scalar(xp, float("nan"), dtype=out.dtype, device=array_device(out))
     ok = xp.isfinite(queries) if vector else xp.isfinite(queries)[..., None]
     return xp.where(ok, out, nan)
 
@@ -133,8 +133,10 @@ def prepare(q, k, v, hats, *, kernel=None, key_mask, center, normalize, eps, cau
     if banded:
         wrap = _banded(left, right)
     if segment_ids is not None:
-        layout = segment_layout(*segment_ids_on_host(xp, segment_ids, q.shape[-1], k.shape[-1], batch))
-        wrap = _segmented(layout, getattr(hats, "param_cores", {}), wrap)
+        ids = segment_ids_on_host(xp, segment_ids, q.shape[-1], k.shape[-1], batch)
+        # with no query or no key there is nothing to pack: every query sees no key either way
+        if q.shape[-1] and k.shape[-1]:
+            wrap = _segmented(segment_layout(*ids), getattr(hats, "param_cores", {}), wrap)
     return Call(xp, spec, select(spec, inputs, engine, wrap=wrap), inputs, names, out_dtype)
 
 

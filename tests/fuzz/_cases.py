@@ -88,7 +88,7 @@ class Arr:
     dtype: str
 
     def __post_init__(self):
-        if self.dtype != "bool":
+        if self.dtype not in ("bool", "int64"):
             with np.errstate(all="ignore"):
                 rounded = self.values.astype(np_dtype(self.dtype)).astype(np.float64)
             assert np.array_equal(rounded, self.values), "Arr values must be rounded to their dtype first"
@@ -133,16 +133,21 @@ class Case:
         return self.op != "kernel_sum"
 
     def on(self, backend) -> tuple[list, dict]:
-        """Positional and keyword arguments as arrays of ``backend``."""
-        args = [a.on(backend) if isinstance(a, Arr) else a for a in self.args]
-        kwargs = {k: a.on(backend) if isinstance(a, Arr) else a for k, a in self.kwargs.items()}
-        return args, kwargs
+        """Positional and keyword arguments as arrays of ``backend`` (a keyword's pair of arrays, such
+        as ``segment_ids``, too)."""
+        def convert(a):
+            if isinstance(a, tuple) and any(isinstance(x, Arr) for x in a):
+                return tuple(convert(x) for x in a)
+            return a.on(backend) if isinstance(a, Arr) else a
+        return [convert(a) for a in self.args], {k: convert(a) for k, a in self.kwargs.items()}
 
     def numpy(self) -> tuple[list, dict]:
-        """Positional and keyword arguments as float64 (or bool) NumPy arrays."""
-        args = [a.values.copy() if isinstance(a, Arr) else a for a in self.args]
-        kwargs = {k: a.values.copy() if isinstance(a, Arr) else a for k, a in self.kwargs.items()}
-        return args, kwargs
+        """Positional and keyword arguments as float64 (or bool, or integer) NumPy arrays."""
+        def convert(a):
+            if isinstance(a, tuple) and any(isinstance(x, Arr) for x in a):
+                return tuple(convert(x) for x in a)
+            return a.values.copy() if isinstance(a, Arr) else a
+        return [convert(a) for a in self.args], {k: convert(a) for k, a in self.kwargs.items()}
 
     def float_positions(self) -> list[int]:
         """Positions of the floating array arguments: the ones that get gradients."""

@@ -51,13 +51,18 @@ def with_causal(case: Case) -> Case:
     return Case(case.op, case.args, {**case.kwargs, "causal": True})
 
 
-def per_query_case(case: Case) -> Case:
+#: the options a per-query case replaces by its key mask
+VISIBILITY_OPTIONS = ("causal", "segment_ids", "window")
+
+
+def per_query_case(case: Case, seen: np.ndarray | None = None) -> Case:
     """The non-causal call whose output ``(..., Lq, 1, Dv)`` is ``case``'s causal output (module
-    docstring)."""
+    docstring); with ``seen`` (Lq, Lk) bool, the output of ``case`` under that visibility instead
+    (segments and windows: ``test_fuzz_segments``)."""
     assert case.is_attention, "causal attention only"
     q, k, v = case.args[:3]
-    kwargs = {name: value for name, value in case.kwargs.items() if name != "causal"}
-    seen = visible(q.shape[-1], k.shape[-1])
+    kwargs = {name: value for name, value in case.kwargs.items() if name not in VISIBILITY_OPTIONS}
+    seen = visible(q.shape[-1], k.shape[-1]) if seen is None else seen
     if "key_mask" in kwargs:
         seen = kwargs["key_mask"].values[..., None, :] & seen
     kwargs["key_mask"] = Arr(np.ascontiguousarray(seen), "bool")
@@ -72,13 +77,16 @@ def per_query_case(case: Case) -> Case:
     return Case(case.op, tuple(args), kwargs)
 
 
-def causal_oracle(case: Case):
+def causal_oracle(case: Case, seen: np.ndarray | None = None, outer: np.ndarray | None = None):
     """``(expected, bound, judged)`` of the causal call ``case`` (shape ``(..., Lq, Dv)``): every
     query judged by the per-query bound of the keys it sees (no engine's rounding may depend on keys
-    a query does not see: ``test_fuzz_causal.test_causal_row_does_not_depend_on_unseen_keys``)."""
-    per_query = per_query_case(case)
+    a query does not see: ``test_fuzz_causal.test_causal_row_does_not_depend_on_unseen_keys``);
+    ``seen``: as :func:`per_query_case`'s; ``outer`` (Lq, Lk) bool, the keys of the sums whose
+    difference a window's band is (``_oracle.forward_bound``'s ``outer``)."""
+    per_query = per_query_case(case, seen)
     expected = expected_output(per_query)
-    bound, judged = forward_bound(per_query, expected)
+    bound, judged = forward_bound(per_query, expected,
+                                  outer=None if outer is None else per_query_case(case, outer))
     return expected[..., 0, :], bound[..., 0, :], judged[..., 0, :]
 
 

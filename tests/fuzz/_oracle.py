@@ -202,14 +202,22 @@ def magnitudes(case: Case, *, unit: float = UNIT, tiny: float = TINY) -> Magnitu
     return Magnitudes(terms, operations * unit, operations * tiny, count, scores, den, clamp)
 
 
-def forward_bound(case: Case, expected: np.ndarray, *, unit: float = UNIT, tiny: float = TINY):
+def forward_bound(case: Case, expected: np.ndarray, *, unit: float = UNIT, tiny: float = TINY,
+                  outer: Case | None = None):
     """``(bound, judged)``: the allowed error ``E`` of every output element (module docstring), and
-    whether the element can be judged at all. ``unit``, ``tiny``: see :func:`magnitudes`."""
+    whether the element can be judged at all. ``unit``, ``tiny``: see :func:`magnitudes`.
+
+    ``outer``: the same call over a superset of the keys whose sums ``case``'s are the difference of
+    (a window's band: the causal sums up to its right edge less those before its left one), which
+    then bound the rounding: twice the numerator's and the normaliser's errors of ``outer``, over the
+    divisor of ``case``."""
     m = magnitudes(case, unit=unit, tiny=tiny)
+    o = m if outer is None else magnitudes(outer, unit=unit, tiny=tiny)
+    sums = 1.0 if outer is None else 2.0
     finite = np.isfinite(expected)
     size = np.where(finite, np.abs(expected), 0.0)
     with np.errstate(over="ignore", invalid="ignore"):
-        e_num = m.factor * m.terms + m.floor
+        e_num = sums * (o.factor * o.terms + o.floor)
         if not case.is_attention:
             bound = e_num if expected.ndim == e_num.ndim else e_num[..., 0]
             return bound + 4.0 * unit * size + m.floor, np.ones(expected.shape, bool)
@@ -217,7 +225,7 @@ def forward_bound(case: Case, expected: np.ndarray, *, unit: float = UNIT, tiny:
         if m.den is None:
             bound = e_num / m.clamp
         else:
-            e_den = m.factor * 3.0 * m.scores * m.count + m.floor
+            e_den = sums * (o.factor * 3.0 * o.scores * o.count + o.floor)
             den_low = np.maximum(m.den - e_den, case.option("eps", DEFAULT_EPS))
             bound = np.where(den_low > 0, (e_num + size * e_den) / np.where(den_low > 0, den_low, 1.0), 0.0)
             # eps = 0 and a normaliser that is 0 up to rounding: only an exact 0 can be judged (the

@@ -23,7 +23,7 @@ Slicing with ``value[..., i:j]`` and ``value[..., None]`` works on both represen
 
 from __future__ import annotations
 
-from ..._lib.namespace import array_device, exclusive_scan
+from ..._lib.namespace import array_device, exclusive_scan, scalar
 from ...backends import combine_rows, prefix_table, sorted_weights, take_rows
 
 __all__ = ["arithmetic", "two_sum", "power_of_two_scaled", "unscaled", "Plain", "DoubleFloat", "Pair"]
@@ -73,7 +73,7 @@ def power_of_two_scaled(xp, ar, w):
     w = xp.astype(w, work)
     size = xp.where(xp.isfinite(w), xp.abs(w), xp.zeros_like(w))
     top = xp.max(size, axis=(-2, -1), keepdims=True)
-    tiny = xp.asarray(xp.finfo(work).smallest_normal, dtype=work, device=array_device(w))
+    tiny = scalar(xp, xp.finfo(work).smallest_normal, dtype=work, device=array_device(w))
     e = xp.clip(xp.floor(xp.log2(xp.maximum(top, tiny))), min=-126.0, max=126.0)
     return w * _power_of_two(xp, -e), _power_of_two(xp, e)
 
@@ -126,15 +126,15 @@ class Plain:
         """``sum_k weight_k * table[..., index_k, part_k, columns] / divisor`` (see ``combine_rows``).
 
         ``terms`` are ``(index, part, weight)`` with ``index`` (..., n) or ``None`` (the totals row)
-        and ``weight`` a float or an array broadcastable to (..., n). ``1 / divisor`` (..., n) is
-        folded into the weights, so the (n, columns) result is written once.
+        and ``weight`` a float or an array broadcastable to (..., n). The sum is divided by
+        ``divisor`` (..., n) once it is formed, not folded into the weights: the terms of a hat
+        cancel (weights of ``1 / bandwidth``), and a divisor floored at a tiny ``eps`` times them
+        overflowed before they cancelled (NaN where the sum is finite: tests/fuzz/test_fuzz_segments.py).
         """
         weights = [w for _, _, w in terms]
-        if divisor is not None:
-            scale = 1.0 / divisor
-            weights = [scale if is_one(w) else scale * w for w in weights]
-        return combine_rows(self.xp, table, [t[0] for t in terms], [t[1] for t in terms], weights, columns,
-                            cache=cache)
+        out = combine_rows(self.xp, table, [t[0] for t in terms], [t[1] for t in terms], weights, columns,
+                           cache=cache)
+        return out if divisor is None else out / divisor[..., None]
 
 
 class Pair:
@@ -232,7 +232,7 @@ class DoubleFloat:
 
     def scale(self, a, c):
         if isinstance(c, (int, float)):
-            c = self.xp.asarray(c, dtype=self.hi(a).dtype, device=array_device(self.hi(a)))
+            c = scalar(self.xp, c, dtype=self.hi(a).dtype, device=array_device(self.hi(a)))
         return self.mul(a, c)
 
     def div(self, a, c):

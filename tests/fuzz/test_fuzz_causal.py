@@ -82,6 +82,12 @@ def check_causal_forward(backend, engine, case):
     note(f"backend {backend.name}, engine {engine.name!r}; reproducer (NumPy arrays):\n{case!r}")
     expected, bound, judged = causal_oracle(case)
     assert_reference_agrees(case, expected, bound, judged)
+    check_call(backend, engine, case, expected, bound, judged, f"causal {case.op} output")
+
+
+def check_call(backend, engine, case, expected, bound, judged, what: str):
+    """``case`` called on ``backend`` within ``bound`` of ``expected`` where ``judged``, in the
+    expected dtype and shape, warning only where the exact result is not finite."""
     args, kwargs = case.on(backend)
     called = call_recording_warnings(engine, case, args, kwargs)
     if called is None:
@@ -94,7 +100,7 @@ def check_causal_forward(backend, engine, case):
         assert issubclass(w.category, RuntimeWarning) and non_finite, (
             f"unexpected warning {w.category.__name__}: {w.message} ({w.filename}:{w.lineno})")
     assert_meta(out, backend=backend, shape=expected.shape, dtype=backend.dtype(case.out_dtype()))
-    assert_within(to_numpy(out), expected, bound, case.out_dtype(), judged=judged, what=f"causal {case.op} output")
+    assert_within(to_numpy(out), expected, bound, case.out_dtype(), judged=judged, what=what)
 
 
 @pytest.mark.parametrize("op", ATTENTION_OPS)

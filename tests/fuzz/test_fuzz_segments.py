@@ -30,18 +30,18 @@ from _helpers import assert_meta, to_numpy
 from hypothesis import note
 from hypothesis import strategies as st
 
-from ._cases import FLOAT_DTYPES, Arr, Case, forward_cases, np_dtype
+from ._cases import FLOAT_DTYPES, Arr, Case, forward_cases
 from ._causal import causal_oracle, has_causal_mode, per_query_case
 from ._grad_cases import assume_away_from_kinks, smooth_gradient_cases
 from ._oracle import (
     assert_within,
-    call_recording_warnings,
     expected_output,
     finite_difference,
     loss_noise,
     magnitudes,
     power_of_two_scale,
 )
+from .test_fuzz_causal import check_call
 from .test_fuzz_gradients import backend_gradients
 
 #: As in test_fuzz_gradients: relative error allowed on top of the rounding allowances.
@@ -138,19 +138,7 @@ def check_visibility(backend, engine, case):
     note(f"backend {backend.name}, engine {engine.name!r}; reproducer (NumPy arrays):\n{case!r}")
     seen, outer = visibility_of(case)
     expected, bound, judged = causal_oracle(case, seen, outer)
-    args, kwargs = case.on(backend)
-    called = call_recording_warnings(engine, case, args, kwargs)
-    if called is None:
-        return                          # rejecting eps = 0 clearly is one of the two documented answers
-    out, caught = called
-    with np.errstate(all="ignore"):
-        non_finite = not np.all(np.isfinite(expected.astype(np_dtype(case.out_dtype()))))
-    for w in caught:
-        assert issubclass(w.category, RuntimeWarning) and non_finite, (
-            f"unexpected warning {w.category.__name__}: {w.message} ({w.filename}:{w.lineno})")
-    assert_meta(out, backend=backend, shape=expected.shape, dtype=backend.dtype(case.out_dtype()))
-    assert_within(to_numpy(out), expected, bound, case.out_dtype(), judged=judged,
-                  what=f"{case.op} output with segments / window")
+    check_call(backend, engine, case, expected, bound, judged, f"{case.op} output with segments / window")
 
 
 def check_gradients(backend, engine, example):

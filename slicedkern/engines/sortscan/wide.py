@@ -126,15 +126,17 @@ class Plain:
         """``sum_k weight_k * table[..., index_k, part_k, columns] / divisor`` (see ``combine_rows``).
 
         ``terms`` are ``(index, part, weight)`` with ``index`` (..., n) or ``None`` (the totals row)
-        and ``weight`` a float or an array broadcastable to (..., n). The sum is divided by
-        ``divisor`` (..., n) once it is formed, not folded into the weights: the terms of a hat
-        cancel (weights of ``1 / bandwidth``), and a divisor floored at a tiny ``eps`` times them
-        overflowed before they cancelled (NaN where the sum is finite: tests/fuzz/test_fuzz_segments.py).
+        and ``weight`` a float or an array broadcastable to (..., n). ``1 / divisor`` (..., n) is
+        folded into the weights, so the (n, columns) result is written once. Known: with a divisor
+        floored at a tiny ``eps`` (1e-300) a hat's weights of ``1 / bandwidth`` times it overflow
+        before the terms cancel (NaN; docs/changelog.rst).
         """
         weights = [w for _, _, w in terms]
-        out = combine_rows(self.xp, table, [t[0] for t in terms], [t[1] for t in terms], weights, columns,
-                           cache=cache)
-        return out if divisor is None else out / divisor[..., None]
+        if divisor is not None:
+            scale = 1.0 / divisor
+            weights = [scale if is_one(w) else scale * w for w in weights]
+        return combine_rows(self.xp, table, [t[0] for t in terms], [t[1] for t in terms], weights, columns,
+                            cache=cache)
 
 
 class Pair:

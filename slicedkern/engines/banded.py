@@ -116,16 +116,6 @@ def _pad(xp, a, count: int, axis: int):
     return xp.concat([a, xp.zeros(tuple(shape), dtype=a.dtype, device=array_device(a))], axis=axis)
 
 
-def _in_namespace(xp, pullback):
-    """A ``profiles_vjp`` result ``(dx, dy, dw, params)`` as arrays of ``xp``: the sweep reads JAX
-    arrays on the host in its causal mode and answers in NumPy, which the band's sums then mix with
-    JAX arrays (tests/fuzz/test_fuzz_segments.py)."""
-    dx, dy, dw, params = pullback
-    if params is not None:
-        params = [tuple(tuple(None if g is None else xp.asarray(g) for g in part) for part in p) for p in params]
-    return xp.asarray(dx), xp.asarray(dy), xp.asarray(dw), params
-
-
 class BandedEngine(Engine):
     """``inner`` run over a band of keys per query (see the module docstring)."""
 
@@ -169,7 +159,6 @@ class BandedEngine(Engine):
         cots = [_pad(xp, g, max(-shift, 0), -2) for g in cotangents]
         dx, dy, dw, params = self.inner.causal_profiles_vjp(xp_, yp, wp, profiles, cots, xp=xp,
                                                             param_grads=param_grads)
-        dx, dy, dw, params = _in_namespace(xp, (dx, dy, dw, params))
         return dx[..., :lq], dy[..., :lk], dw[..., :lk, :], params
 
     def band_sums(self, xp, band: Band, x, y, w, profile):
@@ -184,8 +173,8 @@ class BandedEngine(Engine):
         """``profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads)`` over the band."""
         def profiles_vjp(x, y, w, profiles, cotangents, *, xp, param_grads=True):
             if band.hi is None:
-                dx, dy, dw, params = _in_namespace(xp, self.inner.profiles_vjp(x, y, w, profiles, cotangents, xp=xp,
-                                                                               param_grads=param_grads))
+                dx, dy, dw, params = self.inner.profiles_vjp(x, y, w, profiles, cotangents, xp=xp,
+                                                             param_grads=param_grads)
             else:
                 dx, dy, dw, params = self._aligned_vjp(xp, x, y, w, profiles, cotangents, band.hi, param_grads)
             if band.lo is None:

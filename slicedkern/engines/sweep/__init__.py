@@ -290,7 +290,9 @@ class SweepEngine(Engine):
                 px, py, pw, dkn, dco = _bridge().causal_profile_vjp(
                     x, y, w[..., cols.start:cols.stop], _host_profile(p, tuple(x.shape[:-1]), xp), g,
                     param_grads=want)
-            px, py, pw = (as_work(xp, a, x.dtype) for a in (px, py, pw))
+            # the bridge answers in NumPy for host-readable JAX arrays: back into the callers' namespace
+            px, py, pw = (as_work(xp, xp.asarray(a), x.dtype) for a in (px, py, pw))
+            dkn, dco = (None if a is None else xp.asarray(a) for a in (dkn, dco))
             dx = px if dx is None else dx + px
             dy = py if dy is None else dy + py
             dw.add(pw, cols)
